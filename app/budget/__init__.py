@@ -1,0 +1,165 @@
+"""Budget guard: a run never spends more than its cap and ends on a finished checkpoint.
+
+The trainer's entry points:
+  - `start_in_process(cfg, run_dir, stop_file, world_size)` when budget.in_process is true: refuses a run whose
+    budget is already spent (BudgetExhausted), else runs the watcher loop in a daemon thread; call
+    `.close()` on exit.
+  - `check_not_exhausted(cfg, run_dir)` when a sidecar (`pretrain watch`) does the watching.
+  - `read_budget_state(run_dir)`: the watcher's latest view (budget/state.json) for the budget-aware LR decay.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from app.budget.config import BudgetConfig, check_budget_config
+from app.budget.ledger import load_ledger
+from app.budget.metrics import BudgetMetrics
+from app.budget.pricing import detect_cuda_gpu_type, no_price_error, static_rate
+from app.budget.watcher import View, Watcher, ledger_path_for, state_path_for
+from app.errors import UserError
+
+__all__ = [
+    "BudgetConfig",
+    "BudgetExhausted",
+    "WatcherHandle",
+    "check_not_exhausted",
+    "read_budget_state",
+    "start_in_process",
+]
+
+log = logging.getLogger("pretrain.budget")
+
+
+class BudgetExhausted(Exception):
+    """The run's budget is spent (or its budget stop was reached): exit 0 at once; str(e) is the line to print."""
+
+
+def check_not_exhausted(cfg: BudgetConfig, run_dir: Path) -> None:
+    """Raise BudgetExhausted when the ledger shows the cap spent, or a budget stop already decided under
+    this cap (a restart after a graceful budget stop must not train on). No cap: nothing to check."""
+    if cfg.cap_usd <= 0:
+        return
+    path = ledger_path_for(Path(run_dir))
+    led = load_ledger(path)
+    spent, cap = led.effective_spent(), cfg.cap_usd
+    if spent >= cap:
+        raise BudgetExhausted(
+            f"budget exhausted: ${spent:.4f} spent of the ${cap:.4f} cap ({path}); "
+            f"nothing to train; raise --budget-cap-usd to continue"
+        )
+    if led.stop and cap <= led.stop.cap_usd * (1 + 1e-9):
+        raise BudgetExhausted(
+            f"budget stop already reached: ${spent:.4f} spent of the ${cap:.4f} cap "
+            f"({led.stop.mode} stop, not enough left for another step and checkpoint); "
+            f"raise --budget-cap-usd to continue"
+        )
+
+
+def resolve_gpus(cfg: BudgetConfig, world_size: int) -> int:
+    """GPUs billed: the config, else the world size on GPUs, else 1 (a CPU box bills as one unit)."""
+    if cfg.gpus > 0:
+        return cfg.gpus
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    return max(1, world_size) if cuda else 1
+
+
+class WatcherHandle:
+    """The in-process watcher thread; `close()` stops it and flushes the ledger (idempotent)."""
+
+    def __init__(self, watcher: Watcher | None):
+        self.watcher = watcher
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if watcher is not None:
+            self._thread = threading.Thread(
+                target=watcher.run,
+                args=(self._stop,),
+                kwargs={"first_tick": False},
+                name="budget-watcher",
+                daemon=True,
+            )
+            self._thread.start()
+
+    @property
+    def view(self) -> View | None:
+        return self.watcher.view if self.watcher else None
+
+    def close(self) -> None:
+        if self.watcher is None:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.watcher.cfg.poll_seconds + 30)
+        self.watcher.close(time.time())
+        self.watcher = None
+
+    def __enter__(self) -> WatcherHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def start_in_process(cfg: BudgetConfig, run_dir: Path, stop_file: Path, world_size: int) -> WatcherHandle:
+    """Host the watcher in the trainer (rank 0). Raises BudgetExhausted, or UserError for a bad config."""
+    if cfg.cap_usd <= 0:
+        return WatcherHandle(None)
+    check_budget_config(cfg)
+    gpu_type = cfg.gpu_type or detect_cuda_gpu_type()
+    gpus = resolve_gpus(cfg, world_size)
+    rate, _price = static_rate(gpu_type, cfg.price_per_gpu_hour, gpus, cfg.price_table)
+    if rate <= 0 and cfg.source == "static":
+        raise no_price_error(gpu_type)
+    check_not_exhausted(cfg, run_dir)
+    from app.budget.kube import KubeActions
+
+    metrics = BudgetMetrics()
+    if cfg.metrics_port:
+        try:
+            metrics.serve(cfg.metrics_port)
+        except OSError as e:
+            raise UserError(
+                f"budget metrics port {cfg.metrics_port} is not available ({e.strerror}); set budget.metrics_port"
+            ) from None
+    try:
+        watcher = Watcher(
+            cfg,
+            run_dir=Path(run_dir),
+            stop_file=Path(stop_file),
+            static_rate_usd_per_hour=rate,
+            host="in-process",
+            metrics=metrics,
+            kube=KubeActions.from_config(cfg),
+        )
+    except BaseException:
+        metrics.shutdown()
+        raise
+    watcher.tick(time.time())  # the first view and any stop right away, before training starts
+    log.info(
+        "budget: watching in-process: cap $%.4f, %s at $%.2f/h, ledger %s",
+        cfg.cap_usd,
+        cfg.source,
+        watcher.view.rate_usd_per_hour if watcher.view else rate,
+        watcher.ledger_path,
+    )
+    return WatcherHandle(watcher)
+
+
+def read_budget_state(run_dir: Path) -> dict[str, Any] | None:
+    """RUN_DIR/budget/state.json as a dict, or None when absent or unreadable."""
+    try:
+        data = json.loads(state_path_for(Path(run_dir)).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

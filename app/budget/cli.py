@@ -1,0 +1,381 @@
+"""`pretrain watch`: the budget watcher as its own process (the Kubernetes sidecar), and `--dry-run-budget`.
+
+Settings come from BudgetConfig defaults < the `budget:` section of --config FILE.yaml < flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import signal
+import sys
+import threading
+import time
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from app.budget import BudgetExhausted, check_not_exhausted
+from app.budget.config import BudgetConfig, check_budget_config
+from app.budget.files import atomic_write_json, read_status
+from app.budget.ledger import load_ledger
+from app.budget.metrics import BudgetMetrics
+from app.budget.policy import PolicyInput, decide
+from app.budget.pricing import no_price_error, static_rate
+from app.budget.sources import make_source
+from app.budget.watcher import Watcher, ledger_path_for
+from app.errors import UserError
+
+log = logging.getLogger("pretrain.budget")
+
+DEFAULT_METRICS_PORT = 9401
+
+# flag dest -> BudgetConfig field
+FIELD_FLAGS = {
+    "cap_usd": ("--cap-usd", float, "budget cap in USD (required, > 0)"),
+    "gpu_type": ("--gpu-type", str, "GPU type for the built-in price table, e.g. h100-sxm, a100-80gb"),
+    "price_per_gpu_hour": ("--price-per-gpu-hour", float, "USD per GPU-hour; overrides the price table"),
+    "gpus": ("--gpus", int, "GPUs billed (all nodes x GPUs per node); required with a price"),
+    "price_table": (
+        "--price-table",
+        str,
+        "JSON/YAML file {gpu_type: usd_per_gpu_hour} overriding built-in prices",
+    ),
+    "source": ("--source", str, "where spend comes from: static (price x GPUs x time), file, opencost"),
+    "source_path": ("--source-path", str, "JSON spend file kept current by a billing poller (--source file)"),
+    "opencost_url": ("--opencost-url", str, "OpenCost API base URL, e.g. http://opencost.opencost:9003"),
+    "opencost_selector": (
+        "--opencost-selector",
+        str,
+        "the job's allocation: <aggregate>:<value>, e.g. label:training.kubeflow.org/job-name:NAME",
+    ),
+    "poll_seconds": ("--poll-seconds", float, "seconds between polls of the source"),
+    "stale_seconds": (
+        "--stale-seconds",
+        float,
+        "a source figure older than this falls back to the static rate",
+    ),
+    "alert_fraction": ("--alert-fraction", float, "alert when spent >= this fraction of the cap"),
+    "alert_usd": ("--alert-usd", float, "also alert when spent >= this amount (0 = off)"),
+    "margin_seconds": (
+        "--margin-seconds",
+        float,
+        "safety margin added to step + checkpoint time when projecting",
+    ),
+    "decay_fraction": ("--decay-fraction", float, "fraction of the run the budget-driven LR decay takes"),
+    "kube": ("--kube", str, "Kubernetes Events and last-resort suspend: auto (in a cluster), on, off"),
+    "job_name": ("--job-name", str, "PyTorchJob name for Events/suspend (default $PRETRAIN_JOB_NAME)"),
+    "namespace": (
+        "--namespace",
+        str,
+        "the job's namespace (default $POD_NAMESPACE or the service account's)",
+    ),
+    "suspend_grace_seconds": (
+        "--suspend-grace-seconds",
+        float,
+        "suspend the PyTorchJob when the trainer still runs this long after an immediate stop",
+    ),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for dest, (flag, typ, help_) in FIELD_FLAGS.items():
+        parser.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
+    parser.add_argument(
+        "--config", default=None, help="run config YAML; its `budget:` section sets the defaults"
+    )
+    parser.add_argument(
+        "--run-dir", default=None, help="the trainer's run dir (--out): ledger, status.json, stop.json"
+    )
+    parser.add_argument("--ledger", default=None, help="ledger path (default RUN_DIR/budget/ledger.json)")
+    parser.add_argument(
+        "--stop-file", default=None, help="stop file the trainer polls (default RUN_DIR/stop.json)"
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help=f"Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0 = off)",
+    )
+    parser.add_argument("--metrics-addr", default="0.0.0.0", help="address /metrics binds to")
+    parser.add_argument(
+        "--exit-when-done",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="exit 0 when the trainer reports done in status.json (a classic sidecar must, or the pod never ends)",
+    )
+    parser.add_argument(
+        "--dry-run-budget",
+        action="store_true",
+        help="read the source and the ledger once, print the thresholds and when each would fire, then exit",
+    )
+
+
+def _coerce(value: Any, typ: type, key: str, where: str) -> Any:
+    bad = UserError(f"budget.{key} in {where}: expected {typ.__name__}, got {value!r}")
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise bad
+    if typ in (int, float):
+        if isinstance(value, bool):
+            raise bad
+        try:
+            out = typ(value)
+        except (TypeError, ValueError):
+            raise bad from None
+        if typ is int and float(value) != out:
+            raise bad
+        return out
+    return "" if value is None else str(value)
+
+
+def config_from_file(path: str) -> BudgetConfig:
+    """BudgetConfig from the `budget:` section of a run config YAML (the chart's /etc/pretrain/config.yaml)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as e:
+        raise UserError(f"cannot read config file {path}: {e.strerror}") from None
+    except yaml.YAMLError:
+        raise UserError(f"config file {path} is not valid YAML; fix the syntax") from None
+    section = data.get("budget", {}) if isinstance(data, dict) else None
+    if not isinstance(section, dict):
+        raise UserError(f"config file {path}: `budget:` must be a mapping of budget keys")
+    cfg = BudgetConfig()
+    hints = typing.get_type_hints(BudgetConfig)
+    for key, value in section.items():
+        if key not in hints:
+            names = ", ".join(f.name for f in dataclasses.fields(BudgetConfig))
+            raise UserError(f"unknown key budget.{key} in {path}; valid keys: {names}")
+        setattr(cfg, key, _coerce(value, hints[key], key, path))
+    return cfg
+
+
+def build_config(args: argparse.Namespace) -> BudgetConfig:
+    cfg = config_from_file(args.config) if args.config else BudgetConfig()
+    for dest in FIELD_FLAGS:
+        value = getattr(args, dest, None)
+        if value is not None:
+            setattr(cfg, dest, value)
+    if args.metrics_port is not None:
+        cfg.metrics_port = args.metrics_port
+    elif not cfg.metrics_port:
+        cfg.metrics_port = DEFAULT_METRICS_PORT
+    check_budget_config(cfg)
+    if cfg.cap_usd <= 0:
+        raise UserError("pretrain watch needs a budget: --cap-usd X with X > 0")
+    return cfg
+
+
+def _paths(args: argparse.Namespace) -> tuple[Path, Path, Path]:
+    if not args.run_dir and not args.ledger:
+        raise UserError("pass --run-dir DIR (the trainer's --out) so the ledger and status.json are found")
+    run_dir = Path(args.run_dir) if args.run_dir else Path(args.ledger).resolve().parent.parent
+    ledger = Path(args.ledger) if args.ledger else ledger_path_for(run_dir)
+    stop_file = Path(args.stop_file) if args.stop_file else run_dir / "stop.json"
+    return run_dir, ledger, stop_file
+
+
+def _rate(cfg: BudgetConfig) -> tuple[float, float]:
+    rate, price = static_rate(cfg.gpu_type, cfg.price_per_gpu_hour, max(cfg.gpus, 1), cfg.price_table)
+    if price > 0 and cfg.gpus <= 0:
+        raise UserError(
+            "a per-GPU price needs the GPU count: --gpus N (all GPUs the job bills, nodes x GPUs per node)"
+        )
+    if price <= 0 and cfg.source == "static":
+        raise no_price_error(cfg.gpu_type)
+    if price <= 0:
+        log.warning(
+            "budget: no static price; if the %s source fails the watcher uses its last good rate", cfg.source
+        )
+    return rate, price
+
+
+def _dur(seconds: float | None) -> str:
+    if seconds is None or math.isinf(seconds):
+        return "never (rate 0)"
+    if seconds <= 0:
+        return "now"
+    s = int(round(seconds))
+    h, m, s = s // 3600, s % 3600 // 60, s % 60
+    return f"in {h}h{m:02d}m{s:02d}s" if h else (f"in {m}m{s:02d}s" if m else f"in {s}s")
+
+
+def dry_run(
+    cfg: BudgetConfig, run_dir: Path, ledger_path: Path, stop_file: Path, rate: float, price: float
+) -> list[str]:
+    """What the watcher would see and do; writes nothing but a probe file next to the ledger."""
+    now = time.time()
+    out = [f"budget dry run: cap ${cfg.cap_usd:.4f}, run dir {run_dir}"]
+    led = load_ledger(ledger_path)
+    spent = led.effective_spent()
+    try:
+        ledger_path.parent.mkdir(parents=True, exist_ok=True)
+        probe = ledger_path.with_name(".dry-run-probe.json")
+        atomic_write_json(probe, {"probe": now})
+        probe.unlink()
+        writable = "writable"
+    except OSError as e:
+        writable = f"NOT writable ({e.strerror}): the watcher would fail"
+    new = (
+        "new"
+        if not led.sessions
+        else f"{len(led.sessions)} sessions, {led.running_seconds / 3600:.2f} h charged"
+    )
+    out.append(f"  ledger    {ledger_path}: spent ${spent:.4f} ({new}); {writable}")
+    static = f"${price:.2f}/GPU-h x {cfg.gpus} GPUs = ${rate:.2f}/h" if price > 0 else "no static price"
+    reading = make_source(cfg, rate, led.created_unix or now).read(now)
+    if reading.ok:
+        got = f"spent ${reading.spent_usd:.4f}, " if reading.spent_usd is not None else ""
+        out.append(
+            f"  source    {cfg.source}: ok, {got}rate ${reading.rate_usd_per_hour:.2f}/h (static: {static})"
+        )
+        r = reading.rate_usd_per_hour or rate
+        if reading.spent_usd is not None:
+            spent = max(spent, reading.spent_usd + r * max(0.0, now - reading.updated_unix) / 3600)
+    else:
+        r = max(rate, led.rate_usd_per_hour if led.source == cfg.source else 0.0)
+        out.append(
+            f"  source    {cfg.source}: FAILED ({reading.error}); would fall back to ${r:.2f}/h ({static})"
+        )
+        if reading.spent_usd is not None:
+            spent = max(spent, reading.spent_usd)
+    status = read_status(run_dir / "status.json")
+    step = status.step_seconds if status and status.step_seconds else led.step_seconds
+    ckpt = status.checkpoint_seconds if status and status.checkpoint_seconds else led.checkpoint_seconds
+    seen = f"status.json: step {status.step}, state {status.state}" if status else "no status.json yet"
+    out.append(f"  trainer   {seen}; step {step:.2f} s, checkpoint {ckpt:.2f} s (0 = not measured yet)")
+    inp = PolicyInput(
+        spent_usd=spent,
+        cap_usd=cfg.cap_usd,
+        rate_usd_per_hour=r,
+        step_seconds=step,
+        checkpoint_seconds=ckpt,
+        poll_seconds=cfg.poll_seconds,
+        margin_seconds=cfg.margin_seconds,
+        alert_fraction=cfg.alert_fraction,
+        alert_usd=cfg.alert_usd,
+        decay_fraction=cfg.decay_fraction,
+        stopping=led.stop.mode if led.stop else "",
+    )
+    dec = decide(inp)
+    per_s = r / 3600
+    cap = cfg.cap_usd
+    alert_at = cfg.alert_fraction * cap
+    if cfg.alert_usd > 0:
+        alert_at = min(alert_at, cfg.alert_usd)
+    graceful_at = cap - per_s * dec.horizon_seconds
+    decay_at = graceful_at - cfg.decay_fraction * cap
+
+    def when(at: float) -> str:
+        return _dur((at - spent) / per_s if per_s > 0 else None)
+
+    out.append(
+        f"  policy    at ${r:.2f}/h, horizon {dec.horizon_seconds:.1f} s = poll {cfg.poll_seconds:g} + step {step:.1f}"
+        f" + checkpoint {ckpt:.1f} + margin {cfg.margin_seconds:g}"
+    )
+    out.append(f"    alert             at ${alert_at:.4f}  {when(alert_at)}")
+    out.append(f"    LR decay (WSD)    at ${max(decay_at, 0):.4f}  {when(decay_at)}")
+    out.append(f"    graceful stop     at ${graceful_at:.4f}  {when(graceful_at)}")
+    out.append(f"    immediate stop    at ${cap:.4f}  {when(cap)}")
+    act = {
+        "graceful": f"write a graceful stop to {stop_file}",
+        "immediate": f"write an immediate stop to {stop_file}",
+    }.get(dec.stop, "nothing")
+    out.append(f"  now       state {dec.state}; the watcher would do: {act}")
+    try:
+        check_not_exhausted(cfg, run_dir)
+    except BudgetExhausted as e:
+        out.append(f"  trainer   would refuse to start: {e}")
+    return out
+
+
+def _setup_logging() -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    _setup_logging()
+    cfg = build_config(args)
+    run_dir, ledger_path, stop_file = _paths(args)
+    rate, price = _rate(cfg)
+    if args.dry_run_budget:
+        for line in dry_run(cfg, run_dir, ledger_path, stop_file, rate, price):
+            print(line)
+        return 0
+    from app.budget.kube import KubeActions
+
+    kube = KubeActions.from_config(cfg)
+    metrics = BudgetMetrics()
+    if cfg.metrics_port:
+        try:
+            port = metrics.serve(cfg.metrics_port, args.metrics_addr)
+        except OSError as e:
+            raise UserError(
+                f"cannot serve metrics on port {cfg.metrics_port} ({e.strerror}); pass --metrics-port"
+            ) from None
+        log.info("budget: metrics on :%d/metrics", port)
+    try:
+        watcher = Watcher(
+            cfg,
+            run_dir=run_dir,
+            stop_file=stop_file,
+            static_rate_usd_per_hour=rate,
+            ledger_path=ledger_path,
+            host="sidecar",
+            metrics=metrics,
+            kube=kube,
+        )
+    except BaseException:
+        metrics.shutdown()
+        raise
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("budget: %s received; closing the ledger", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    log.info(
+        "budget: watching %s: cap $%.4f, source %s, static $%.2f/h, poll %g s, stop file %s",
+        run_dir,
+        cfg.cap_usd,
+        cfg.source,
+        rate,
+        cfg.poll_seconds,
+        stop_file,
+    )
+    try:
+        why = watcher.run(stop, exit_when_done=args.exit_when_done)
+    finally:
+        watcher.close()
+    v = watcher.view
+    if v:
+        log.info("budget: exiting (%s): spent $%.4f of $%.4f, state %s", why, v.spent_usd, v.cap_usd, v.state)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m app.budget.cli` runs the watcher without the top-level CLI."""
+    parser = argparse.ArgumentParser(prog="pretrain watch", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""The files the watcher shares with the trainer: atomic JSON writes, status.json in, the stop file out.
+
+Atomic means temp file + fsync + rename in the same directory: a reader (or a crash) sees the old or the
+new content, never half of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_json(path: Path, data: Any, durable: bool = True) -> None:
+    """Write JSON atomically; durable also fsyncs the file and the directory (the ledger needs it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True, allow_nan=False)
+            f.write("\n")
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        try:
+            dfd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError:
+            pass  # some filesystems cannot fsync a directory; the rename is still atomic
+
+
+def _num(data: dict, key: str) -> float:
+    val = data.get(key, 0.0)
+    if isinstance(val, bool) or not isinstance(val, int | float) or not math.isfinite(val) or val < 0:
+        return 0.0
+    return float(val)
+
+
+@dataclass(frozen=True)
+class TrainerStatus:
+    """The trainer's heartbeat (RUN_DIR/status.json); only what the projection needs."""
+
+    step: int
+    step_seconds: float
+    checkpoint_seconds: float
+    state: str
+    updated_unix: float
+
+
+def read_status(path: Path) -> TrainerStatus | None:
+    """None when missing or unreadable: the trainer may not have started yet, which is not an error."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    step = data.get("step", 0)
+    return TrainerStatus(
+        step=step if isinstance(step, int) and not isinstance(step, bool) else 0,
+        step_seconds=_num(data, "step_seconds"),
+        checkpoint_seconds=_num(data, "checkpoint_seconds"),
+        state=str(data.get("state", "")),
+        updated_unix=_num(data, "updated_unix"),
+    )
+
+
+def read_stop_file(path: Path) -> dict | None:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def write_stop_file(path: Path, mode: str, reason: str, now: float | None = None) -> bool:
+    """Ask the trainer to stop (contract shape). Never downgrades an immediate stop someone already asked
+    for, and leaves an existing graceful request alone unless escalating; True when written."""
+    current = read_stop_file(path)
+    if current is not None:
+        if current.get("mode") == "immediate":
+            return False
+        if current.get("mode") == "graceful" and mode == "graceful":
+            return False
+    data = {
+        "mode": mode,
+        "cause": "budget",
+        "reason": reason,
+        "written_unix": time.time() if now is None else now,
+    }
+    atomic_write_json(Path(path), data, durable=True)
+    return True
+
+
+def clear_stale_budget_stop(path: Path) -> bool:
+    """Remove a budget stop file left by an earlier run (local runs keep RUN_DIR/stop.json), so a raised
+    cap can train again. Stop files from users or other causes are never touched."""
+    current = read_stop_file(path)
+    if current is None or current.get("cause") != "budget":
+        return False
+    try:
+        Path(path).unlink()
+    except OSError:
+        return False
+    return True

@@ -1,0 +1,241 @@
+"""Where spend comes from: a static price, a JSON file kept current by a billing poller, or OpenCost.
+
+A source only reports; it never raises into the watcher. A failed or stale read comes back with
+ok=False and an error line, and the watcher falls back to the static rate (never stops tracking).
+A stale figure still carries its spend, which the watcher uses as a lower bound.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Protocol
+
+from app.budget.config import BudgetConfig
+
+
+@dataclass(frozen=True)
+class Reading:
+    source: str
+    ok: bool
+    spent_usd: float | None = None  # the job's total spend as reported; None = the source only gives a rate
+    rate_usd_per_hour: float = 0.0
+    updated_unix: float = 0.0  # when the figure was true
+    error: str = ""  # one line when not ok
+
+
+class Source(Protocol):
+    name: str
+
+    def read(self, now: float) -> Reading: ...
+
+
+class StaticSource:
+    """Price per GPU-hour x GPUs; the watcher integrates it over the time it runs."""
+
+    name = "static"
+
+    def __init__(self, rate_usd_per_hour: float):
+        self.rate = rate_usd_per_hour
+
+    def read(self, now: float) -> Reading:
+        return Reading(self.name, True, None, self.rate, now)
+
+
+def parse_utc(value: Any) -> float:
+    """ISO-8601 to unix seconds; a time without an offset is UTC. ValueError when it is not a time."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"expected an ISO-8601 time string, got {value!r}")
+    text = value.strip()
+    if text.endswith(("Z", "z")):
+        text = text[:-1] + "+00:00"
+    dt = datetime.fromisoformat(text)
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.timestamp()
+
+
+def _number(data: dict, key: str, required: bool = True) -> float | None:
+    if key not in data:
+        if required:
+            raise ValueError(f"missing '{key}'")
+        return None
+    val = data[key]
+    if isinstance(val, bool) or not isinstance(val, int | float) or not math.isfinite(val) or val < 0:
+        raise ValueError(f"'{key}' must be a number >= 0, got {val!r}")
+    return float(val)
+
+
+def _check_fresh(name: str, spent: float, rate: float, updated: float, now: float, stale: float) -> Reading:
+    age = now - updated
+    if age < -stale:
+        return Reading(
+            name, False, None, rate, updated, f"last update is {-age:.0f} s in the future; check clocks"
+        )
+    if age > stale:
+        return Reading(
+            name, False, spent, rate, updated, f"stale: last update {age:.0f} s ago (> {stale:.0f} s)"
+        )
+    return Reading(name, True, spent, rate, min(updated, now))
+
+
+class FileSource:
+    """A JSON file in the seed's shape, written by a billing poller:
+    {"spent_usd", "rate_usd_per_hr", "hours_elapsed", "projected_total_usd", "last_update_utc"}."""
+
+    name = "file"
+
+    def __init__(self, path: str, stale_seconds: float):
+        self.path = Path(path)
+        self.stale = stale_seconds
+
+    def read(self, now: float) -> Reading:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return Reading(self.name, False, error=f"{self.path} does not exist")
+        except OSError as e:
+            return Reading(self.name, False, error=f"cannot read {self.path}: {e.strerror}")
+        try:
+            data = json.loads(text)
+        except ValueError:
+            return Reading(self.name, False, error=f"{self.path} is not valid JSON")
+        if not isinstance(data, dict):
+            return Reading(self.name, False, error=f"{self.path} must hold a JSON object")
+        try:
+            spent = _number(data, "spent_usd")
+            rate = _number(data, "rate_usd_per_hr")
+            _number(data, "hours_elapsed", required=False)
+            _number(data, "projected_total_usd", required=False)
+            if "last_update_utc" not in data:
+                raise ValueError("missing 'last_update_utc'")
+            updated = parse_utc(data["last_update_utc"])
+        except ValueError as e:
+            return Reading(self.name, False, error=f"{self.path}: {e}")
+        assert spent is not None and rate is not None
+        return _check_fresh(self.name, spent, rate, updated, now, self.stale)
+
+
+def _prom_label(key: str) -> str:
+    """OpenCost takes Kubernetes label names in Prometheus form: training.kubeflow.org/job-name ->
+    training_kubeflow_org_job_name."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", key)
+
+
+class OpenCostSource:
+    """OpenCost's allocation API: GET {url}/allocation/compute?window=START,NOW&aggregate=...&accumulate=true.
+
+    The selector is `<aggregate>:<value>`, e.g. label:training.kubeflow.org/job-name:pretrain or
+    namespace:ml. The job's allocation is found by name (OpenCost names a label aggregate `value` or
+    `key=value` depending on its version). Spend = totalCost since the run's first start; the figure is as
+    fresh as the allocation's `end`; the rate comes from the change between reads.
+    """
+
+    name = "opencost"
+    path = "/allocation/compute"
+
+    def __init__(
+        self, url: str, selector: str, window_start_unix: float, stale_seconds: float, timeout: float = 5.0
+    ):
+        self.url = url.rstrip("/")
+        aggregate, _, value = selector.rpartition(":")
+        if aggregate.startswith("label:"):
+            key = aggregate[len("label:") :]
+            aggregate = "label:" + _prom_label(key)
+            self.names = {value, f"{key}={value}", f"{_prom_label(key)}={value}"}
+        else:
+            self.names = {value}
+        self.aggregate = aggregate
+        self.window_start = int(window_start_unix)
+        self.stale = stale_seconds
+        self.timeout = timeout
+        self._prev: tuple[float, float] | None = None  # (total, end) of the last good read
+        self._rate = 0.0
+
+    def query_url(self, now: float) -> str:
+        start = min(self.window_start, int(now) - 60)
+        params = {
+            "window": f"{start},{int(math.ceil(now))}",
+            "aggregate": self.aggregate,
+            "accumulate": "true",
+        }
+        return f"{self.url}{self.path}?{urllib.parse.urlencode(params)}"
+
+    def read(self, now: float) -> Reading:
+        url = self.query_url(now)
+        try:
+            with urllib.request.urlopen(url, timeout=self.timeout) as resp:
+                body = resp.read()
+        except urllib.error.HTTPError as e:
+            return Reading(self.name, False, error=f"OpenCost answered HTTP {e.code} for {self.path}")
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            return Reading(self.name, False, error=f"cannot reach OpenCost at {self.url}: {reason}")
+        try:
+            total, start, end = self._parse(json.loads(body))
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            return Reading(self.name, False, error=f"unexpected OpenCost response: {e}")
+        self._update_rate(total, start, end)
+        return _check_fresh(self.name, total, self._rate, end, now, self.stale)
+
+    def _parse(self, resp: Any) -> tuple[float, float, float]:
+        if not isinstance(resp, dict):
+            raise ValueError("not a JSON object")
+        if resp.get("code", 200) != 200:
+            raise ValueError(f"code {resp.get('code')}: {resp.get('message', '')}".strip())
+        sets = resp.get("data")
+        if isinstance(sets, dict):
+            sets = [sets]
+        if not isinstance(sets, list):
+            raise ValueError("'data' must be a list of allocation sets")
+        total, start, end, found = 0.0, math.inf, 0.0, False
+        for aset in sets:
+            if not isinstance(aset, dict):
+                continue
+            for name, alloc in aset.items():
+                if name not in self.names or not isinstance(alloc, dict):
+                    continue
+                cost = alloc["totalCost"]
+                if (
+                    isinstance(cost, bool)
+                    or not isinstance(cost, int | float)
+                    or not math.isfinite(cost)
+                    or cost < 0
+                ):
+                    raise ValueError(f"totalCost of '{name}' is {cost!r}")
+                total += float(cost)
+                start = min(start, parse_utc(alloc.get("start") or alloc["window"]["start"]))
+                end = max(end, parse_utc(alloc.get("end") or alloc["window"]["end"]))
+                found = True
+        if not found:
+            raise ValueError(
+                f"no allocation named {' or '.join(sorted(self.names))} for aggregate={self.aggregate} "
+                "(job too new for OpenCost, or check --opencost-selector)"
+            )
+        return total, start, end
+
+    def _update_rate(self, total: float, start: float, end: float) -> None:
+        if self._prev is not None:
+            p_total, p_end = self._prev
+            if end - p_end >= 60 and total >= p_total:
+                self._rate = (total - p_total) / (end - p_end) * 3600
+                self._prev = (total, end)
+            return
+        if end - start > 0:
+            self._rate = total / (end - start) * 3600
+        self._prev = (total, end)
+
+
+def make_source(cfg: BudgetConfig, static_rate_usd_per_hour: float, window_start_unix: float) -> Source:
+    if cfg.source == "file":
+        return FileSource(cfg.source_path, cfg.stale_seconds)
+    if cfg.source == "opencost":
+        return OpenCostSource(cfg.opencost_url, cfg.opencost_selector, window_start_unix, cfg.stale_seconds)
+    return StaticSource(static_rate_usd_per_hour)

@@ -1,0 +1,374 @@
+"""The budget watcher: poll the source, charge the ledger, apply the policy, tell the trainer.
+
+One implementation, two hosts: `pretrain watch` (a sidecar process) and the trainer's in-process thread
+both run `Watcher.run`. `tick(now)` takes the time as an argument so tests drive it with a simulated clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from app.budget.config import BudgetConfig
+from app.budget.files import atomic_write_json, clear_stale_budget_stop, read_status, write_stop_file
+from app.budget.kube import KubeActions
+from app.budget.ledger import Ledger, LedgerLock, Session, StopRecord, load_ledger, save_ledger
+from app.budget.metrics import BudgetMetrics
+from app.budget.policy import Decision, PolicyInput, decide
+from app.budget.sources import Reading, Source, make_source
+from app.errors import UserError
+
+log = logging.getLogger("pretrain.budget")
+
+RESERVE_POLLS = 2.0  # a session killed without closing is charged this many polls of spend
+
+
+def ledger_path_for(run_dir: Path) -> Path:
+    return Path(run_dir) / "budget" / "ledger.json"
+
+
+def state_path_for(run_dir: Path) -> Path:
+    return Path(run_dir) / "budget" / "state.json"
+
+
+@dataclass(frozen=True)
+class View:
+    """The watcher's latest view: RUN_DIR/budget/state.json (contract fields first) and the metrics."""
+
+    spent_usd: float
+    cap_usd: float
+    rate_usd_per_hour: float
+    projected_total_usd: float
+    remaining_usd: float
+    seconds_to_cap: float | None
+    state: str
+    source: str
+    source_healthy: bool
+    updated_unix: float
+    # extras, beyond the contract
+    seconds_to_stop: float | None
+    decay: bool
+    decay_seconds: float | None
+    horizon_seconds: float
+    stop_mode: str
+    step_seconds: float
+    checkpoint_seconds: float
+    source_error: str
+    source_updated_unix: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Watcher:
+    def __init__(
+        self,
+        cfg: BudgetConfig,
+        *,
+        run_dir: Path,
+        stop_file: Path,
+        static_rate_usd_per_hour: float,
+        ledger_path: Path | None = None,
+        source: Source | None = None,
+        host: str = "sidecar",
+        metrics: BudgetMetrics | None = None,
+        kube: KubeActions | None = None,
+        now: float | None = None,
+        lock: bool = True,
+    ):
+        if cfg.cap_usd <= 0:
+            raise UserError("the budget watcher needs a cap: --cap-usd X (budget.cap_usd) with X > 0")
+        now = time.time() if now is None else now
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.stop_file = Path(stop_file)
+        self.ledger_path = Path(ledger_path) if ledger_path else ledger_path_for(self.run_dir)
+        self.state_path = self.ledger_path.with_name("state.json")
+        self.status_path = self.run_dir / "status.json"
+        self.static_rate = static_rate_usd_per_hour
+        self.host = host
+        self.metrics = metrics
+        self.kube = kube
+        self._lock = LedgerLock(self.ledger_path) if lock else None
+        if self._lock:
+            self._lock.acquire()
+        try:
+            self.ledger = self._open_session(load_ledger(self.ledger_path), now)
+        except BaseException:
+            if self._lock:
+                self._lock.release()
+            raise
+        self.source = source or make_source(cfg, static_rate_usd_per_hour, self.ledger.created_unix)
+        self.session_start = now
+        self._last = now
+        self._good_rate = self.ledger.rate_usd_per_hour if self.ledger.source == cfg.source else 0.0
+        self._fallback = False
+        self._last_error = ""
+        self._immediate_seen: float | None = (
+            now if (self.ledger.stop and self.ledger.stop.mode == "immediate") else None
+        )
+        self._suspend_done = False
+        self._stopped_at_open = self.ledger.stop is not None
+        self._closed = False
+        self.fallbacks = 0
+        self.view: View | None = None
+        save_ledger(self.ledger_path, self.ledger)
+        if self.ledger.stop:  # a new pod has a new (empty) stop-file volume: say it again
+            write_stop_file(self.stop_file, self.ledger.stop.mode, self.ledger.stop.reason, now)
+
+    # ------------------------------------------------------------ session
+
+    def _open_session(self, led: Ledger, now: float) -> Ledger:
+        cap = self.cfg.cap_usd
+        if led.open_session:
+            led.spent_usd += led.reserved_usd
+            led.crashes += 1
+            if led.sessions and not led.sessions[-1].end_unix:
+                led.sessions[-1].end_unix = led.updated_unix
+                led.sessions[-1].spent_usd += led.reserved_usd
+            log.warning(
+                "budget: the previous watcher session ended without closing (killed?); charged its reserve $%.4f",
+                led.reserved_usd,
+            )
+        led.reserved_usd = 0.0
+        if not led.created_unix:
+            led.created_unix = now
+        if led.stop and cap > led.stop.cap_usd * (1 + 1e-9):
+            log.warning(
+                "budget: cap raised from $%.4f to $%.4f; the earlier budget stop is lifted",
+                led.stop.cap_usd,
+                cap,
+            )
+            led.stop = None
+            clear_stale_budget_stop(self.stop_file)
+        elif not led.stop:
+            clear_stale_budget_stop(self.stop_file)  # a leftover from an earlier run must not stop this one
+        led.cap_usd = cap
+        led.sessions.append(Session(start_unix=now, host=self.host, pid=os.getpid()))
+        led.open_session = True
+        led.updated_unix = now
+        return led
+
+    def close(self, now: float | None = None) -> None:
+        """Charge up to now, close the session, flush the ledger; idempotent."""
+        if self._closed:
+            return
+        now = time.time() if now is None else now
+        try:
+            self.tick(now)
+        except Exception:
+            log.exception("budget: final tick failed; closing the ledger with the last figures")
+        led = self.ledger
+        led.open_session = False
+        led.reserved_usd = 0.0
+        if led.sessions:
+            led.sessions[-1].end_unix = now
+            led.sessions[-1].clean = True
+        try:
+            save_ledger(self.ledger_path, led)
+        finally:
+            self._closed = True
+            if self._lock:
+                self._lock.release()
+            if self.metrics:
+                self.metrics.shutdown()
+
+    # ------------------------------------------------------------ one poll
+
+    def _read(self, now: float) -> Reading:
+        try:
+            return self.source.read(now)
+        except Exception as e:  # a source must not kill the watcher
+            return Reading(self.source.name, False, error=f"{type(e).__name__}: {e}")
+
+    def _charge(self, reading: Reading, dt: float, now: float) -> tuple[float, float]:
+        """New spend and rate from the reading; falls back to the static rate when the source fails."""
+        led = self.ledger
+        if reading.ok:
+            if self._fallback:
+                log.warning("budget: source %s is healthy again", reading.source)
+            self._fallback, self._last_error = False, ""
+            if reading.spent_usd is None:  # static: integrate the rate over the time we ran
+                rate = reading.rate_usd_per_hour
+                return led.spent_usd + rate * dt / 3600, rate
+            if reading.rate_usd_per_hour > 0:
+                self._good_rate = reading.rate_usd_per_hour
+            rate = reading.rate_usd_per_hour or self.static_rate
+            estimate = reading.spent_usd + rate * max(0.0, now - reading.updated_unix) / 3600
+            return max(led.spent_usd, estimate), rate
+        rate = max(self.static_rate, self._good_rate)
+        if not self._fallback:
+            self.fallbacks += 1
+            if self.metrics:
+                self.metrics.fallbacks.inc()
+        if not self._fallback or reading.error != self._last_error:
+            log.warning(
+                "budget: source %s failed (%s); falling back to the static rate $%.2f/h",
+                reading.source,
+                reading.error,
+                rate,
+            )
+        self._fallback, self._last_error = True, reading.error
+        spent = led.spent_usd + rate * dt / 3600
+        if reading.spent_usd is not None:  # a stale figure is still a lower bound
+            spent = max(spent, reading.spent_usd)
+        return spent, rate
+
+    def tick(self, now: float) -> View:
+        led, cfg = self.ledger, self.cfg
+        dt = max(0.0, now - self._last)
+        self._last = now
+        reading = self._read(now)
+        status = read_status(self.status_path)
+        if status:
+            if status.step_seconds > 0:
+                led.step_seconds = status.step_seconds
+            if status.checkpoint_seconds > 0:
+                led.checkpoint_seconds = status.checkpoint_seconds
+        spent, rate = self._charge(reading, dt, now)
+        if led.sessions:
+            led.sessions[-1].spent_usd += spent - led.spent_usd
+        led.spent_usd = spent
+        led.running_seconds += dt
+        led.rate_usd_per_hour = rate
+        led.reserved_usd = rate * RESERVE_POLLS * cfg.poll_seconds / 3600
+        led.source = reading.source
+        led.updated_unix = now
+        dec = decide(
+            PolicyInput(
+                spent_usd=spent,
+                cap_usd=cfg.cap_usd,
+                rate_usd_per_hour=rate,
+                step_seconds=led.step_seconds,
+                checkpoint_seconds=led.checkpoint_seconds,
+                poll_seconds=cfg.poll_seconds,
+                margin_seconds=cfg.margin_seconds,
+                alert_fraction=cfg.alert_fraction,
+                alert_usd=cfg.alert_usd,
+                decay_fraction=cfg.decay_fraction,
+                stopping=led.stop.mode if led.stop else "",
+            )
+        )
+        self._act(dec, now)
+        view = View(
+            spent_usd=spent,
+            cap_usd=cfg.cap_usd,
+            rate_usd_per_hour=rate,
+            projected_total_usd=dec.projected_total_usd,
+            remaining_usd=dec.remaining_usd,
+            seconds_to_cap=dec.seconds_to_cap,
+            state=dec.state,
+            source=reading.source,
+            source_healthy=reading.ok,
+            updated_unix=now,
+            seconds_to_stop=dec.seconds_to_stop,
+            decay=dec.decay,
+            decay_seconds=dec.decay_seconds,
+            horizon_seconds=dec.horizon_seconds,
+            stop_mode=led.stop.mode if led.stop else "",
+            step_seconds=led.step_seconds,
+            checkpoint_seconds=led.checkpoint_seconds,
+            source_error=reading.error,
+            source_updated_unix=reading.updated_unix,
+        )
+        save_ledger(self.ledger_path, led)
+        atomic_write_json(self.state_path, view.to_json(), durable=False)
+        if self.metrics:
+            self.metrics.update(view)
+        self._escalate(now, status)
+        self.view = view
+        return view
+
+    # ------------------------------------------------------------ actions
+
+    def _act(self, dec: Decision, now: float) -> None:
+        led, cap = self.ledger, self.cfg.cap_usd
+        if dec.alert and abs(led.alerted_cap_usd - cap) > 1e-12 and not dec.stop:
+            led.alerted_cap_usd = cap
+            msg = (
+                f"budget alert: ${led.spent_usd:.4f} spent of the ${cap:.4f} cap ({led.spent_usd / cap:.0%})"
+            )
+            log.warning("%s", msg)
+            if self.metrics:
+                self.metrics.alerts.inc()
+            if self.kube:
+                self.kube.event("BudgetAlert", msg)
+        if not dec.stop:
+            return
+        led.alerted_cap_usd = cap
+        write_stop_file(self.stop_file, dec.stop, dec.reason, now)
+        led.stop = StopRecord(dec.stop, dec.reason, cap, led.spent_usd, now)
+        if dec.stop == "immediate":
+            self._immediate_seen = now
+        log.warning("budget %s stop: %s", dec.stop, dec.reason)
+        if self.metrics:
+            self.metrics.stops.labels(mode=dec.stop).inc()
+        if self.kube:
+            self.kube.event(
+                "BudgetGracefulStop" if dec.stop == "graceful" else "BudgetImmediateStop", dec.reason
+            )
+
+    def _escalate(self, now: float, status: Any) -> None:
+        """Last resort: the trainer still heartbeats `suspend_grace_seconds` after an immediate stop."""
+        if self._immediate_seen is None or self._suspend_done:
+            return
+        if now - self._immediate_seen < self.cfg.suspend_grace_seconds:
+            return
+        if status is None or status.state == "done" or status.updated_unix <= self._immediate_seen:
+            return
+        self._suspend_done = True
+        waited = now - self._immediate_seen
+        if not self.kube:
+            log.error(
+                "budget: the trainer still runs %.0f s after an immediate stop and there is no Kubernetes "
+                "access to suspend the job; stop it by hand",
+                waited,
+            )
+            return
+        log.error(
+            "budget: the trainer still runs %.0f s after an immediate stop; suspending the PyTorchJob", waited
+        )
+        if self.kube.suspend():
+            if self.metrics:
+                self.metrics.suspends.inc()
+            self.kube.event(
+                "BudgetSuspended",
+                f"trainer ignored an immediate budget stop for {waited:.0f} s; job suspended",
+            )
+
+    # ------------------------------------------------------------ the loop (both hosts)
+
+    def finished(self, now: float) -> str:
+        """Why a sidecar may exit now, or "": the trainer reported done in this session, or the budget was
+        already stopped when we started and no trainer heartbeat appeared within the grace period."""
+        status = read_status(self.status_path)
+        if status and status.state == "done" and status.updated_unix >= self.session_start - 1:
+            return "the trainer is done"
+        if (
+            self._stopped_at_open
+            and now - self.session_start >= self.cfg.suspend_grace_seconds
+            and (status is None or status.updated_unix < self.session_start)
+        ):
+            return "the budget was already stopped and no trainer is running"
+        return ""
+
+    def run(self, stop_event: threading.Event, exit_when_done: bool = False, first_tick: bool = True) -> str:
+        """Poll until stop_event is set (or, with exit_when_done, until `finished`); never dies on a tick."""
+        if not first_tick and stop_event.wait(self.cfg.poll_seconds):
+            return "stopped"
+        while True:
+            try:
+                self.tick(time.time())
+            except Exception:
+                log.exception("budget: watcher tick failed; retrying at the next poll")
+            if exit_when_done:
+                why = self.finished(time.time())
+                if why:
+                    return why
+            if stop_event.wait(self.cfg.poll_seconds):
+                return "stopped"

@@ -1,0 +1,414 @@
+"""Typed run config: dataclasses, YAML presets, `--set a.b=c` overrides and validation.
+
+Resolution order: dataclass defaults < preset YAML < --config FILE.yaml < --set overrides < flags.
+Every error is a ConfigError with one line that names the key and how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from app.budget.config import BudgetConfig
+from app.errors import ConfigError
+
+PRESET_DIR = Path(__file__).parent / "presets"
+DEFAULT_PRESET = "tiny"
+
+
+@dataclass
+class LoopConfig:
+    """Looped transformer: prelude blocks, recurrent blocks run `recurrence` times with shared weights, coda."""
+
+    prelude: int = 0
+    recurrent: int = 0  # 0 = plain GPT (n_layer blocks)
+    coda: int = 0
+    recurrence: int = 1
+    deep_supervision: bool = False  # a loss at the output of every recurrence
+    loss_weights: list[float] = field(default_factory=list)  # per recurrence; empty = equal weights
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 0  # 0 = take it from the tokenizer of the data
+    seq_len: int = 256
+    n_layer: int = 4
+    d_model: int = 256
+    n_head: int = 4
+    n_kv_head: int = 0  # 0 = n_head (plain multi-head attention)
+    d_ff: int = 0  # 0 = 8/3 * d_model rounded up to a multiple of 64 (SwiGLU)
+    rope_base: float = 10000.0
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    loop: LoopConfig = field(default_factory=LoopConfig)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.d_ff or 64 * math.ceil(8 * self.d_model / 3 / 64)
+
+    @property
+    def looped(self) -> bool:
+        return self.loop.recurrent > 0
+
+    @property
+    def n_blocks(self) -> int:
+        """Distinct blocks with their own weights."""
+        if self.looped:
+            return self.loop.prelude + self.loop.recurrent + self.loop.coda
+        return self.n_layer
+
+    @property
+    def effective_depth(self) -> int:
+        """Blocks run per forward pass (recurrent ones count once per recurrence)."""
+        if self.looped:
+            return self.loop.prelude + self.loop.recurrent * self.loop.recurrence + self.loop.coda
+        return self.n_layer
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "embedded"  # "embedded" (Shakespeare, built on first use) or a `pretrain prepare` output dir
+    tokenizer: str = "bpe"  # embedded only: bpe | char
+    vocab_size: int = 2048  # embedded BPE vocabulary size
+    cache_dir: str = ""  # embedded data cache; "" = $PRETRAIN_CACHE or ~/.cache/pretrain
+    val_fraction: float = 0.02  # embedded only: share of documents held out for validation
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 1337
+    micro_batch_size: int = 16  # sequences per rank per forward pass
+    batch_tokens: int = 0  # tokens per optimizer step over all ranks; 0 = one micro-batch per rank
+    max_steps: int = 1000
+    max_tokens: int = 0  # planned end by tokens; 0 = off
+    max_hours: float = 0.0  # planned end by wall-clock hours of this run (all restarts); 0 = off
+    eval_every: int = 100
+    eval_batches: int = 20
+    sample_every: int = 0  # print a sample every N steps; 0 = off
+    log_every: int = 10
+    early_stop_patience: int = 0  # evals without val-loss improvement before stopping; 0 = off
+    early_stop_min_delta: float = 0.0
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
+    compile: bool = False  # torch.compile the model
+    parallel: str = "ddp"  # ddp | fsdp | auto
+    activation_checkpointing: bool = False
+    fp8: bool = False  # H100-class GPUs only
+    inject_spike_at_step: int = 0  # observability drill: feed high-loss batches from this step; 0 = off
+    spike_batches: int = 3
+    spike_factor: float = 3.0  # a loss above this multiple of its moving average is a spike
+    skip_spike_updates: bool = False  # drop the optimizer update of a step that spiked
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # not applied to norms and embeddings
+    grad_clip: float = 1.0  # 0 = off
+    fused: str = "auto"  # auto | true | false
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = "cosine"  # cosine | wsd | constant
+    warmup_steps: int = 100
+    decay_fraction: float = 0.2  # wsd: last fraction of max_steps spent decaying to min_lr
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0  # 0 = off
+    every_minutes: float = 60.0  # 0 = off
+    keep_last: int = 3
+    keep_best: bool = True
+    drop_optimizer_older: bool = False  # strip optimizer state from kept checkpoints but the latest
+    verify: str = "sha256"  # sha256 | size: how latest/best are verified at resume
+
+
+@dataclass
+class MetricsConfig:
+    port: int = 0  # Prometheus /metrics on this port (global rank 0 and each node's local rank 0); 0 = off
+    gpu_type: str = ""  # key of the peak-FLOPs table; "" = detect from the CUDA device name
+    peak_tflops: float = 0.0  # override peak dense bf16 TFLOP/s per device (also enables MFU on CPU)
+    progress: bool = True  # console progress bar
+
+
+@dataclass
+class Config:
+    preset: str = DEFAULT_PRESET
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- merging
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted key a user may set."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        t = _hints(cls)[f.name]
+        if dataclasses.is_dataclass(t):
+            keys += all_keys(t, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _unknown_key(key: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    if not close:  # try the last part alone: `n_layers` -> model.n_layer
+        last = {k.rsplit(".", 1)[-1]: k for k in all_keys()}
+        match = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(last), n=1, cutoff=0.6)
+        close = [last[match[0]]] if match else []
+    hint = f"; did you mean '{close[0]}'?" if close else "; see `pretrain train --print-config` for valid keys"
+    return ConfigError(f"unknown config key '{key}' in {where}{hint}")
+
+
+def _coerce(value: Any, typ: Any, key: str, where: str) -> Any:
+    origin = typing.get_origin(typ)
+    bad = ConfigError(f"{key} in {where}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise bad
+    if typ is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(float(value)) if float(value).is_integer() else int(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if typ is float:
+        if isinstance(value, bool):
+            raise bad
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise bad from None
+    if typ is str:
+        return "" if value is None else str(value)
+    if origin is list:
+        (item,) = typing.get_args(typ)
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise bad
+        return [_coerce(v, item, key, where) for v in value]
+    raise bad
+
+
+def _merge(obj: Any, data: dict[str, Any], where: str, prefix: str = "") -> None:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping at '{prefix.rstrip('.') or 'top level'}'")
+    hints = _hints(type(obj))
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in hints:
+            raise _unknown_key(dotted, where)
+        typ = hints[key]
+        if dataclasses.is_dataclass(typ):
+            _merge(getattr(obj, key), value, where, f"{dotted}.")
+        else:
+            setattr(obj, key, _coerce(value, typ, dotted, where))
+
+
+def _dotted_to_nested(key: str, value: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    cur = out
+    parts = key.split(".")
+    for p in parts[:-1]:
+        cur = cur.setdefault(p, {})
+    cur[parts[-1]] = value
+    return out
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def _load_yaml(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{what} {path} is not valid YAML{at}; fix the syntax") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {path} must be a mapping of config keys")
+    return data
+
+
+def load_config(
+    preset: str | None = None,
+    config_file: str | None = None,
+    overrides: list[str] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Config:
+    """Resolve and validate a config. `extra` holds dotted keys from dedicated CLI flags."""
+    cfg = Config()
+    file_data: dict[str, Any] = {}
+    if config_file:
+        file_data = _load_yaml(Path(config_file), "config file")
+    name = preset or file_data.pop("preset", None) or DEFAULT_PRESET
+    file_data.pop("preset", None)
+    path = PRESET_DIR / f"{name}.yaml"
+    if not path.exists():
+        close = difflib.get_close_matches(name, preset_names(), n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise ConfigError(f"unknown preset '{name}'; {hint}choose one of: {', '.join(preset_names())}")
+    cfg.preset = name
+    _merge(cfg, _load_yaml(path, "preset"), f"preset {name}")
+    if file_data:
+        _merge(cfg, file_data, f"config file {config_file}")
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value (e.g. --set model.n_layer=8), got '{item}'")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        _merge(cfg, _dotted_to_nested(key.strip(), value), "--set")
+    for key, value in (extra or {}).items():
+        if value is not None:
+            _merge(cfg, _dotted_to_nested(key, value), "command line")
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Rebuild a config saved in a checkpoint's meta.json."""
+    cfg = Config()
+    data = dict(data)
+    cfg.preset = data.pop("preset", DEFAULT_PRESET)
+    _merge(cfg, data, "checkpoint meta.json")
+    return cfg
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _one_of(value: str, key: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, f"{key}='{value}' is not valid; choose one of: {', '.join(choices)}")
+
+
+def validate(cfg: Config) -> None:
+    m, t, o, s, c, b = cfg.model, cfg.train, cfg.optim, cfg.schedule, cfg.checkpoint, cfg.budget
+    for key, val in [
+        ("model.d_model", m.d_model),
+        ("model.n_head", m.n_head),
+        ("model.seq_len", m.seq_len),
+        ("train.micro_batch_size", t.micro_batch_size),
+        ("train.max_steps", t.max_steps),
+    ]:
+        _check(val > 0, f"{key} must be > 0, got {val}")
+    for key, val in [
+        ("model.vocab_size", m.vocab_size),
+        ("model.n_kv_head", m.n_kv_head),
+        ("model.d_ff", m.d_ff),
+        ("train.batch_tokens", t.batch_tokens),
+        ("train.max_tokens", t.max_tokens),
+        ("train.max_hours", t.max_hours),
+        ("train.eval_every", t.eval_every),
+        ("schedule.warmup_steps", s.warmup_steps),
+        ("checkpoint.every_steps", c.every_steps),
+        ("checkpoint.every_minutes", c.every_minutes),
+        ("optim.weight_decay", o.weight_decay),
+        ("optim.grad_clip", o.grad_clip),
+        ("budget.cap_usd", b.cap_usd),
+        ("budget.price_per_gpu_hour", b.price_per_gpu_hour),
+        ("budget.gpus", b.gpus),
+        ("metrics.port", cfg.metrics.port),
+    ]:
+        _check(val >= 0, f"{key} must be >= 0, got {val}")
+    if m.looped:
+        lp = m.loop
+        _check(lp.recurrence >= 1, f"model.loop.recurrence must be >= 1, got {lp.recurrence}")
+        _check(lp.prelude >= 0 and lp.coda >= 0, "model.loop.prelude and model.loop.coda must be >= 0")
+        if lp.loss_weights:
+            _check(
+                len(lp.loss_weights) == lp.recurrence,
+                f"model.loop.loss_weights has {len(lp.loss_weights)} entries but model.loop.recurrence is "
+                f"{lp.recurrence}; give one weight per recurrence",
+            )
+    else:
+        _check(m.n_layer > 0, f"model.n_layer must be > 0, got {m.n_layer}")
+        _check(
+            not m.loop.deep_supervision,
+            "model.loop.deep_supervision needs a looped model; set model.loop.recurrent > 0",
+        )
+    _check(
+        m.d_model % m.n_head == 0,
+        f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}; pick a divisor of {m.d_model}",
+    )
+    _check(
+        m.n_head % m.kv_heads == 0,
+        f"model.n_kv_head={m.kv_heads} does not divide model.n_head={m.n_head}; pick a divisor of {m.n_head}",
+    )
+    head_dim = m.d_model // m.n_head
+    _check(head_dim % 2 == 0, f"head dim d_model/n_head = {head_dim} must be even for RoPE")
+    _check(0 <= o.min_lr <= o.lr, f"optim.min_lr={o.min_lr} must be between 0 and optim.lr={o.lr}")
+    _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
+    _check(0 < s.decay_fraction <= 1, f"schedule.decay_fraction must be in (0, 1], got {s.decay_fraction}")
+    _check(0 < b.decay_fraction < 1, f"budget.decay_fraction must be in (0, 1), got {b.decay_fraction}")
+    _check(0 < b.alert_fraction <= 1, f"budget.alert_fraction must be in (0, 1], got {b.alert_fraction}")
+    _one_of(s.name, "schedule.name", ("cosine", "wsd", "constant"))
+    _one_of(t.device, "train.device", ("auto", "cpu", "cuda"))
+    _one_of(t.dtype, "train.dtype", ("auto", "fp32", "bf16"))
+    _one_of(t.parallel, "train.parallel", ("ddp", "fsdp", "auto"))
+    _one_of(o.fused, "optim.fused", ("auto", "true", "false"))
+    _one_of(c.verify, "checkpoint.verify", ("sha256", "size"))
+    _one_of(cfg.data.tokenizer, "data.tokenizer", ("bpe", "char"))
+    _one_of(b.source, "budget.source", ("static", "file", "opencost"))
+    _check(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")
+    _check(
+        cfg.data.vocab_size >= 260 or cfg.data.tokenizer == "char",
+        f"data.vocab_size={cfg.data.vocab_size} is too small for a byte-level BPE; use >= 260",
+    )
+    _check(0 < cfg.data.val_fraction < 0.5, "data.val_fraction must be in (0, 0.5)")
+    _check(t.spike_factor > 1, f"train.spike_factor must be > 1, got {t.spike_factor}")

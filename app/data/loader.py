@@ -1,0 +1,119 @@
+"""Memory-mapped loader of fixed-length windows drawn deterministically from (seed, sample index).
+
+The token stream of each shard is cut into non-overlapping windows of seq_len + 1 tokens (inputs and
+shifted targets). Every epoch visits all windows once in an order fixed by (seed, epoch). Global
+sample k of the run is window perm_epoch[k mod W] with epoch = k div W; rank r of a world of size R
+takes samples k = (micro_step * R + r) * B + j. Ranks never overlap within an epoch, and the whole
+position is one integer (`micro_steps` done), which a checkpoint stores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from app.data.prepare import Manifest
+from app.data.shards import open_shard
+from app.errors import UserError
+
+
+@dataclass
+class LoaderState:
+    micro_steps: int = 0  # micro-batches drawn by each rank so far (same on every rank)
+    world_size: int = 1
+    micro_batch_size: int = 1
+
+    @property
+    def samples(self) -> int:
+        """Global samples consumed: what carries over when the world size changes."""
+        return self.micro_steps * self.world_size * self.micro_batch_size
+
+
+class TokenWindows:
+    """All windows of one split, addressable by a global window index."""
+
+    def __init__(self, data_dir: Path, split: str, seq_len: int) -> None:
+        self.data_dir = Path(data_dir)
+        self.manifest = Manifest.load(self.data_dir)
+        self.seq_len = seq_len
+        shards = self.manifest.split(split)
+        if not shards:
+            raise UserError(f"{data_dir} has no '{split}' shards; re-run `pretrain prepare`")
+        self.arrays = [open_shard(self.data_dir / s.file) for s in shards]
+        counts = np.array([max(0, (a.size - 1) // seq_len) for a in self.arrays], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(counts)])
+        self.count = int(self.offsets[-1])
+        if self.count == 0:
+            total = sum(a.size for a in self.arrays)
+            raise UserError(
+                f"'{split}' split of {data_dir} has {total} tokens, fewer than one window of "
+                f"seq_len+1={seq_len + 1}; lower model.seq_len or prepare more data"
+            )
+
+    def window(self, index: int) -> np.ndarray:
+        shard = int(np.searchsorted(self.offsets, index, side="right") - 1)
+        start = (index - int(self.offsets[shard])) * self.seq_len
+        return self.arrays[shard][start : start + self.seq_len + 1]
+
+    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = np.stack([self.window(int(i)) for i in indices]).astype(np.int64)
+        t = torch.from_numpy(rows)
+        return t[:, :-1], t[:, 1:]
+
+
+class TrainLoader:
+    def __init__(self, data_dir: Path, seq_len: int, micro_batch_size: int, rank: int, world_size: int,
+                 seed: int) -> None:
+        self.windows = TokenWindows(data_dir, "train", seq_len)
+        self.B, self.rank, self.world, self.seed = micro_batch_size, rank, world_size, seed
+        self.state = LoaderState(0, world_size, micro_batch_size)
+        self._perm_epoch = -1
+        self._perm = np.empty(0, dtype=np.int64)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._perm = rng.permutation(self.windows.count)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def indices(self, micro_step: int) -> np.ndarray:
+        """Window indices of this rank's micro-batch number `micro_step`."""
+        W = self.windows.count
+        first = (micro_step * self.world + self.rank) * self.B
+        out = np.empty(self.B, dtype=np.int64)
+        for j in range(self.B):
+            epoch, pos = divmod(first + j, W)
+            out[j] = self._permutation(epoch)[pos]
+        return out
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.windows.batch(self.indices(self.state.micro_steps))
+        self.state.micro_steps += 1
+        return x, y
+
+    def state_dict(self) -> dict:
+        return {"micro_steps": self.state.micro_steps, "world_size": self.world,
+                "micro_batch_size": self.B, "samples": self.state.samples, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume; with a different world size or micro-batch, continue from the same global sample."""
+        if state["world_size"] == self.world and state["micro_batch_size"] == self.B:
+            self.state.micro_steps = int(state["micro_steps"])
+        else:
+            per_step = self.world * self.B
+            self.state.micro_steps = -(-int(state["samples"]) // per_step)  # ceil: never repeat a sample
+
+
+def val_batches(data_dir: Path, seq_len: int, micro_batch_size: int, batches: int, rank: int,
+                world_size: int):
+    """The same fixed validation windows at every eval, spread evenly over the split, split by rank."""
+    windows = TokenWindows(data_dir, "val", seq_len)
+    total = min(windows.count, batches * micro_batch_size * world_size)
+    chosen = np.linspace(0, windows.count - 1, total).astype(np.int64)
+    mine = chosen[rank::world_size]
+    for i in range(0, len(mine), micro_batch_size):
+        yield windows.batch(mine[i : i + micro_batch_size])

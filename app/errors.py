@@ -1,0 +1,11 @@
+"""Errors a user can fix. The CLI prints them as one line and exits 2, never a traceback."""
+
+
+class UserError(Exception):
+    """Bad input, config or data: exit code 2 with a one-line message that says how to fix it."""
+
+    exit_code = 2
+
+
+class ConfigError(UserError):
+    """The resolved config is invalid."""

@@ -1,0 +1,127 @@
+"""What the trainer reports: FLOPs/MFU accounting, the JSONL log, and the Prometheus exporter."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from app.config import ModelConfig
+
+# Dense bf16 peak TFLOP/s per device (vendor datasheets, no sparsity).
+PEAK_TFLOPS = {
+    "a100": 312.0,
+    "a100-40gb": 312.0,
+    "a100-80gb": 312.0,
+    "h100": 989.0,
+    "h100-sxm": 989.0,
+    "h100-pcie": 756.0,
+    "h200": 989.0,
+    "b200": 2250.0,
+    "l40s": 362.0,
+}
+
+
+def detect_gpu_type(device_name: str) -> str:
+    """Map a CUDA device name (e.g. 'NVIDIA H100 80GB HBM3') to a PEAK_TFLOPS key, or ''."""
+    name = device_name.lower()
+    if "h100" in name:
+        return "h100-pcie" if "pcie" in name else "h100-sxm"
+    for key in ("b200", "h200", "l40s", "a100"):
+        if key in name:
+            return key
+    return ""
+
+
+def peak_flops(gpu_type: str, override_tflops: float = 0.0) -> float:
+    """Peak FLOP/s of one device; 0 when unknown (then MFU is not reported)."""
+    if override_tflops:
+        return override_tflops * 1e12
+    return PEAK_TFLOPS.get(gpu_type.lower(), 0.0) * 1e12
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs per token: 6 x (matmul parameters a token passes through) + attention.
+
+    Matmuls: q,o (d x d), k,v (d x kv_dim), SwiGLU 3 (d x ff) per block run, plus the output head
+    per read-out. Attention scores and values: 2 x 2 x T x d per layer forward, x3 with backward.
+    Embedding lookups are not matmuls and are not counted.
+    """
+    d = cfg.d_model
+    kv_dim = cfg.kv_heads * (d // cfg.n_head)
+    block = 2 * d * d + 2 * d * kv_dim + 3 * d * cfg.ffn_dim
+    lp = cfg.loop
+    if cfg.looped:
+        readouts = lp.recurrence if lp.deep_supervision else 1
+        runs = lp.prelude + lp.recurrent * lp.recurrence + lp.coda * readouts
+    else:
+        readouts, runs = 1, cfg.n_layer
+    matmul_params = runs * block + readouts * d * cfg.vocab_size
+    attention = 12 * runs * cfg.seq_len * d
+    return 6 * matmul_params + attention
+
+
+class JsonlLog:
+    """Append-only metrics log in the run dir: one JSON object per line, flushed per write."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = open(path, "a", buffering=1)
+
+    def write(self, kind: str, step: int, **fields) -> None:
+        self.f.write(json.dumps({"kind": kind, "step": step, "time": round(time.time(), 3), **fields}) + "\n")
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by SIGKILL
+    return rows
+
+
+class TrainerMetrics:
+    """Prometheus gauges of one trainer process on its own registry and port."""
+
+    def __init__(self, port: int, node: str, serve_global: bool) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Info, start_http_server
+
+        self.registry = r = CollectorRegistry()
+        self.serve_global = serve_global
+        self.node_tps = Gauge("pretrain_node_tokens_per_second", "This node's training throughput",
+                              ["node"], registry=r).labels(node=node)
+        if serve_global:
+            g = lambda name, doc: Gauge(name, doc, registry=r)  # noqa: E731
+            self.step = g("pretrain_step", "Optimizer steps done")
+            self.tokens = Counter("pretrain_tokens", "Tokens trained on", registry=r)
+            self.train_loss = g("pretrain_train_loss", "Latest train loss (nats/token)")
+            self.val_loss = g("pretrain_val_loss", "Latest validation loss (nats/token)")
+            self.val_bpb = g("pretrain_val_bits_per_byte", "Validation bits per UTF-8 byte")
+            self.lr = g("pretrain_learning_rate", "Current learning rate")
+            self.grad_norm = g("pretrain_grad_norm", "Global gradient norm before clipping")
+            self.tps = g("pretrain_tokens_per_second", "Global training throughput (tokens/s)")
+            self.mfu = g("pretrain_mfu_ratio", "Model FLOPs utilisation (0..1)")
+            self.step_seconds = g("pretrain_step_seconds", "Wall time of the last optimizer step")
+            self.data_wait = g("pretrain_data_wait_seconds", "Time of the last step spent waiting for data")
+            self.ckpt_seconds = g("pretrain_checkpoint_seconds", "Duration of the last checkpoint save")
+            self.ckpt_step = g("pretrain_last_checkpoint_step", "Step of the last checkpoint")
+            self.ckpt_time = g("pretrain_last_checkpoint_timestamp_seconds", "Unix time of the last checkpoint")
+            self.last_step_time = g("pretrain_last_step_timestamp_seconds", "Unix time the last step finished")
+            self.stop_state = g("pretrain_stop_state",
+                                "0 running, 1 planned end, 2 early stop, 3 budget/graceful, 4 preempted, 5 immediate")
+            self.gpu_mem = g("pretrain_gpu_memory_bytes", "Peak CUDA memory allocated")
+            self.loop_loss = Gauge("pretrain_loop_loss", "Loss after each recurrence (looped models)",
+                                   ["loop"], registry=r)
+            self.refinement = g("pretrain_refinement_ratio", "(loss_first - loss_last) / loss_first over loops")
+            self.spikes = Counter("pretrain_loss_spikes", "Loss spikes detected", registry=r)
+            self.spike = g("pretrain_loss_spike", "1 while the last step was a loss spike")
+            self.info = Info("pretrain", "Run description", registry=r)
+        self.server, self.thread = start_http_server(port, registry=r)
+
+    def close(self) -> None:
+        self.server.shutdown()

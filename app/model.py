@@ -1,0 +1,230 @@
+"""The GPT, top to bottom: RMSNorm, rotary positions, grouped-query attention, SwiGLU, and a looped
+variant whose middle blocks share weights and run several times.
+
+Plain model:   embed -> blocks[0 .. n_layer) -> norm -> head
+Looped model:  embed -> prelude -> (recurrent blocks) x r -> coda -> norm -> head
+With deep supervision the coda, norm and head also read out after every recurrence, giving one loss
+per loop: a model that learns to refine its answer shows loss_0 > loss_1 > ... > loss_{r-1}.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from app.config import ModelConfig
+
+_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
+
+
+class RMSNorm(nn.Module):
+    """Scale-only normalization: cheaper than LayerNorm and as good for LMs."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (first half, second half) of each head by a position-dependent angle."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[: x.size(-2)], sin[: x.size(-2)]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with fewer key/value heads than query heads (GQA) to shrink the KV cache."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv = cfg.n_head, cfg.kv_heads
+        self.head_dim = cfg.d_model // cfg.n_head
+        self.wq = nn.Linear(cfg.d_model, cfg.n_head * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, self.n_kv * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, self.n_kv * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_head * self.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_kv != self.n_head:
+            if _SDPA_HAS_GQA:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            else:
+                rep = self.n_head // self.n_kv
+                y = F.scaled_dot_product_attention(
+                    q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True
+                )
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash/mem-efficient on GPU
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(d_model, d_ff, bias=False)
+        self.w_up = nn.Linear(d_model, d_ff, bias=False)
+        self.w_down = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor | None  # last read-out's logits (None when only the loss was asked for)
+    loss: torch.Tensor | None  # the training objective (weighted over loops with deep supervision)
+    loop_losses: list[torch.Tensor] = field(default_factory=list)  # per recurrence, detached
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("model.vocab_size must be set before building the model")
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        # One flat list of distinct blocks (FSDP wraps each); the loop structure is index ranges.
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_blocks))
+        lp = cfg.loop
+        self.n_prelude = lp.prelude if cfg.looped else cfg.n_layer
+        self.n_recurrent = lp.recurrent if cfg.looped else 0
+        self.recurrence = lp.recurrence if cfg.looped else 0
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+        cos, sin = rope_tables(cfg.seq_len, cfg.d_model // cfg.n_head, cfg.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        for block in self.blocks:
+            block.attn.wo._is_residual_out = True
+            block.mlp.w_down._is_residual_out = True
+        if not self.tok_emb.weight.is_meta:
+            self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """GPT-2 init; output projections of residual branches scaled by 1/sqrt(2 * depth) so the
+        residual stream's variance does not grow with (effective) depth."""
+        std = self.cfg.init_std
+        if isinstance(module, nn.Linear):
+            scale = 1.0
+            if getattr(module, "_is_residual_out", False):
+                scale = 1 / math.sqrt(2 * self.cfg.effective_depth)
+            nn.init.normal_(module.weight, mean=0.0, std=std * scale)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+    def reset_parameters(self) -> None:
+        """Re-run init, e.g. after materializing a meta-device model."""
+        self.apply(self._init_weights)
+        cos, sin = rope_tables(self.cfg.seq_len, self.cfg.d_model // self.cfg.n_head, self.cfg.rope_base)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def _readout(self, h: torch.Tensor, cos, sin) -> torch.Tensor:
+        for block in self.blocks[self.n_prelude + self.n_recurrent :]:
+            h = block(h, cos, sin)
+        return self.head(self.norm(h))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, last_only: bool = False
+                ) -> ModelOutput:
+        cos, sin = self.rope_cos, self.rope_sin
+        h = self.tok_emb(idx)
+        for block in self.blocks[: self.n_prelude]:
+            h = block(h, cos, sin)
+        readouts: list[torch.Tensor] = []  # hidden states to read out (one per loop with deep supervision)
+        recurrent = self.blocks[self.n_prelude : self.n_prelude + self.n_recurrent]
+        for i in range(self.recurrence):
+            for block in recurrent:
+                h = block(h, cos, sin)
+            if self.cfg.loop.deep_supervision and targets is not None and i < self.recurrence - 1:
+                readouts.append(h)
+        readouts.append(h)
+        if targets is None:
+            logits = self._readout(h[:, -1:] if last_only else h, cos, sin)
+            return ModelOutput(logits, None)
+        losses = []
+        logits = None
+        for r in readouts:
+            logits = self._readout(r, cos, sin)
+            losses.append(F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1)))
+        if len(losses) == 1:
+            return ModelOutput(logits, losses[0])
+        w = self.cfg.loop.loss_weights or [1.0] * len(losses)
+        loss = sum(wi * li for wi, li in zip(w, losses, strict=True)) / sum(w)
+        return ModelOutput(logits, loss, [li.detach() for li in losses])
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
+                 top_k: int | None = 50, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample tokens autoregressively (no KV cache: sampling is for eyeballing, not serving)."""
+        for _ in range(max_new_tokens):
+            ctx = idx[:, -self.cfg.seq_len :]
+            logits = self(ctx, last_only=True).logits[:, -1, :].float() / max(temperature, 1e-5)
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1, None]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> GPT:
+    """Build on `device`; on "meta" nothing is allocated (for counting and FSDP init of big models)."""
+    with torch.device(device):
+        return GPT(cfg)
+
+
+@dataclass
+class ParamCounts:
+    total: int  # distinct parameters (tied weights counted once)
+    non_embedding: int  # without token embedding and output head
+
+    def __str__(self) -> str:
+        return f"{self.total:,} parameters ({self.non_embedding:,} non-embedding)"
+
+
+def count_parameters(cfg_or_model: ModelConfig | nn.Module) -> ParamCounts:
+    """Exact counts; a config is built on the meta device, so any size is free to count."""
+    model = build_model(cfg_or_model, "meta") if isinstance(cfg_or_model, ModelConfig) else cfg_or_model
+    total = sum(p.numel() for p in model.parameters())  # .parameters() already dedups tied weights
+    emb = model.tok_emb.weight.numel()
+    head = 0 if model.head.weight is model.tok_emb.weight else model.head.weight.numel()
+    return ParamCounts(total, total - emb - head)

@@ -1,0 +1,57 @@
+"""Learning-rate schedules: cosine, warmup-stable-decay (WSD), constant; and the budget-driven decay.
+
+With a budget cap and WSD, the decay does not start at a fixed step: it starts when the steps the
+remaining budget still buys equal `decay_fraction` of the whole run, so the run ends annealed just
+inside the cap. That start is agreed across ranks and stored in the trainer state (exact resume).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from app.config import OptimConfig, ScheduleConfig
+
+
+@dataclass
+class DecayPlan:
+    start_step: int
+    steps: int  # linear decay to min_lr over this many steps, then min_lr
+
+
+def lr_at(step: int, sched: ScheduleConfig, optim: OptimConfig, max_steps: int,
+          budget_decay: DecayPlan | None = None) -> float:
+    """LR for the optimizer step that turns `step` into `step + 1`."""
+    peak, floor = optim.lr, optim.min_lr
+    if sched.warmup_steps and step < sched.warmup_steps:
+        return peak * (step + 1) / sched.warmup_steps
+    if sched.name == "constant":
+        return peak
+    if sched.name == "cosine":
+        span = max(1, max_steps - sched.warmup_steps)
+        progress = min(1.0, (step - sched.warmup_steps) / span)
+        return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
+    # WSD: flat at peak, then a linear decay to min_lr
+    if budget_decay is not None:
+        start, steps = budget_decay.start_step, max(1, budget_decay.steps)
+    else:
+        steps = max(1, round(sched.decay_fraction * max_steps))
+        start = max_steps - steps
+    if step < start:
+        return peak
+    return peak - (peak - floor) * min(1.0, (step - start + 1) / steps)
+
+
+def budget_decay_steps(step: int, seconds_to_cap: float, step_seconds: float, reserve_seconds: float,
+                       decay_fraction: float) -> int:
+    """Steps of budget-driven decay to start now, or 0 to keep the LR flat.
+
+    `seconds_to_cap` is what the watcher projects; `reserve_seconds` covers the final checkpoint and
+    margin. The remaining affordable steps are a fraction f of the run when remaining <= f/(1-f) * done.
+    """
+    if step <= 0 or step_seconds <= 0 or seconds_to_cap <= 0:
+        return 0
+    affordable = int(max(0.0, seconds_to_cap - reserve_seconds) / step_seconds)
+    if affordable <= decay_fraction / (1 - decay_fraction) * step:
+        return max(1, affordable)
+    return 0

@@ -1,0 +1,44 @@
+"""Loss spikes: a detector (loss above k x its moving average) and a drill that injects them."""
+
+from __future__ import annotations
+
+import torch
+
+
+class SpikeDetector:
+    """Flags a step whose loss exceeds `factor` x the exponential moving average of earlier losses.
+
+    Spiking losses are not folded into the average, so one spike does not hide the next.
+    """
+
+    def __init__(self, factor: float, beta: float = 0.9, warmup: int = 10) -> None:
+        self.factor, self.beta, self.warmup = factor, beta, warmup
+        self.avg = 0.0
+        self.seen = 0
+        self.count = 0
+
+    def is_spike(self, loss: float) -> bool:
+        return self.seen >= self.warmup and (loss != loss or loss > self.factor * self.avg)  # NaN too
+
+    def update(self, loss: float) -> bool:
+        spike = self.is_spike(loss)
+        if spike:
+            self.count += 1
+        else:
+            self.avg = loss if self.seen == 0 else self.beta * self.avg + (1 - self.beta) * loss
+            self.seen += 1
+        return spike
+
+    def state_dict(self) -> dict:
+        return {"avg": self.avg, "seen": self.seen, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.avg, self.seen, self.count = float(state["avg"]), int(state["seen"]), int(state["count"])
+
+
+def spike_batch(x: torch.Tensor, step: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of uniformly random token ids: for a trained model, rare tokens in random order carry a
+    loss near log(vocab), far above its running loss. Seeded by step, so runs stay reproducible."""
+    g = torch.Generator().manual_seed(10_007 * step + 1)
+    rows = torch.randint(0, vocab_size, (x.size(0), x.size(1) + 1), generator=g)
+    return rows[:, :-1].to(x.device), rows[:, 1:].to(x.device)

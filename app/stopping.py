@@ -1,0 +1,194 @@
+"""Why a run stops, and how all ranks agree to stop at the same step.
+
+Every rank computes a local stop code each step; one all-reduce (MAX) of a 3-element tensor gives
+every rank the same decision: the most severe cause wins. The other elements carry a proposal
+for the budget-driven LR decay (steps left) and a request to checkpoint now, decided in the same
+collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+class StopCause(IntEnum):
+    NONE = 0
+    PLANNED = 1  # max steps / tokens / hours reached
+    EARLY = 2  # val loss stopped improving
+    BUDGET = 3  # graceful stop file (budget watcher or a user)
+    PREEMPTED = 4  # SIGTERM / SIGINT
+    IMMEDIATE = 5  # immediate stop file: exit now, no checkpoint
+
+
+@dataclass
+class StopDecision:
+    cause: StopCause
+    detail: int = 0  # the signal number for PREEMPTED
+    reason: str = ""
+
+    @property
+    def saves(self) -> bool:
+        return self.cause not in (StopCause.NONE, StopCause.IMMEDIATE)
+
+    @property
+    def exit_code(self) -> int:
+        """0: done, Kubernetes must not restart; 128 + signal: preempted, the ExitCode policy retries."""
+        if self.cause == StopCause.PREEMPTED:
+            return 128 + self.detail
+        return 0
+
+    def encode(self) -> int:
+        return int(self.cause) * 1000 + self.detail
+
+
+class SignalFlag:
+    """Records SIGTERM/SIGINT instead of dying, so the loop can finish its step and checkpoint.
+
+    Later signals are recorded too but change nothing: a second SIGTERM during a save cannot
+    interrupt it. Only SIGKILL can, and saves are atomic, so that leaves the previous checkpoint.
+    """
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self.count = 0
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        self.count += 1
+        if not self.signum:
+            self.signum = signum
+
+
+def read_stop_file(path: Path) -> StopDecision | None:
+    """A stop file's request; an unreadable one (e.g. `touch stop.json`) means a graceful stop."""
+    try:
+        raw = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return StopDecision(StopCause.BUDGET, 0, f"stop file {path} (unreadable): graceful stop")
+    try:
+        data = json.loads(raw) if raw.strip() else {}
+    except json.JSONDecodeError:
+        data = {}
+    if not isinstance(data, dict):
+        data = {}
+    mode = str(data.get("mode", "graceful"))
+    reason = str(data.get("reason") or f"stop file {path}")
+    cause = str(data.get("cause", "user"))
+    if mode == "immediate":
+        return StopDecision(StopCause.IMMEDIATE, 0, f"{cause}: {reason}")
+    return StopDecision(StopCause.BUDGET, 0, f"{cause}: {reason}")
+
+
+def consume_stop_file(path: Path) -> None:
+    """Move a handled stop file aside so a later restart of the same run dir is not stopped by it."""
+    try:
+        os.replace(path, path.with_name(path.name + ".handled"))
+    except OSError:
+        pass
+
+
+@dataclass
+class PlannedEnd:
+    max_steps: int
+    max_tokens: int = 0
+    max_seconds: float = 0.0  # over all restarts of the run
+
+    def check(self, step: int, tokens: int, elapsed_seconds: float) -> StopDecision | None:
+        if step >= self.max_steps:
+            return StopDecision(StopCause.PLANNED, 0, f"planned end: reached max_steps={self.max_steps}")
+        if self.max_tokens and tokens >= self.max_tokens:
+            return StopDecision(StopCause.PLANNED, 0, f"planned end: reached max_tokens={self.max_tokens}")
+        if self.max_seconds and elapsed_seconds >= self.max_seconds:
+            hours = self.max_seconds / 3600
+            return StopDecision(StopCause.PLANNED, 0, f"planned end: reached max_hours={hours:g}")
+        return None
+
+
+class EarlyStopping:
+    """Stop when val loss has not improved by min_delta for `patience` evals (0 = off)."""
+
+    def __init__(self, patience: int, min_delta: float) -> None:
+        self.patience, self.min_delta = patience, min_delta
+        self.best = float("inf")
+        self.bad_evals = 0
+
+    def update(self, val_loss: float) -> None:
+        if val_loss < self.best - self.min_delta:
+            self.best, self.bad_evals = val_loss, 0
+        else:
+            self.bad_evals += 1
+
+    def check(self) -> StopDecision | None:
+        if self.patience and self.bad_evals >= self.patience:
+            return StopDecision(
+                StopCause.EARLY, 0, f"early stop: no val-loss improvement in {self.bad_evals} evals"
+            )
+        return None
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "bad_evals": self.bad_evals}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.bad_evals = float(state["best"]), int(state["bad_evals"])
+
+
+class StopAgreement:
+    """Collects this rank's causes and agrees with the other ranks in one all-reduce per step."""
+
+    def __init__(self, stop_file: Path | None, planned: PlannedEnd, early: EarlyStopping, is_rank0: bool,
+                 device: torch.device) -> None:
+        self.stop_file = stop_file if is_rank0 else None  # in Kubernetes only the master pod has it
+        self.planned, self.early = planned, early
+        self.signals = SignalFlag()
+        self.device = device
+        self._buf = torch.zeros(3, dtype=torch.int64, device=device)
+        self._reasons: dict[int, str] = {}
+
+    def local(self, step: int, tokens: int, elapsed: float) -> StopDecision:
+        candidates = [
+            self.planned.check(step, tokens, elapsed),
+            self.early.check(),
+            read_stop_file(self.stop_file) if self.stop_file else None,
+        ]
+        if self.signals.signum:
+            name = signal.Signals(self.signals.signum).name
+            candidates.append(StopDecision(StopCause.PREEMPTED, self.signals.signum, f"preempted: {name}"))
+        found = [c for c in candidates if c is not None]
+        return max(found, key=lambda d: d.encode()) if found else StopDecision(StopCause.NONE)
+
+    def agree(self, step: int, tokens: int, elapsed: float, decay_proposal: int = 0, want_save: bool = False
+              ) -> tuple[StopDecision, int, bool]:
+        """(the decision every rank takes, the agreed budget-decay length or 0, save a checkpoint now).
+
+        Time-based choices (checkpoint every M minutes, max hours) differ by a few ms between ranks'
+        clocks, so they go through the same collective: any rank asking is enough.
+        """
+        mine = self.local(step, tokens, elapsed)
+        if not (dist.is_available() and dist.is_initialized()):
+            return mine, decay_proposal, want_save
+        self._buf[0], self._buf[1], self._buf[2] = mine.encode(), decay_proposal, int(want_save)
+        dist.all_reduce(self._buf, op=dist.ReduceOp.MAX)
+        code, decay, save = (int(v) for v in self._buf.tolist())
+        if code == mine.encode():
+            return mine, decay, bool(save)
+        cause, detail = StopCause(code // 1000), code % 1000
+        return StopDecision(cause, detail, f"{cause.name.lower()} (agreed with another rank)"), decay, bool(save)
