@@ -194,8 +194,15 @@ class CheckpointWriter:
     def tmp_dir(self, step: int) -> Path:
         return self.root / f".tmp-{step_dir_name(step)}"
 
-    def save(self, step: int, model_state: dict[str, torch.Tensor], optimizer_state: dict | None,
-             trainer_state: dict, meta: dict, extra_files: list[Path] = ()) -> SaveResult:
+    def save(
+        self,
+        step: int,
+        model_state: dict[str, torch.Tensor],
+        optimizer_state: dict | None,
+        trainer_state: dict,
+        meta: dict,
+        extra_files: list[Path] = (),
+    ) -> SaveResult:
         """Collective: every rank calls it. `extra_files` (e.g. the tokenizer) are copied in, so a
         checkpoint dir alone is enough to sample from or export."""
         start = time.monotonic()
@@ -225,9 +232,16 @@ class CheckpointWriter:
                 _fsync_file(p)
                 files[p.name] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
                 nbytes += p.stat().st_size
-            meta = {**meta, "format_version": FORMAT_VERSION, "step": step, "tied": aliases,
-                    "world_size": self.world, "versions": versions(), "saved_unix": time.time(),
-                    "files": files}
+            meta = {
+                **meta,
+                "format_version": FORMAT_VERSION,
+                "step": step,
+                "tied": aliases,
+                "world_size": self.world,
+                "versions": versions(),
+                "saved_unix": time.time(),
+                "files": files,
+            }
             write_json(tmp / META, meta)
             fsync_dir(tmp)
             if final.exists():  # re-saving a step (e.g. a stop right after a resume): swap atomically
@@ -433,4 +447,3 @@ def describe(info: CheckpointInfo | None) -> str:
         return "none"
     loss = f", val loss {info.val_loss:.4f}" if info.val_loss is not None else ""
     return f"{info.path} (step {info.step}{loss})"
-

@@ -31,39 +31,80 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     from app.config import preset_names
 
     p.add_argument("--preset", help=f"config preset: {', '.join(preset_names())} (default: tiny)")
-    p.add_argument("--config", metavar="FILE.yaml", help="YAML file of config keys (applied after the preset)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one config key, dotted (e.g. --set model.n_layer=8); repeatable")
-    p.add_argument("--out", default="runs/tiny", metavar="RUN_DIR",
-                   help="run directory: checkpoints/, metrics.jsonl, status.json, budget/ (default: runs/tiny)")
-    p.add_argument("--max-steps", type=int, metavar="N", help="planned end after N optimizer steps (train.max_steps)")
-    p.add_argument("--resume", default="auto", metavar="auto|never|PATH",
-                   help="auto: continue from the newest valid checkpoint in RUN_DIR (default); never: start "
-                        "fresh; PATH: a run dir or a checkpoints/step_NNNNNN dir")
-    p.add_argument("--stop-file", metavar="PATH",
-                   help="poll this JSON file each step; {\"mode\": \"graceful\"|\"immediate\"} stops the run "
-                        "(default: RUN_DIR/stop.json)")
-    p.add_argument("--metrics-port", type=int, metavar="PORT",
-                   help="serve Prometheus /metrics on this port (metrics.port; 0 = off)")
-    p.add_argument("--print-config", action="store_true",
-                   help="print the resolved config and parameter counts, then exit")
-    p.add_argument("--budget-cap-usd", type=float, metavar="X",
-                   help="stop gracefully before spend reaches X dollars (budget.cap_usd)")
-    p.add_argument("--price-per-gpu-hour", type=float, metavar="P",
-                   help="price of one GPU-hour in dollars for static spend tracking (budget.price_per_gpu_hour)")
+    p.add_argument(
+        "--config", metavar="FILE.yaml", help="YAML file of config keys (applied after the preset)"
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key, dotted (e.g. --set model.n_layer=8); repeatable",
+    )
+    p.add_argument(
+        "--out",
+        default="runs/tiny",
+        metavar="RUN_DIR",
+        help="run directory: checkpoints/, metrics.jsonl, status.json, budget/ (default: runs/tiny)",
+    )
+    p.add_argument(
+        "--max-steps", type=int, metavar="N", help="planned end after N optimizer steps (train.max_steps)"
+    )
+    p.add_argument(
+        "--resume",
+        default="auto",
+        metavar="auto|never|PATH",
+        help="auto: continue from the newest valid checkpoint in RUN_DIR (default); never: start "
+        "fresh; PATH: a run dir or a checkpoints/step_NNNNNN dir",
+    )
+    p.add_argument(
+        "--stop-file",
+        metavar="PATH",
+        help='poll this JSON file each step; {"mode": "graceful"|"immediate"} stops the run '
+        "(default: RUN_DIR/stop.json)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus /metrics on this port (metrics.port; 0 = off)",
+    )
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config and parameter counts, then exit",
+    )
+    p.add_argument(
+        "--budget-cap-usd",
+        type=float,
+        metavar="X",
+        help="stop gracefully before spend reaches X dollars (budget.cap_usd)",
+    )
+    p.add_argument(
+        "--price-per-gpu-hour",
+        type=float,
+        metavar="P",
+        help="price of one GPU-hour in dollars for static spend tracking (budget.price_per_gpu_hour)",
+    )
     p.add_argument("--gpus", type=int, metavar="N", help="GPUs billed (budget.gpus; default: the world size)")
 
 
 def _run_train(args: argparse.Namespace) -> int:
     from app.config import load_config
 
-    cfg = load_config(args.preset, args.config, args.overrides, {
-        "train.max_steps": args.max_steps,
-        "metrics.port": args.metrics_port,
-        "budget.cap_usd": args.budget_cap_usd,
-        "budget.price_per_gpu_hour": args.price_per_gpu_hour,
-        "budget.gpus": args.gpus,
-    })
+    cfg = load_config(
+        args.preset,
+        args.config,
+        args.overrides,
+        {
+            "train.max_steps": args.max_steps,
+            "metrics.port": args.metrics_port,
+            "budget.cap_usd": args.budget_cap_usd,
+            "budget.price_per_gpu_hour": args.price_per_gpu_hour,
+            "budget.gpus": args.gpus,
+        },
+    )
     if args.print_config:
         return _print_config(cfg)
     from app.train import RunArgs, train
@@ -80,7 +121,7 @@ def _print_config(cfg) -> int:
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
     if not cfg.model.vocab_size:  # from the data; embedded BPE gets data.vocab_size
         cfg.model.vocab_size = cfg.data.vocab_size if cfg.data.tokenizer == "bpe" else 128
-        note = " (vocab from the data; counted with %d)" % cfg.model.vocab_size
+        note = f" (vocab from the data; counted with {cfg.model.vocab_size})"
     else:
         note = ""
     counts = count_parameters(cfg.model)
@@ -90,12 +131,20 @@ def _print_config(cfg) -> int:
 
 
 def _add_sample_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, metavar="RUN_DIR|CKPT_DIR",
-                   help="a run dir (its newest valid checkpoint) or a checkpoints/step_NNNNNN dir")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="RUN_DIR|CKPT_DIR",
+        help="a run dir (its newest valid checkpoint) or a checkpoints/step_NNNNNN dir",
+    )
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="tokens to generate (default 200)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=200, metavar="N", help="tokens to generate (default 200)"
+    )
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (default 0.8)")
-    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (default 50; 0 = all)")
+    p.add_argument(
+        "--top-k", type=int, default=50, help="sample among the k likeliest tokens (default 50; 0 = all)"
+    )
     p.add_argument("--num-samples", type=int, default=1, metavar="N", help="independent samples (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
 
@@ -103,8 +152,15 @@ def _add_sample_arguments(p: argparse.ArgumentParser) -> None:
 def _run_sample(args: argparse.Namespace) -> int:
     from app.sample import sample
 
-    for text in sample(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                       args.num_samples, args.seed):
+    for text in sample(
+        args.checkpoint,
+        args.prompt,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        args.num_samples,
+        args.seed,
+    ):
         print(text)
         print("-" * 40)
     return 0
@@ -130,9 +186,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="pretrain", description="LLM pretraining that trains the best model a dollar "
-                     "budget buys, survives preemption, and reports loss, throughput and spend.",
-                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(
+        prog="pretrain",
+        description="LLM pretraining that trains the best model a dollar "
+        "budget buys, survives preemption, and reports loss, throughput and spend.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     from app import __version__
 
     parser.add_argument("--version", action="version", version=f"pretrain {__version__}")

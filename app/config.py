@@ -79,7 +79,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    dataset: str = "embedded"  # "embedded" (Shakespeare, built on first use) or a `pretrain prepare` output dir
+    dataset: str = (
+        "embedded"  # "embedded" (Shakespeare, built on first use) or a `pretrain prepare` output dir
+    )
     tokenizer: str = "bpe"  # embedded only: bpe | char
     vocab_size: int = 2048  # embedded BPE vocabulary size
     cache_dir: str = ""  # embedded data cache; "" = $PRETRAIN_CACHE or ~/.cache/pretrain
@@ -190,7 +192,9 @@ def _unknown_key(key: str, where: str) -> ConfigError:
         last = {k.rsplit(".", 1)[-1]: k for k in all_keys()}
         match = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(last), n=1, cutoff=0.6)
         close = [last[match[0]]] if match else []
-    hint = f"; did you mean '{close[0]}'?" if close else "; see `pretrain train --print-config` for valid keys"
+    hint = (
+        f"; did you mean '{close[0]}'?" if close else "; see `pretrain train --print-config` for valid keys"
+    )
     return ConfigError(f"unknown config key '{key}' in {where}{hint}")
 
 
@@ -293,7 +297,7 @@ def load_config(
     file_data.pop("preset", None)
     path = PRESET_DIR / f"{name}.yaml"
     if not path.exists():
-        close = difflib.get_close_matches(name, preset_names(), n=1)
+        close = difflib.get_close_matches(name, preset_names(), n=1, cutoff=0.4)
         hint = f"did you mean '{close[0]}'? " if close else ""
         raise ConfigError(f"unknown preset '{name}'; {hint}choose one of: {', '.join(preset_names())}")
     cfg.preset = name

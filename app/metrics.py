@@ -66,7 +66,7 @@ class JsonlLog:
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.f = open(path, "a", buffering=1)
+        self.f = open(path, "a", buffering=1)  # noqa: SIM115 (kept open for the run)
 
     def write(self, kind: str, step: int, **fields) -> None:
         self.f.write(json.dumps({"kind": kind, "step": step, "time": round(time.time(), 3), **fields}) + "\n")
@@ -93,8 +93,9 @@ class TrainerMetrics:
 
         self.registry = r = CollectorRegistry()
         self.serve_global = serve_global
-        self.node_tps = Gauge("pretrain_node_tokens_per_second", "This node's training throughput",
-                              ["node"], registry=r).labels(node=node)
+        self.node_tps = Gauge(
+            "pretrain_node_tokens_per_second", "This node's training throughput", ["node"], registry=r
+        ).labels(node=node)
         if serve_global:
             g = lambda name, doc: Gauge(name, doc, registry=r)  # noqa: E731
             self.step = g("pretrain_step", "Optimizer steps done")
@@ -110,14 +111,23 @@ class TrainerMetrics:
             self.data_wait = g("pretrain_data_wait_seconds", "Time of the last step spent waiting for data")
             self.ckpt_seconds = g("pretrain_checkpoint_seconds", "Duration of the last checkpoint save")
             self.ckpt_step = g("pretrain_last_checkpoint_step", "Step of the last checkpoint")
-            self.ckpt_time = g("pretrain_last_checkpoint_timestamp_seconds", "Unix time of the last checkpoint")
-            self.last_step_time = g("pretrain_last_step_timestamp_seconds", "Unix time the last step finished")
-            self.stop_state = g("pretrain_stop_state",
-                                "0 running, 1 planned end, 2 early stop, 3 budget/graceful, 4 preempted, 5 immediate")
+            self.ckpt_time = g(
+                "pretrain_last_checkpoint_timestamp_seconds", "Unix time of the last checkpoint"
+            )
+            self.last_step_time = g(
+                "pretrain_last_step_timestamp_seconds", "Unix time the last step finished"
+            )
+            self.stop_state = g(
+                "pretrain_stop_state",
+                "0 running, 1 planned end, 2 early stop, 3 budget/graceful, 4 preempted, 5 immediate",
+            )
             self.gpu_mem = g("pretrain_gpu_memory_bytes", "Peak CUDA memory allocated")
-            self.loop_loss = Gauge("pretrain_loop_loss", "Loss after each recurrence (looped models)",
-                                   ["loop"], registry=r)
-            self.refinement = g("pretrain_refinement_ratio", "(loss_first - loss_last) / loss_first over loops")
+            self.loop_loss = Gauge(
+                "pretrain_loop_loss", "Loss after each recurrence (looped models)", ["loop"], registry=r
+            )
+            self.refinement = g(
+                "pretrain_refinement_ratio", "(loss_first - loss_last) / loss_first over loops"
+            )
             self.spikes = Counter("pretrain_loss_spikes", "Loss spikes detected", registry=r)
             self.spike = g("pretrain_loss_spike", "1 while the last step was a loss spike")
             self.info = Info("pretrain", "Run description", registry=r)

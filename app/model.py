@@ -163,8 +163,9 @@ class GPT(nn.Module):
             h = block(h, cos, sin)
         return self.head(self.norm(h))
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, last_only: bool = False
-                ) -> ModelOutput:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, last_only: bool = False
+    ) -> ModelOutput:
         cos, sin = self.rope_cos, self.rope_sin
         h = self.tok_emb(idx)
         for block in self.blocks[: self.n_prelude]:
@@ -192,8 +193,14 @@ class GPT(nn.Module):
         return ModelOutput(logits, loss, [li.detach() for li in losses])
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
-                 top_k: int | None = 50, generator: torch.Generator | None = None) -> torch.Tensor:
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.8,
+        top_k: int | None = 50,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         """Sample tokens autoregressively (no KV cache: sampling is for eyeballing, not serving)."""
         for _ in range(max_new_tokens):
             ctx = idx[:, -self.cfg.seq_len :]

@@ -78,8 +78,9 @@ def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimize
     return optimizer.state_dict()
 
 
-def load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
-               optimizer_state: dict | None) -> None:
+def load_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict | None
+) -> None:
     unwrap(model).load_state_dict(model_state)
     if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)

@@ -23,8 +23,15 @@ def load_for_inference(spec: str, device: str = "cpu"):
     return model, load_tokenizer(info.path), info
 
 
-def sample(spec: str, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int = 50,
-           num_samples: int = 1, seed: int = 0) -> list[str]:
+def sample(
+    spec: str,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int = 50,
+    num_samples: int = 1,
+    seed: int = 0,
+) -> list[str]:
     if max_new_tokens <= 0:
         raise UserError(f"--max-new-tokens must be > 0, got {max_new_tokens}")
     model, tok, _ = load_for_inference(spec)
@@ -34,5 +41,5 @@ def sample(spec: str, prompt: str, max_new_tokens: int, temperature: float = 0.8
     for _ in range(num_samples):
         x = torch.tensor([ids])
         y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k or None, generator=g)
-        out.append(prompt + tok.decode(y[0, len(ids):].tolist()))
+        out.append(prompt + tok.decode(y[0, len(ids) :].tolist()))
     return out

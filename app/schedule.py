@@ -19,8 +19,13 @@ class DecayPlan:
     steps: int  # linear decay to min_lr over this many steps, then min_lr
 
 
-def lr_at(step: int, sched: ScheduleConfig, optim: OptimConfig, max_steps: int,
-          budget_decay: DecayPlan | None = None) -> float:
+def lr_at(
+    step: int,
+    sched: ScheduleConfig,
+    optim: OptimConfig,
+    max_steps: int,
+    budget_decay: DecayPlan | None = None,
+) -> float:
     """LR for the optimizer step that turns `step` into `step + 1`."""
     peak, floor = optim.lr, optim.min_lr
     if sched.warmup_steps and step < sched.warmup_steps:
@@ -42,8 +47,9 @@ def lr_at(step: int, sched: ScheduleConfig, optim: OptimConfig, max_steps: int,
     return peak - (peak - floor) * min(1.0, (step - start + 1) / steps)
 
 
-def budget_decay_steps(step: int, seconds_to_cap: float, step_seconds: float, reserve_seconds: float,
-                       decay_fraction: float) -> int:
+def budget_decay_steps(
+    step: int, seconds_to_cap: float, step_seconds: float, reserve_seconds: float, decay_fraction: float
+) -> int:
     """Steps of budget-driven decay to start now, or 0 to keep the LR flat.
 
     `seconds_to_cap` is what the watcher projects; `reserve_seconds` covers the final checkpoint and

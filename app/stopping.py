@@ -8,6 +8,7 @@ collective.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -100,10 +101,8 @@ def read_stop_file(path: Path) -> StopDecision | None:
 
 def consume_stop_file(path: Path) -> None:
     """Move a handled stop file aside so a later restart of the same run dir is not stopped by it."""
-    try:
+    with contextlib.suppress(OSError):
         os.replace(path, path.with_name(path.name + ".handled"))
-    except OSError:
-        pass
 
 
 @dataclass
@@ -154,8 +153,14 @@ class EarlyStopping:
 class StopAgreement:
     """Collects this rank's causes and agrees with the other ranks in one all-reduce per step."""
 
-    def __init__(self, stop_file: Path | None, planned: PlannedEnd, early: EarlyStopping, is_rank0: bool,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        stop_file: Path | None,
+        planned: PlannedEnd,
+        early: EarlyStopping,
+        is_rank0: bool,
+        device: torch.device,
+    ) -> None:
         self.stop_file = stop_file if is_rank0 else None  # in Kubernetes only the master pod has it
         self.planned, self.early = planned, early
         self.signals = SignalFlag()
@@ -175,8 +180,9 @@ class StopAgreement:
         found = [c for c in candidates if c is not None]
         return max(found, key=lambda d: d.encode()) if found else StopDecision(StopCause.NONE)
 
-    def agree(self, step: int, tokens: int, elapsed: float, decay_proposal: int = 0, want_save: bool = False
-              ) -> tuple[StopDecision, int, bool]:
+    def agree(
+        self, step: int, tokens: int, elapsed: float, decay_proposal: int = 0, want_save: bool = False
+    ) -> tuple[StopDecision, int, bool]:
         """(the decision every rank takes, the agreed budget-decay length or 0, save a checkpoint now).
 
         Time-based choices (checkpoint every M minutes, max hours) differ by a few ms between ranks'
@@ -191,4 +197,8 @@ class StopAgreement:
         if code == mine.encode():
             return mine, decay, bool(save)
         cause, detail = StopCause(code // 1000), code % 1000
-        return StopDecision(cause, detail, f"{cause.name.lower()} (agreed with another rank)"), decay, bool(save)
+        return (
+            StopDecision(cause, detail, f"{cause.name.lower()} (agreed with another rank)"),
+            decay,
+            bool(save),
+        )

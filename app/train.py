@@ -89,8 +89,9 @@ def resolve_data_dir(cfg: Config, log) -> Path:
     if cfg.data.dataset == "embedded":
         from app.data.corpus import embedded_dataset
 
-        return embedded_dataset(cfg.data.tokenizer, cfg.data.vocab_size, cfg.data.val_fraction,
-                                cfg.data.cache_dir, log=log)
+        return embedded_dataset(
+            cfg.data.tokenizer, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.cache_dir, log=log
+        )
     path = Path(cfg.data.dataset)
     if not path.is_dir():
         raise UserError(f"data.dataset={path} is not a directory; run `pretrain prepare --out {path}` first")
@@ -164,8 +165,14 @@ class Trainer:
         model = build_model(cfg.model, self.device)
         self.counts = count_parameters(model)
         self.optimizer = build_optimizer(model, cfg.optim, self.device)
-        self.loader = TrainLoader(self.data_dir, cfg.model.seq_len, cfg.train.micro_batch_size, env.rank,
-                                  env.world_size, cfg.train.seed)
+        self.loader = TrainLoader(
+            self.data_dir,
+            cfg.model.seq_len,
+            cfg.train.micro_batch_size,
+            env.rank,
+            env.world_size,
+            cfg.train.seed,
+        )
         self.early = EarlyStopping(cfg.train.early_stop_patience, cfg.train.early_stop_min_delta)
         self.spikes = SpikeDetector(cfg.train.spike_factor)
         self._maybe_resume(model)
@@ -188,17 +195,27 @@ class Trainer:
 
         stop_file = self.args.stop_file or self.run_dir / "stop.json"
         planned = PlannedEnd(cfg.train.max_steps, cfg.train.max_tokens, cfg.train.max_hours * 3600)
-        self.stopper = StopAgreement(stop_file, planned, self.early, self.rank0, torch.device("cpu")
-                                     if self.device.type == "cpu" else self.device)
+        self.stopper = StopAgreement(
+            stop_file,
+            planned,
+            self.early,
+            self.rank0,
+            torch.device("cpu") if self.device.type == "cpu" else self.device,
+        )
         self.stop_file = stop_file
 
         if cfg.metrics.port and env.is_local_rank0:
             self.metrics = TrainerMetrics(cfg.metrics.port, env.node, serve_global=self.rank0)
             if self.rank0:
-                self.metrics.info.info({
-                    "preset": cfg.preset, "run": self.run_dir.name, "world_size": str(env.world_size),
-                    "parameters": str(self.counts.total), "non_embedding_parameters": str(self.counts.non_embedding),
-                })
+                self.metrics.info.info(
+                    {
+                        "preset": cfg.preset,
+                        "run": self.run_dir.name,
+                        "world_size": str(env.world_size),
+                        "parameters": str(self.counts.total),
+                        "non_embedding_parameters": str(self.counts.non_embedding),
+                    }
+                )
         if self.rank0:
             self.jsonl = JsonlLog(self.run_dir / "metrics.jsonl")
         self._announce()
@@ -242,9 +259,16 @@ class Trainer:
             f"{self.flops_per_token / 1e6:.1f} MFLOPs/token"
         )
         if self.jsonl:
-            self.jsonl.write("event", self.state.step, event="start", preset=cfg.preset,
-                             parameters=self.counts.total, non_embedding=self.counts.non_embedding,
-                             world_size=env.world_size, tokens_per_step=self.tokens_per_step)
+            self.jsonl.write(
+                "event",
+                self.state.step,
+                event="start",
+                preset=cfg.preset,
+                parameters=self.counts.total,
+                non_embedding=self.counts.non_embedding,
+                world_size=env.world_size,
+                tokens_per_step=self.tokens_per_step,
+            )
 
     # ------------------------------------------------------------ one step
 
@@ -254,7 +278,10 @@ class Trainer:
         decay = DecayPlan(**self.state.budget_decay) if self.state.budget_decay else None
         lr = lr_at(step, cfg.schedule, cfg.optim, cfg.train.max_steps, decay)
         set_lr(self.optimizer, lr)
-        inject = cfg.train.inject_spike_at_step and 0 <= step - cfg.train.inject_spike_at_step < cfg.train.spike_batches
+        inject = (
+            cfg.train.inject_spike_at_step
+            and 0 <= step - cfg.train.inject_spike_at_step < cfg.train.spike_batches
+        )
         loss_sum = torch.zeros((), device=self.device)
         loop_sums: list[torch.Tensor] = []
         data_wait = 0.0
@@ -266,7 +293,7 @@ class Trainer:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             data_wait += time.perf_counter() - td
             sync = micro == self.accum - 1 or not self.env.distributed
-            with (contextlib.nullcontext() if sync else self.model.no_sync()), self.autocast:
+            with contextlib.nullcontext() if sync else self.model.no_sync(), self.autocast:
                 out = self.model(x, y)
             (out.loss / self.accum).backward()
             loss_sum += out.loss.detach()
@@ -279,8 +306,10 @@ class Trainer:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         spike = self.spikes.update(loss)
         if spike:
-            self.log(f"loss spike at step {step}: {loss:.3f} vs moving average {self.spikes.avg:.3f}"
-                     + (" (update skipped)" if cfg.train.skip_spike_updates else ""))
+            self.log(
+                f"loss spike at step {step}: {loss:.3f} vs moving average {self.spikes.avg:.3f}"
+                + (" (update skipped)" if cfg.train.skip_spike_updates else "")
+            )
         if not (spike and cfg.train.skip_spike_updates):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -289,8 +318,16 @@ class Trainer:
         dt = time.perf_counter() - t0
         self.step_seconds_avg = dt if self.step_seconds_avg == 0 else 0.9 * self.step_seconds_avg + 0.1 * dt
         loop_losses = [float(v) / self.accum for v in loop_sums]
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_seconds": dt, "data_wait_seconds": data_wait,
-                "spike": spike, "injected": bool(inject), "loop_losses": loop_losses}
+        return {
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "step_seconds": dt,
+            "data_wait_seconds": data_wait,
+            "spike": spike,
+            "injected": bool(inject),
+            "loop_losses": loop_losses,
+        }
 
     # ------------------------------------------------------------ eval, sample, save
 
@@ -300,8 +337,14 @@ class Trainer:
         model = unwrap(self.model)
         model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for x, y in val_batches(self.data_dir, cfg.model.seq_len, cfg.train.micro_batch_size,
-                                cfg.train.eval_batches, self.env.rank, self.env.world_size):
+        for x, y in val_batches(
+            self.data_dir,
+            cfg.model.seq_len,
+            cfg.train.micro_batch_size,
+            cfg.train.eval_batches,
+            self.env.rank,
+            self.env.world_size,
+        ):
             with self.autocast:
                 out = model(x.to(self.device), y.to(self.device))
             total[0] += out.loss.double() * x.size(0)
@@ -326,7 +369,7 @@ class Trainer:
         g = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed + self.state.step)
         out = model.generate(ids, tokens, generator=g)
         model.train()
-        return tok.decode(out[0, ids.size(1):].tolist())
+        return tok.decode(out[0, ids.size(1) :].tolist())
 
     def save(self, reason: str) -> None:
         st = self.state
@@ -334,24 +377,42 @@ class Trainer:
         st.early_stopping = self.early.state_dict()
         st.spikes = self.spikes.state_dict()
         st.spent_usd = self._spent_usd()
-        meta = {"config": self.cfg.to_dict(), "tokens": st.tokens, "val_loss": st.last_val_loss if
-                self.last_eval_step == st.step else None, "best_val_loss": st.best_val_loss,
-                "spent_usd": st.spent_usd, "reason": reason,
-                "data": {"dir": str(self.data_dir), "tokenizer_sha256": self.manifest.tokenizer.get("sha256")}}
+        meta = {
+            "config": self.cfg.to_dict(),
+            "tokens": st.tokens,
+            "val_loss": st.last_val_loss if self.last_eval_step == st.step else None,
+            "best_val_loss": st.best_val_loss,
+            "spent_usd": st.spent_usd,
+            "reason": reason,
+            "data": {"dir": str(self.data_dir), "tokenizer_sha256": self.manifest.tokenizer.get("sha256")},
+        }
         self._write_status("saving")
-        result = self.writer.save(st.step, model_state_dict(self.model),
-                                  optimizer_state_dict(self.model, self.optimizer), st.__dict__, meta,
-                                  extra_files=[self.data_dir / "tokenizer.json"])
+        result = self.writer.save(
+            st.step,
+            model_state_dict(self.model),
+            optimizer_state_dict(self.model, self.optimizer),
+            st.__dict__,
+            meta,
+            extra_files=[self.data_dir / "tokenizer.json"],
+        )
         self.last_saved_step = st.step
         self.checkpoint_seconds = result.seconds
         self.last_ckpt_time = time.monotonic()
         if self.rank0:
             c = self.cfg.checkpoint
             ckpt.apply_retention(self.run_dir, c.keep_last, c.keep_best, c.drop_optimizer_older)
-            self.log(f"checkpoint step {st.step} -> {result.path} ({result.bytes / 1e6:.1f} MB in "
-                     f"{result.seconds:.2f}s, {reason})")
-            self.jsonl.write("checkpoint", st.step, path=str(result.path), seconds=result.seconds,
-                             bytes=result.bytes, reason=reason)
+            self.log(
+                f"checkpoint step {st.step} -> {result.path} ({result.bytes / 1e6:.1f} MB in "
+                f"{result.seconds:.2f}s, {reason})"
+            )
+            self.jsonl.write(
+                "checkpoint",
+                st.step,
+                path=str(result.path),
+                seconds=result.seconds,
+                bytes=result.bytes,
+                reason=reason,
+            )
             if self.metrics:
                 m = self.metrics
                 m.ckpt_seconds.set(result.seconds)
@@ -376,7 +437,9 @@ class Trainer:
     def _decay_proposal(self, now: float) -> int:
         """Rank 0 proposes the budget-driven WSD decay from the watcher's projection."""
         cfg = self.cfg
-        if not (self.rank0 and cfg.budget.cap_usd and cfg.schedule.name == "wsd" and not self.state.budget_decay):
+        if not (
+            self.rank0 and cfg.budget.cap_usd and cfg.schedule.name == "wsd" and not self.state.budget_decay
+        ):
             return 0
         if now - self.last_budget_read < STATUS_EVERY_SECONDS:
             return 0
@@ -385,18 +448,31 @@ class Trainer:
         if not state or state.get("seconds_to_cap") is None:
             return 0
         reserve = self.checkpoint_seconds + cfg.budget.margin_seconds
-        return budget_decay_steps(self.state.step, float(state["seconds_to_cap"]), self.step_seconds_avg,
-                                  reserve, cfg.budget.decay_fraction)
+        return budget_decay_steps(
+            self.state.step,
+            float(state["seconds_to_cap"]),
+            self.step_seconds_avg,
+            reserve,
+            cfg.budget.decay_fraction,
+        )
 
     def _write_status(self, state: str) -> None:
         if not self.rank0:
             return
         self.last_status = time.monotonic()
-        ckpt.write_json_atomic(self.run_dir / "status.json", {
-            "step": self.state.step, "tokens": self.state.tokens, "step_seconds": self.step_seconds_avg,
-            "checkpoint_seconds": self.checkpoint_seconds, "last_checkpoint_step": max(self.last_saved_step, 0),
-            "state": state, "pid": os.getpid(), "updated_unix": time.time(),
-        })
+        ckpt.write_json_atomic(
+            self.run_dir / "status.json",
+            {
+                "step": self.state.step,
+                "tokens": self.state.tokens,
+                "step_seconds": self.step_seconds_avg,
+                "checkpoint_seconds": self.checkpoint_seconds,
+                "last_checkpoint_step": max(self.last_saved_step, 0),
+                "state": state,
+                "pid": os.getpid(),
+                "updated_unix": time.time(),
+            },
+        )
 
     # ------------------------------------------------------------ the loop
 
@@ -404,9 +480,15 @@ class Trainer:
         st = self.state
         mfu = self.flops_per_token * tps / (self.peak * self.env.world_size) if self.peak else None
         if self.jsonl:
-            row = {"loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"], "tokens": st.tokens,
-                   "tokens_per_second": tps, "step_seconds": m["step_seconds"],
-                   "data_wait_seconds": m["data_wait_seconds"]}
+            row = {
+                "loss": m["loss"],
+                "lr": m["lr"],
+                "grad_norm": m["grad_norm"],
+                "tokens": st.tokens,
+                "tokens_per_second": tps,
+                "step_seconds": m["step_seconds"],
+                "data_wait_seconds": m["data_wait_seconds"],
+            }
             if mfu is not None:
                 row["mfu"] = mfu
             if m["loop_losses"]:
@@ -465,9 +547,13 @@ class Trainer:
         while True:
             now = time.monotonic()
             st.elapsed_seconds = elapsed_before + (now - start)
-            due = bool(cfg.checkpoint.every_minutes) and now - self.last_ckpt_time >= cfg.checkpoint.every_minutes * 60
-            decision, decay, save_now = self.stopper.agree(st.step, st.tokens, st.elapsed_seconds,
-                                                           self._decay_proposal(now), due)
+            due = (
+                bool(cfg.checkpoint.every_minutes)
+                and now - self.last_ckpt_time >= cfg.checkpoint.every_minutes * 60
+            )
+            decision, decay, save_now = self.stopper.agree(
+                st.step, st.tokens, st.elapsed_seconds, self._decay_proposal(now), due
+            )
             if decision.cause != StopCause.NONE:
                 break
             if decay and not st.budget_decay:
@@ -485,8 +571,10 @@ class Trainer:
                 window_tokens, window_start = 0, t
                 self._record(m, tps)
                 if self.progress is None:
-                    self.log(f"step {st.step}/{cfg.train.max_steps} loss {m['loss']:.4f} lr {m['lr']:.2e} "
-                             f"{tps:,.0f} tok/s")
+                    self.log(
+                        f"step {st.step}/{cfg.train.max_steps} loss {m['loss']:.4f} lr {m['lr']:.2e} "
+                        f"{tps:,.0f} tok/s"
+                    )
             if cfg.train.eval_every and st.step % cfg.train.eval_every == 0:
                 self._eval_and_log()
             if cfg.train.sample_every and st.step % cfg.train.sample_every == 0 and self.rank0:
@@ -516,20 +604,31 @@ class Trainer:
         if self.metrics and self.rank0:
             self.metrics.stop_state.set(int(decision.cause))
         self._write_status("stopping")
-        if decision.cause in (StopCause.PLANNED, StopCause.EARLY) and self.last_eval_step != st.step and \
-                self.cfg.train.eval_every:
+        if (
+            decision.cause in (StopCause.PLANNED, StopCause.EARLY)
+            and self.last_eval_step != st.step
+            and self.cfg.train.eval_every
+        ):
             self._eval_and_log()
         if decision.saves and self.last_saved_step != st.step:
             self.save(decision.cause.name.lower())
         if self.jsonl:
-            self.jsonl.write("event", st.step, event="stop", cause=decision.cause.name.lower(),
-                             reason=decision.reason, exit_code=decision.exit_code)
+            self.jsonl.write(
+                "event",
+                st.step,
+                event="stop",
+                cause=decision.cause.name.lower(),
+                reason=decision.reason,
+                exit_code=decision.exit_code,
+            )
         if self.rank0 and decision.cause in (StopCause.BUDGET, StopCause.IMMEDIATE):
             consume_stop_file(self.stop_file)
         self._write_status("done" if decision.exit_code == 0 else "preempted")
         if self.rank0:
             verify = self.cfg.checkpoint.verify
-            self.log(f"latest checkpoint: {ckpt.describe(ckpt.resolve_latest(self.run_dir, verify, self.log))}")
+            self.log(
+                f"latest checkpoint: {ckpt.describe(ckpt.resolve_latest(self.run_dir, verify, self.log))}"
+            )
             self.log(f"best checkpoint:   {ckpt.describe(ckpt.resolve_best(self.run_dir, verify, self.log))}")
         return decision.exit_code
 
@@ -552,7 +651,9 @@ def start_budget(cfg: Config, args: RunArgs, env: DistEnv, log):
     try:
         check_not_exhausted(cfg.budget, run_dir)
         if env.is_rank0 and cfg.budget.in_process:
-            return start_in_process(cfg.budget, run_dir, args.stop_file or run_dir / "stop.json", env.world_size)
+            return start_in_process(
+                cfg.budget, run_dir, args.stop_file or run_dir / "stop.json", env.world_size
+            )
     except BudgetExhausted as e:
         raise _BudgetSpent(str(e)) from None
     return None

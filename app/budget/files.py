@@ -24,8 +24,7 @@ def atomic_write_json(path: Path, data: Any, durable: bool = True) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True, allow_nan=False)
-            f.write("\n")
+            f.write(json.dumps(data, sort_keys=True, allow_nan=False) + "\n")  # C encoder: no indent
             if durable:
                 f.flush()
                 os.fsync(f.fileno())

@@ -74,7 +74,10 @@ class Ledger:
         return self.spent_usd + (self.reserved_usd if self.open_session else 0.0)
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dict(vars(self))  # shallow: dataclasses.asdict deep-copies, too slow for the simulations
+        out["stop"] = dict(vars(self.stop)) if self.stop else None
+        out["sessions"] = [dict(vars(s)) for s in self.sessions]
+        return out
 
 
 def _bad(path: Path, what: str) -> LedgerError:

@@ -71,11 +71,11 @@ def decide(inp: PolicyInput) -> Decision:
     if inp.stopping != "immediate":
         graceful_cost = r * max(inp.poll_seconds, inp.step_seconds + inp.checkpoint_seconds)
         if spent >= cap:
-            stop, reason = "immediate", f"budget spent: ${spent:.4f} of the ${cap:.4f} cap"
+            stop, reason = "immediate", f"cap reached: ${spent:.4f} spent of the ${cap:.4f} cap"
         elif inp.stopping == "graceful" and spent + r * inp.poll_seconds >= cap:
             stop = "immediate"
             reason = (
-                f"budget cap ${cap:.4f} would be crossed before the next poll "
+                f"the ${cap:.4f} cap would be crossed before the next poll "
                 f"(${spent:.4f} spent) while the graceful stop is still running"
             )
         elif not inp.stopping and spent + graceful_cost >= cap:
@@ -87,7 +87,7 @@ def decide(inp: PolicyInput) -> Decision:
         elif not inp.stopping and projected >= cap:
             stop = "graceful"
             reason = (
-                f"budget: ${spent:.4f} spent of the ${cap:.4f} cap; the next safe stop (step + checkpoint "
+                f"${spent:.4f} spent of the ${cap:.4f} cap; the next safe stop (step + checkpoint "
                 f"+ margin, {h:.0f} s at ${inp.rate_usd_per_hour:.2f}/h) would reach ${projected:.4f}"
             )
 

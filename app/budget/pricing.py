@@ -163,5 +163,5 @@ def no_price_error(gpu_type: str) -> UserError:
     what = f"GPU type '{gpu_type}'" if gpu_type else "this machine (CPU or an unknown GPU)"
     return UserError(
         f"no price for {what}: pass --price-per-gpu-hour P (budget.price_per_gpu_hour) "
-        f"or --gpu-type, one of: {known_types()}"
+        f"or a GPU type (--gpu-type / budget.gpu_type), one of: {known_types()}"
     )

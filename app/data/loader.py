@@ -65,8 +65,9 @@ class TokenWindows:
 
 
 class TrainLoader:
-    def __init__(self, data_dir: Path, seq_len: int, micro_batch_size: int, rank: int, world_size: int,
-                 seed: int) -> None:
+    def __init__(
+        self, data_dir: Path, seq_len: int, micro_batch_size: int, rank: int, world_size: int, seed: int
+    ) -> None:
         self.windows = TokenWindows(data_dir, "train", seq_len)
         self.B, self.rank, self.world, self.seed = micro_batch_size, rank, world_size, seed
         self.state = LoaderState(0, world_size, micro_batch_size)
@@ -96,8 +97,13 @@ class TrainLoader:
         return x, y
 
     def state_dict(self) -> dict:
-        return {"micro_steps": self.state.micro_steps, "world_size": self.world,
-                "micro_batch_size": self.B, "samples": self.state.samples, "seed": self.seed}
+        return {
+            "micro_steps": self.state.micro_steps,
+            "world_size": self.world,
+            "micro_batch_size": self.B,
+            "samples": self.state.samples,
+            "seed": self.seed,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Resume; with a different world size or micro-batch, continue from the same global sample."""
@@ -108,8 +114,9 @@ class TrainLoader:
             self.state.micro_steps = -(-int(state["samples"]) // per_step)  # ceil: never repeat a sample
 
 
-def val_batches(data_dir: Path, seq_len: int, micro_batch_size: int, batches: int, rank: int,
-                world_size: int):
+def val_batches(
+    data_dir: Path, seq_len: int, micro_batch_size: int, batches: int, rank: int, world_size: int
+):
     """The same fixed validation windows at every eval, spread evenly over the split, split by rank."""
     windows = TokenWindows(data_dir, "val", seq_len)
     total = min(windows.count, batches * micro_batch_size * world_size)

@@ -2,13 +2,16 @@
 
 Header: magic b"PRETRAIN", format version (u32), bytes per token (u32: 2 or 4), token count (u64),
 zero padding. The count in the header is checked against the file size, so a truncated shard is
-detected without reading it. Shards are written to a temp name and renamed: a crash never leaves a
-partial file under a final name.
+detected without reading it. Shards are streamed to a hidden `.NAME.partial` file whose header says 0
+tokens, then the header is filled in, fsync'd and renamed: a crash never leaves a partial file under a
+final name, and a partial file never passes `read_header`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -20,6 +23,14 @@ MAGIC = b"PRETRAIN"
 VERSION = 1
 HEADER_BYTES = 256
 _HEADER = struct.Struct("<8sIIQ")
+_CHUNK = 8 << 20
+# Files this module may create in a data dir; `remove_stale` deletes only names matching this.
+SHARD_NAME = re.compile(r"^(?P<split>train|val)_(?P<index>\d{6})\.bin$")
+_TEMP_NAME = re.compile(r"^\.(train|val)_\d{6}\.bin\.(partial|tmp-\d+)$")
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}_{index:06d}.bin"
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -35,20 +46,61 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _header(itemsize: int, count: int) -> bytes:
+    return _HEADER.pack(MAGIC, VERSION, itemsize, count).ljust(HEADER_BYTES, b"\0")
+
+
+class ShardWriter:
+    """Streams one shard to disk with constant memory, hashing the token bytes on the way.
+
+    Memory stays flat however large the shard: tokens go straight to the hidden partial file.
+    """
+
+    def __init__(self, path: Path, dtype: np.dtype) -> None:
+        self.path = Path(path)
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        if self.dtype.itemsize not in (2, 4):
+            raise ValueError(f"shard tokens must be uint16 or uint32, got {dtype}")
+        self.tmp = self.path.with_name(f".{self.path.name}.partial")
+        self.count = 0
+        self._hash = hashlib.sha256()
+        self._f = open(self.tmp, "wb")  # noqa: SIM115 - closed in finish/abort
+        self._f.write(_header(self.dtype.itemsize, 0))
+
+    def write(self, tokens: np.ndarray) -> None:
+        data = np.ascontiguousarray(tokens, dtype=self.dtype).tobytes()
+        self._f.write(data)
+        self._hash.update(data)
+        self.count += int(tokens.size)
+
+    def finish(self) -> tuple[int, str]:
+        """Fill in the header, fsync, rename to the final name. Returns (tokens, sha256 of the token bytes)."""
+        self._f.seek(0)
+        self._f.write(_header(self.dtype.itemsize, self.count))
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.replace(self.tmp, self.path)
+        _fsync_dir(self.path.parent)
+        return self.count, self._hash.hexdigest()
+
+    def abort(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+        self.tmp.unlink(missing_ok=True)
+
+
 def write_shard(path: Path, tokens: np.ndarray) -> int:
-    """Write atomically (temp file, fsync, rename). Returns the file size in bytes."""
-    path = Path(path)
+    """Write a whole shard atomically. Returns the file size in bytes."""
     if tokens.dtype not in (np.uint16, np.uint32):
         raise ValueError(f"shard tokens must be uint16 or uint32, got {tokens.dtype}")
-    header = _HEADER.pack(MAGIC, VERSION, tokens.dtype.itemsize, int(tokens.size)).ljust(HEADER_BYTES, b"\0")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(header)
-        f.write(np.ascontiguousarray(tokens, dtype=tokens.dtype.newbyteorder("<")).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    w = ShardWriter(path, tokens.dtype)
+    try:
+        w.write(tokens)
+        w.finish()
+    except BaseException:
+        w.abort()
+        raise
     return HEADER_BYTES + tokens.nbytes
 
 
@@ -84,3 +136,38 @@ def open_shard(path: Path) -> np.memmap:
     if count == 0:
         return np.zeros(0, dtype=dtype)  # np.memmap refuses empty files
     return np.memmap(path, dtype=dtype.newbyteorder("<"), mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def payload_sha256(path: Path) -> str:
+    """sha256 of a shard's token bytes (what the manifest records), read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(HEADER_BYTES)
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_shard(path: Path, dtype: np.dtype, tokens: int, sha256: str = "") -> str:
+    """'' when the shard is complete and matches; else why not (one short phrase)."""
+    try:
+        got_dtype, count = read_header(path)
+    except UserError as e:
+        return str(e)
+    if got_dtype != np.dtype(dtype):
+        return f"{path.name} holds {got_dtype.name}, expected {np.dtype(dtype).name}"
+    if count != tokens:
+        return f"{path.name} has {count} tokens, expected {tokens}"
+    if sha256 and payload_sha256(path) != sha256:
+        return f"{path.name} does not match its sha256"
+    return ""
+
+
+def remove_stale(directory: Path, keep: set[str]) -> list[str]:
+    """Delete shard files and temp files of an earlier run that are not in `keep`; returns their names."""
+    removed = []
+    for p in sorted(Path(directory).iterdir()):
+        if (SHARD_NAME.match(p.name) and p.name not in keep) or _TEMP_NAME.match(p.name):
+            p.unlink(missing_ok=True)
+            removed.append(p.name)
+    return removed

@@ -1,21 +1,37 @@
 """Tokenizers: a byte-level BPE (HF `tokenizers`) or a character vocabulary, behind one interface.
 
 Both save to one `tokenizer.json` beside the shards; `load_tokenizer` tells them apart by content.
-Every tokenizer has a document-boundary token `<|endoftext|>` placed between documents.
+Every tokenizer has a document-boundary token `<|endoftext|>` placed after each document. Text
+inside documents never produces the boundary id (a literal "<|endoftext|>" in a document is encoded
+as ordinary text), so the boundary token always means "a document ended here".
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from app.errors import UserError
 
 EOT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
+MIN_BPE_VOCAB = 257  # 256 byte symbols + the boundary token
 _CHAR_KEY = "pretrain_char_vocab"
+
+
+@dataclass
+class EncodedDocs:
+    """Token ids of a batch of documents, each followed by the boundary token, as one flat array."""
+
+    tokens: np.ndarray  # uint16/uint32, all documents concatenated
+    lengths: np.ndarray  # int64 tokens per document (boundary token included)
+    nbytes: np.ndarray  # int64 UTF-8 bytes per document (for bits per byte)
 
 
 class Tokenizer:
@@ -31,6 +47,23 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
 
+    def _data_ids(self, texts: list[str]) -> list[list[int]]:
+        """Ids of document text (the data pipeline's encoding; may differ from `encode` for specials)."""
+        return self.encode_batch(texts)
+
+    def encode_docs(self, texts: list[str], dtype: np.dtype) -> EncodedDocs:
+        """Documents -> one flat array with the boundary token after each (the shard layout)."""
+        ids = self._data_ids(texts)
+        lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
+        out = np.empty(int(lengths.sum()), dtype=dtype)
+        pos = 0
+        for x in ids:
+            out[pos : pos + len(x)] = x
+            pos += len(x)
+            out[pos] = self.eot_id
+            pos += 1
+        return EncodedDocs(out, lengths, _utf8_lengths(texts))
+
     def decode(self, ids: list[int]) -> str:
         raise NotImplementedError
 
@@ -38,12 +71,30 @@ class Tokenizer:
         raise NotImplementedError
 
     def save(self, directory: Path) -> Path:
+        """Write `tokenizer.json` atomically (a crash never leaves a half-written tokenizer)."""
         path = Path(directory) / TOKENIZER_FILE
-        path.write_text(self.to_json())
+        tmp = path.with_name(f".{TOKENIZER_FILE}.tmp")
+        tmp.write_text(self.to_json())
+        os.replace(tmp, path)
         return path
 
     def sha256(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+    def describe(self) -> dict:
+        """The manifest's record of this tokenizer."""
+        return {
+            "kind": self.kind,
+            "vocab_size": self.vocab_size,
+            "eot_id": self.eot_id,
+            "sha256": self.sha256(),
+        }
+
+
+def _utf8_lengths(texts: list[str]) -> np.ndarray:
+    return np.fromiter(
+        (len(t.encode("utf-8", "surrogatepass")) for t in texts), dtype=np.int64, count=len(texts)
+    )
 
 
 class BPETokenizer(Tokenizer):
@@ -51,14 +102,30 @@ class BPETokenizer(Tokenizer):
 
     def __init__(self, tok) -> None:  # tok: tokenizers.Tokenizer
         self.tok = tok
-        self.vocab_size = tok.get_vocab_size()
         eot = tok.token_to_id(EOT)
         if eot is None:
             raise UserError(f"tokenizer has no document-boundary token {EOT}; add it as a special token")
         self.eot_id = eot
+        self.vocab_size = tok.get_vocab_size()
+        self._data_tok = None
+
+    @classmethod
+    def with_boundary_token(cls, tok) -> BPETokenizer:
+        """Adopt an existing tokenizer, adding `<|endoftext|>` as a special token if it lacks one."""
+        if tok.token_to_id(EOT) is None:
+            tok.add_special_tokens([EOT])
+        return cls(tok)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def _data_ids(self, texts: list[str]) -> list[list[int]]:
+        if self._data_tok is None:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            self._data_tok = HFTokenizer.from_str(self.tok.to_str())
+            self._data_tok.encode_special_tokens = True  # document text never yields the boundary id
+        return [e.ids for e in self._data_tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
@@ -68,7 +135,7 @@ class BPETokenizer(Tokenizer):
 
 
 class CharTokenizer(Tokenizer):
-    """One id per character seen in training text; id 0 is the boundary token, id 1 unknown characters."""
+    """One id per character of its alphabet; id 0 is the boundary token, id 1 unknown characters."""
 
     kind = "char"
 
@@ -77,10 +144,27 @@ class CharTokenizer(Tokenizer):
         self.stoi = {c: i + 2 for i, c in enumerate(self.chars)}
         self.vocab_size = len(self.chars) + 2
         self.eot_id = 0
+        self._codes = np.array([ord(c) for c in self.chars], dtype=np.uint32)  # sorted
+
+    def _ids(self, text: str) -> np.ndarray:
+        codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        if not self._codes.size:
+            return np.ones(codes.size, dtype=np.int64)
+        pos = np.searchsorted(self._codes, codes)
+        known = self._codes[np.minimum(pos, self._codes.size - 1)] == codes
+        return np.where(known, pos + 2, 1)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        get = self.stoi.get
-        return [[get(c, 1) for c in t] for t in texts]
+        return [self._ids(t).tolist() for t in texts]
+
+    def encode_docs(self, texts: list[str], dtype: np.dtype) -> EncodedDocs:
+        parts = []
+        for t in texts:
+            parts.append(self._ids(t))
+            parts.append(np.zeros(1, dtype=np.int64))  # boundary id 0
+        flat = np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype)
+        lengths = np.fromiter((len(t) + 1 for t in texts), dtype=np.int64, count=len(texts))
+        return EncodedDocs(flat, lengths, _utf8_lengths(texts))
 
     def decode(self, ids: list[int]) -> str:
         table = {0: EOT, 1: "\ufffd"} | {i: c for c, i in self.stoi.items()}
@@ -95,6 +179,10 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
+    if vocab_size < MIN_BPE_VOCAB:
+        raise UserError(
+            f"--vocab-size {vocab_size} is too small for a byte-level BPE; use >= {MIN_BPE_VOCAB}"
+        )
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -108,7 +196,10 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
     return BPETokenizer(tok)
 
 
-def train_char(texts: Iterable[str]) -> CharTokenizer:
+def train_char(texts: Iterable[str], alphabet: str = "") -> CharTokenizer:
+    """The characters seen in `texts`, or a fixed `alphabet` (other characters become the unknown id)."""
+    if alphabet:
+        return CharTokenizer(alphabet)
     seen: set[str] = set()
     for t in texts:
         seen.update(t)
@@ -125,9 +216,10 @@ def tokenizer_from_json(text: str, source: str = "tokenizer.json") -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
 
     try:
-        return BPETokenizer(HFTokenizer.from_str(text))
+        tok = HFTokenizer.from_str(text)
     except Exception as e:  # tokenizers raises plain Exception subclasses
         raise UserError(f"{source} is not a valid HF tokenizers file: {str(e).splitlines()[0]}") from None
+    return BPETokenizer.with_boundary_token(tok)
 
 
 def load_tokenizer(directory_or_file: Path) -> Tokenizer:
@@ -150,3 +242,77 @@ def iter_batches(items: Iterable[str], size: int) -> Iterator[list[str]]:
             batch = []
     if batch:
         yield batch
+
+
+# ---- parallel encoding ---------------------------------------------------------------------------
+# Workers are spawned processes, each with its own copy of the tokenizer running on one core. Results
+# come back in submission order, so the output never depends on the number of workers.
+
+_WORKER: Tokenizer | None = None
+
+
+def _init_worker(tokenizer_json: str) -> None:
+    global _WORKER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process
+    _WORKER = tokenizer_from_json(tokenizer_json)
+
+
+def _encode_in_worker(texts: list[str], dtype: str) -> EncodedDocs:
+    assert _WORKER is not None
+    return _WORKER.encode_docs(texts, np.dtype(dtype))
+
+
+class ParallelEncoder:
+    """`encode_docs` over a stream of batches on N cores, in order, with bounded memory.
+
+    At most `2 * workers` batches are in flight, so reading never runs ahead of tokenizing (a plain
+    `Pool.imap` would read the whole input into its task queue).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, workers: int, dtype: np.dtype) -> None:
+        self.tokenizer, self.workers, self.dtype = tokenizer, max(1, workers), np.dtype(dtype)
+        self._pool = None
+        if self.workers > 1:
+            import multiprocessing as mp
+
+            ctx = mp.get_context("spawn")  # no fork: the parent may hold threads (downloads, progress)
+            self._pool = ctx.Pool(self.workers, initializer=_init_worker, initargs=(tokenizer.to_json(),))
+
+    def map(self, batches: Iterable[tuple[object, list[str]]]) -> Iterator[tuple[object, EncodedDocs]]:
+        """(meta, texts) -> (meta, encoded), in input order; `meta` stays in this process."""
+        if self._pool is None:
+            old = os.environ.get("TOKENIZERS_PARALLELISM")
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+            try:
+                for meta, texts in batches:
+                    yield meta, self.tokenizer.encode_docs(texts, self.dtype)
+            finally:
+                if old is None:
+                    os.environ.pop("TOKENIZERS_PARALLELISM", None)
+                else:
+                    os.environ["TOKENIZERS_PARALLELISM"] = old
+            return
+        from collections import deque
+
+        pending: deque = deque()
+        limit = 2 * self.workers
+        for meta, texts in batches:
+            pending.append((meta, self._pool.apply_async(_encode_in_worker, (texts, self.dtype.str))))
+            if len(pending) >= limit:
+                m, r = pending.popleft()
+                yield m, r.get()
+        while pending:
+            m, r = pending.popleft()
+            yield m, r.get()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+    def __enter__(self) -> ParallelEncoder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

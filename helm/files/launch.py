@@ -1,30 +1,73 @@
-"""torchrun that keeps the trainer's exit code (mounted at /etc/pretrain/launch.py by the chart).
+"""torchrun for Kubernetes pods (mounted at /etc/pretrain/launch.py by the chart).
 
     python /etc/pretrain/launch.py <torchrun arguments> -m app.train <trainer arguments>
 
-torchrun itself exits 1 whenever a worker fails, whatever the worker's code was. The PyTorchJob
-`ExitCode` restart policy needs the real code: 128 + signal (preempted, retried) versus 1-127
-(permanent; 2 = bad config). This wrapper runs torchrun's own `run()` and maps the result:
+Plain torchrun as a pod's command breaks the stop protocol twice:
+1. On SIGTERM it forwards the signal to its workers but SIGKILLs them 30 s later (before torch 2.12
+   the 30 s cannot be changed), which cuts a large checkpoint short.
+2. It exits 1 whenever a worker fails, whatever the worker's code was, while the PyTorchJob
+   `ExitCode` restart policy needs the real one: 128 + signal (preempted: retried) versus 1-127
+   (permanent; 2 = bad config).
 
-- every worker exited 0                         -> 0
-- this launcher got SIGTERM/SIGINT (preemption) -> 128 + signal (retried); the workers got the
-  signal from torchrun and had its shutdown timeout to checkpoint
-- a worker failed                               -> the code of the first failed worker, the cause
-  (143 when it stopped for a peer's preemption, 2 bad config, 1 crash; killed by signal S -> 128 + S).
-  torchrun records failures in the order it saw them; the workers it then terminates itself
-  come after the cause and are ignored.
+This launcher runs torchrun's own `run()` in-process and changes only those two things:
+- SIGTERM/SIGINT are passed to the worker processes and recorded; torchrun keeps monitoring them,
+  so the workers finish the step, agree, checkpoint and exit in their own time (the pod's
+  terminationGracePeriodSeconds is the only deadline). A signal before the workers exist aborts
+  the launch as torchrun would.
+- The exit code: 0 when every worker exited 0; 128 + signal when this launcher was signalled and a
+  worker did not exit 0; else
+  the code of the first worker that failed, the cause (143 when it stopped because a peer on
+  another node was preempted, 2 bad config, 1 crash; killed by signal S: 128 + S). torchrun records
+  failures in the order it saw them; the workers it terminates afterwards come later and are ignored.
 """
 
+import contextlib
+import os
 import signal
 import sys
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
+import torch.distributed.elastic.multiprocessing.api as elastic_api
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
+received: list = []
+
+
+def children(pid: int) -> list:
+    """Live direct children of `pid` (Linux /proc): torchrun's worker processes."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(entry))
+    return out
+
+
+def forward(signum, _frame) -> None:
+    """Signal handler in place of torchrun's (which raises and later SIGKILLs the workers)."""
+    workers = children(os.getpid())
+    if not workers and not received:
+        raise elastic_api.SignalException(f"launch: got signal {signum}", sigval=signal.Signals(signum))
+    if not received:
+        print(
+            f"launch: got {signal.Signals(signum).name}, passed to workers {workers}",
+            file=sys.stderr,
+            flush=True,
+        )
+    received.append(signum)
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
 
 def worker_exit_code(exitcode: int) -> int:
-    """A worker's exit code as a shell would report it (negative = killed by that signal)."""
+    """A worker's exit code as a shell reports it (negative = killed by that signal)."""
     return 128 - exitcode if exitcode < 0 else exitcode
 
 
@@ -34,27 +77,26 @@ def failure_exit_code(codes: list) -> int:
     return first[0] if first else 1
 
 
-def _raise_signal(signum, _frame):
-    # Before torchrun installs its own handlers (during rendezvous) a SIGTERM to PID 1 would be ignored.
-    raise SignalException(f"launcher got signal {signum}", sigval=signal.Signals(signum))
-
-
 def main(argv: list) -> int:
+    # torchrun installs `_terminate_process_handler` (looked up at call time) when it starts workers.
+    elastic_api._terminate_process_handler = forward
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _raise_signal)
+        signal.signal(sig, forward)
     args = parse_args(argv)
     try:
         run(args)
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]
-        code = failure_exit_code(codes)
+        code = 128 + received[0] if received else failure_exit_code(codes)
         print(f"launch: worker exit codes {codes} -> exit {code}", file=sys.stderr, flush=True)
         return code
-    except SignalException as e:
+    except elastic_api.SignalException as e:
         code = 128 + int(e.sigval)
-        print(f"launch: got {signal.Signals(e.sigval).name} -> exit {code}", file=sys.stderr, flush=True)
+        print(
+            f"launch: stopped by {signal.Signals(e.sigval).name} -> exit {code}", file=sys.stderr, flush=True
+        )
         return code
-    return 0
+    return 0  # every worker exited 0, even if a signal came: the run is done, nothing to retry
 
 
 if __name__ == "__main__":

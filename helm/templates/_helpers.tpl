@@ -122,19 +122,16 @@ Topology: validates gpus / gpusPerNode and returns "<nodes> <nprocPerNode>".
 - {{ printf "/data/%s" .Values.prepare.outputDir | quote }}
 - --text-column
 - {{ .Values.prepare.textColumn | quote }}
-{{- if .Values.prepare.tokenizer }}
 - --tokenizer
 - {{ .Values.prepare.tokenizer | quote }}
-{{- else }}
+{{- if eq .Values.prepare.tokenizer "bpe" }}
 - --vocab-size
 - {{ .Values.prepare.vocabSize | int | quote }}
 {{- end }}
 - --val-fraction
 - {{ .Values.prepare.valFraction | toString | quote }}
-{{- if gt (int .Values.prepare.workers) 0 }}
 - --workers
 - {{ .Values.prepare.workers | int | quote }}
-{{- end }}
 {{- range .Values.prepare.extraArgs }}
 - {{ . | quote }}
 {{- end }}

@@ -94,30 +94,33 @@ spec:
         - --opencost-url
         - {{ . | quote }}
         {{- end }}
+        {{- if eq $v.budget.source "opencost" }}
+        - --opencost-selector
+        - {{ default (printf "label:training.kubeflow.org/job-name:%s" (include "pretrain.fullname" $)) $v.budget.opencostSelector | quote }}
+        {{- end }}
+        - --config
+        - /etc/pretrain/config.yaml
         - --run-dir
         - {{ printf "/ckpt/%s" $run | quote }}
         - --stop-file
         - /run/pretrain/stop.json
         - --metrics-port
         - "9401"
+        # A native sidecar is stopped by the kubelet when the trainer exits; exiting on its own
+        # would only make the kubelet restart it.
+        - --no-exit-when-done
+        - --kube
+        - {{ $v.budget.watcher.kubernetesActions | ternary "auto" "off" | quote }}
+        - --job-name
+        - {{ include "pretrain.fullname" $ | quote }}
         {{- range $v.budget.watcher.extraArgs }}
         - {{ . | quote }}
         {{- end }}
       env:
-        - name: POD_NAME
-          valueFrom:
-            fieldRef:
-              fieldPath: metadata.name
         - name: POD_NAMESPACE
           valueFrom:
             fieldRef:
               fieldPath: metadata.namespace
-        - name: PRETRAIN_JOB_KIND
-          value: PyTorchJob
-        - name: PRETRAIN_JOB_NAME
-          value: {{ include "pretrain.fullname" $ | quote }}
-        - name: PRETRAIN_KUBERNETES_ACTIONS
-          value: {{ $v.budget.watcher.kubernetesActions | ternary "1" "0" | quote }}
       ports:
         - name: budget-metrics
           containerPort: 9401
@@ -136,6 +139,9 @@ spec:
         {{- toYaml . | nindent 8 }}
       {{- end }}
       volumeMounts:
+        - name: config
+          mountPath: /etc/pretrain
+          readOnly: true
         - name: ckpt
           mountPath: /ckpt
         - name: run

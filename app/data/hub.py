@@ -1,0 +1,182 @@
+"""HF Hub access through huggingface_hub: list a dataset's files, download them (cached, resumable),
+and fetch a tokenizer.json from a model repo.
+
+The token comes only from the HF_TOKEN environment variable (never a token file, never logged). The
+listing is pinned to one commit, so a re-run downloads the same bytes; huggingface_hub keeps downloads
+in its cache (HF_HUB_CACHE or --cache-dir) and resumes interrupted ones from their `.incomplete` file.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+from app.data.sources import SourceFile, file_format
+from app.errors import UserError
+
+DATASET_PREFIX = "hf://datasets/"
+USAGE = "hf://datasets/OWNER/NAME[@REVISION][/GLOB][?include=GLOB]"
+
+
+@dataclass(frozen=True)
+class HubDataset:
+    repo: str
+    includes: tuple[str, ...]  # fnmatch patterns over repo paths; empty = every supported file
+    revision: str | None
+
+
+def _token() -> str | bool:
+    """HF_TOKEN from the environment, else False (huggingface_hub must not read a token file)."""
+    return os.environ.get("HF_TOKEN") or False
+
+
+def endpoint() -> str:
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT
+
+
+def parse_dataset_url(url: str, revision: str | None = None) -> HubDataset:
+    """hf://datasets/OWNER/NAME[@REV][/GLOB][?include=GLOB&include=GLOB&revision=REV]."""
+    if not url.startswith(DATASET_PREFIX):
+        raise UserError(f"hub inputs look like {USAGE}, got {url}")
+    parts = urlsplit(url)
+    path = url[len(DATASET_PREFIX) :].split("?", 1)[0].strip("/")
+    segs = path.split("/")
+    if len(segs) < 2 or not segs[0] or not segs[1]:
+        raise UserError(f"hub input {url} needs OWNER/NAME: {USAGE}")
+    name, _, rev_at = segs[1].partition("@")
+    query = parse_qs(parts.query)
+    unknown = set(query) - {"include", "revision"}
+    if unknown:
+        raise UserError(
+            f"hub input {url}: unknown parameter {sorted(unknown)[0]!r}; use include= or revision="
+        )
+    includes = [g for v in query.get("include", []) for g in v.split(",") if g]
+    if len(segs) > 2:
+        includes.append("/".join(segs[2:]))
+    rev = (query.get("revision") or [None])[0] or rev_at or revision
+    return HubDataset(f"{segs[0]}/{name}", tuple(includes), rev)
+
+
+def _hub_error(e: Exception, what: str, revision: str | None = None) -> UserError:
+    """One line saying what to do, for the errors huggingface_hub and its HTTP client raise."""
+    from huggingface_hub import errors
+
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    token_state = "HF_TOKEN is set" if _token() else "HF_TOKEN is not set"
+    if isinstance(e, errors.GatedRepoError):
+        return UserError(
+            f"{what} is gated: accept its terms on the Hub with your account and set HF_TOKEN to that account's "
+            f"token ({token_state})"
+        )
+    if isinstance(e, errors.RevisionNotFoundError):
+        return UserError(f"{what} has no revision {revision!r}")
+    if isinstance(e, errors.RemoteEntryNotFoundError):
+        return UserError(f"{what} not found on the Hub")
+    if isinstance(e, errors.RepositoryNotFoundError) or status in (401, 403):
+        return UserError(
+            f"{what} does not exist or refuses access (HTTP {status}): check the name; if it is private or gated, "
+            f"set HF_TOKEN to a token with read access ({token_state})"
+        )
+    if isinstance(e, errors.HfHubHTTPError):
+        return UserError(f"the Hub at {endpoint()} answered HTTP {status} for {what}; try again later")
+    if isinstance(e, errors.OfflineModeIsEnabled):
+        return UserError(f"cannot fetch {what}: HF_HUB_OFFLINE is set")
+    if isinstance(e, OSError) and not isinstance(e, errors.LocalEntryNotFoundError) and e.strerror:
+        return UserError(
+            f"cannot store {what} in the download cache: {e.strerror} ({e.filename or 'HF_HUB_CACHE'})"
+        )
+    return UserError(
+        f"cannot reach the Hub at {endpoint()} for {what}: {type(e).__name__}; check the network or HF_ENDPOINT"
+    )
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    import httpx2
+    from huggingface_hub import errors
+
+    return (
+        errors.HfHubHTTPError,
+        errors.OfflineModeIsEnabled,
+        errors.LocalEntryNotFoundError,
+        httpx2.HTTPError,
+        OSError,
+    )
+
+
+def list_dataset_files(
+    url: str, revision: str | None = None, includes: list[str] | None = None
+) -> list[SourceFile]:
+    """The supported files of a dataset repo matching the include patterns, sorted, pinned to one commit."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+    from huggingface_hub.utils import filter_repo_objects
+
+    ds = parse_dataset_url(url, revision)
+    if includes:
+        ds = HubDataset(ds.repo, (*ds.includes, *includes), ds.revision)
+    what = f"hub dataset {ds.repo}"
+    api = HfApi(token=_token())
+    try:
+        sha = api.dataset_info(ds.repo, revision=ds.revision).sha
+        entries = {
+            f.path: f
+            for f in api.list_repo_tree(ds.repo, repo_type="dataset", revision=sha, recursive=True)
+            if isinstance(f, RepoFile)
+        }
+    except _network_errors() as e:
+        raise _hub_error(e, what, ds.revision) from None
+    if not sha:
+        raise UserError(f"the Hub at {endpoint()} gave no commit for {what}")
+    matched = sorted(filter_repo_objects(list(entries), allow_patterns=list(ds.includes) or None))
+    usable = [p for p in matched if file_format(p)]
+    if not usable:
+        pattern = f" matching {', '.join(ds.includes)}" if ds.includes else ""
+        sample = ", ".join(sorted(entries)[:5]) or "(none)"
+        raise UserError(
+            f"{what} has no parquet/jsonl/txt files{pattern} ({len(entries)} files, e.g. {sample}); "
+            "fix the include pattern"
+        )
+    files = []
+    for p in usable:
+        e = entries[p]
+        fmt, comp = file_format(p)  # type: ignore[misc]
+        fingerprint = e.lfs.sha256 if e.lfs is not None else e.blob_id
+        files.append(
+            SourceFile(p, int(e.size), f"{e.size}:{fingerprint}", fmt, comp, repo=ds.repo, commit=sha)
+        )
+    return files
+
+
+def download(f: SourceFile, cache_dir: str | None = None) -> Path:
+    """Local path of a hub file: from the cache, else downloaded (resuming a partial download)."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(
+            hf_hub_download(
+                f.repo, f.name, repo_type="dataset", revision=f.commit, cache_dir=cache_dir, token=_token()
+            )
+        )
+    except _network_errors() as e:
+        raise _hub_error(e, f"hf://datasets/{f.repo}/{f.name}") from None
+
+
+def download_tokenizer(spec: str, cache_dir: str | None = None) -> tuple[str, Path]:
+    """hf://OWNER/NAME[@REV] (a model repo) -> (repo label, path of its tokenizer.json)."""
+    from huggingface_hub import hf_hub_download
+
+    ref = spec[len("hf://") :].strip("/")
+    repo, _, rev = ref.partition("@")
+    if repo.startswith(("datasets/", "spaces/")) or repo.count("/") > 1 or not repo:
+        raise UserError(f"--tokenizer {spec}: expected hf://OWNER/NAME[@REVISION] of a model repo")
+    try:
+        path = hf_hub_download(
+            repo, "tokenizer.json", revision=rev or None, cache_dir=cache_dir, token=_token()
+        )
+    except _network_errors() as e:
+        raise _hub_error(e, f"tokenizer.json of hub repo {repo}", rev or None) from None
+    return f"hf://{repo}" + (f"@{rev}" if rev else ""), Path(path)

@@ -1,0 +1,346 @@
+"""Input files -> a stream of documents: local parquet, jsonl (optionally .gz/.zst) and txt files or
+directories, and HF Hub dataset files (listed and downloaded by app.data.hub).
+
+Everything streams: parquet in record batches, jsonl and txt line by line, so memory does not grow with
+the input. Every read error names the file and becomes a one-line UserError.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import io
+import itertools
+import json
+import zlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.errors import UserError
+
+TXT_SPLITS = ("file", "line", "paragraph")
+_COMPRESSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+_FORMATS = {
+    ".parquet": "parquet",
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".ndjson": "jsonl",
+    ".txt": "txt",
+    ".text": "txt",
+    ".md": "txt",
+}
+_BATCH_CHARS = 4 << 20  # a yielded batch holds about this much text at most
+SUPPORTED = ".parquet, .jsonl/.json/.ndjson and .txt/.md (text formats optionally .gz or .zst)"
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One input file; `name` and `fingerprint` let a re-run tell whether it changed."""
+
+    name: str  # path relative to its input (local), or the path in the repo (hub)
+    size: int
+    fingerprint: str
+    format: str  # parquet | jsonl | txt
+    compression: str = ""  # "" | gzip | zstd
+    local_path: str = ""  # "" for a hub file until it is downloaded
+    repo: str = ""  # hub dataset repo id
+    commit: str = ""  # hub commit sha the listing came from
+
+    @property
+    def label(self) -> str:
+        """How messages and the manifest name this file."""
+        return f"hf://datasets/{self.repo}/{self.name}" if self.repo else (self.local_path or self.name)
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    text_column: str = "text"
+    txt_split: str = "file"  # file: one document per file; line: per line; paragraph: see _paragraph_docs
+    doc_chars: int = 4000  # paragraph mode: documents are runs of paragraphs of about this many characters
+    batch_rows: int = 1024
+
+
+def file_format(name: str) -> tuple[str, str] | None:
+    """(format, compression) from the file name, or None when it is not a supported input."""
+    p = Path(name.lower())
+    compression = _COMPRESSION.get(p.suffix, "")
+    if compression:
+        p = p.with_suffix("")
+    fmt = _FORMATS.get(p.suffix)
+    if fmt is None or (fmt == "parquet" and compression):
+        return None
+    return fmt, compression
+
+
+def _quick_fingerprint(path: Path, size: int) -> str:
+    """Size plus a hash of the first and last 64 KiB: survives copies, notices almost any rewrite."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 16))
+        if size > 1 << 17:
+            f.seek(size - (1 << 16))
+        h.update(f.read(1 << 16))
+    return f"{size}:{h.hexdigest()[:16]}"
+
+
+def _local_file(path: Path, name: str) -> SourceFile:
+    fmt = file_format(path.name)
+    if fmt is None:
+        raise UserError(f"cannot tell the format of {path}: supported are {SUPPORTED}")
+    try:
+        size = path.stat().st_size
+        fingerprint = _quick_fingerprint(path, size)
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+    return SourceFile(name, size, fingerprint, fmt[0], fmt[1], local_path=str(path))
+
+
+def list_local(spec: str) -> list[SourceFile]:
+    """A file, a directory (searched recursively, hidden entries skipped) or a glob pattern."""
+    if any(c in spec for c in "*?["):
+        paths = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        files = [p for p in paths if file_format(p.name)]
+        if not files:
+            raise UserError(f"no input files match {spec} (supported: {SUPPORTED})")
+        root = Path(spec.split("*")[0].split("?")[0].split("[")[0])
+        root = root if root.is_dir() else root.parent
+        return [_local_file(p, str(p.relative_to(root)) if p.is_relative_to(root) else p.name) for p in files]
+    path = Path(spec)
+    if path.is_file():
+        return [_local_file(path, path.name)]
+    if not path.exists():
+        raise UserError(f"input {spec} does not exist")
+    if not path.is_dir():
+        raise UserError(f"input {spec} is neither a file nor a directory")
+    found: list[Path] = []
+    others: set[str] = set()
+    for p in sorted(path.rglob("*")):
+        rel = p.relative_to(path)
+        if any(part.startswith(".") for part in rel.parts) or not p.is_file():
+            continue
+        (found.append(p) if file_format(p.name) else others.add(p.suffix or p.name))
+    if not found:
+        what = f" (found only {', '.join(sorted(others)[:8])})" if others else " (it is empty)"
+        raise UserError(f"no input files in {spec}{what}; supported are {SUPPORTED}")
+    return [_local_file(p, str(p.relative_to(path))) for p in found]
+
+
+def resolve_inputs(
+    specs: list[str], revision: str | None = None, includes: list[str] | None = None
+) -> list[SourceFile]:
+    """All input files in a fixed order: inputs in the order given, files sorted within each."""
+    from app.data import hub
+
+    files: list[SourceFile] = []
+    for spec in specs:
+        if spec.startswith("hf://"):
+            files.extend(hub.list_dataset_files(spec, revision=revision, includes=includes))
+        else:
+            files.extend(list_local(spec))
+    return files
+
+
+class Fetcher:
+    """Local paths of the input files, downloading hub files ahead of use so tokenizing does not wait."""
+
+    def __init__(
+        self, files: list[SourceFile], download: Callable[[SourceFile], Path], ahead: int = 1
+    ) -> None:
+        self.files, self.download, self.ahead = files, download, ahead
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: dict[int, Future] = {}
+
+    def _submit(self, i: int) -> None:
+        if i < len(self.files) and i not in self._futures and not self.files[i].local_path:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.ahead + 1, thread_name_prefix="prefetch")
+            self._futures[i] = self._pool.submit(self.download, self.files[i])
+
+    def path(self, i: int) -> Path:
+        f = self.files[i]
+        for j in range(i, i + self.ahead + 1):
+            self._submit(j)
+        if f.local_path:
+            return Path(f.local_path)
+        return self._futures.pop(i).result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            for fut in self._futures.values():
+                fut.cancel()
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+# ---- readers -------------------------------------------------------------------------------------
+
+
+class _ArrowRaw(io.RawIOBase):
+    """A pyarrow input stream as a Python raw stream (for zstd, which the stdlib lacks before 3.14)."""
+
+    def __init__(self, stream) -> None:
+        self._s = stream
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        data = self._s.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+
+def _open_binary(path: Path, compression: str) -> tuple[io.BufferedIOBase, io.BufferedReader]:
+    """(decompressed stream, raw file whose position tells how far into the file we are)."""
+    raw = open(path, "rb")  # noqa: SIM115 - closed by the caller
+    if compression == "gzip":
+        return gzip.GzipFile(fileobj=raw), raw
+    if compression == "zstd":
+        import pyarrow as pa
+
+        return io.BufferedReader(
+            _ArrowRaw(pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), "zstd"))
+        ), raw
+    return raw, raw
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def read_documents(path: Path, f: SourceFile, opts: ReadOptions) -> Iterator[tuple[list[str], int]]:
+    """Batches of non-empty documents of one file, each with the bytes of the file read so far."""
+    reader = {"parquet": _read_parquet, "jsonl": _read_jsonl, "txt": _read_txt}[f.format]
+    it = reader(path, f, opts)
+    while True:
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        except UserError:
+            raise
+        except (OSError, EOFError, ValueError, zlib.error, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read {f.label}: {_one_line(e)} (is it corrupt or truncated?)") from None
+        except Exception as e:  # pyarrow raises ArrowException subclasses
+            import pyarrow as pa
+
+            if isinstance(e, pa.ArrowException):
+                raise UserError(
+                    f"cannot read {f.label}: {_one_line(e)} (is it corrupt or truncated?)"
+                ) from None
+            raise
+        yield item
+
+
+def _read_parquet(path: Path, f: SourceFile, opts: ReadOptions) -> Iterator[tuple[list[str], int]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
+    except (pa.ArrowException, OSError) as e:
+        raise UserError(f"{f.label} is not a readable parquet file: {_one_line(e)}") from None
+    names = pf.schema_arrow.names
+    if opts.text_column not in names:
+        raise UserError(
+            f"{f.label} has no column '{opts.text_column}'; its columns are: {', '.join(names)} "
+            "(choose one with --text-column)"
+        )
+    typ = pf.schema_arrow.field(opts.text_column).type
+    if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or str(typ) == "string_view"):
+        raise UserError(
+            f"column '{opts.text_column}' of {f.label} holds {typ}, not text; choose --text-column"
+        )
+    total_rows = max(1, pf.metadata.num_rows)
+    rows = 0
+    with pf:
+        for batch in pf.iter_batches(
+            batch_size=opts.batch_rows, columns=[opts.text_column], use_threads=False
+        ):
+            rows += batch.num_rows
+            texts = [t for t in batch.column(0).to_pylist() if t]
+            yield texts, f.size * rows // total_rows
+
+
+def _read_jsonl(path: Path, f: SourceFile, opts: ReadOptions) -> Iterator[tuple[list[str], int]]:
+    stream, raw = _open_binary(path, f.compression)
+    col = opts.text_column
+    with raw, stream:
+        batch: list[str] = []
+        chars = 0
+        for lineno, line in enumerate(stream, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{f.label} line {lineno} is not valid JSON: {e.msg}") from None
+            if not isinstance(obj, dict):
+                raise UserError(f"{f.label} line {lineno} is not a JSON object")
+            if lineno == 1 and col not in obj:
+                raise UserError(
+                    f"{f.label} has no field '{col}'; its fields are: {', '.join(obj) or '(none)'} "
+                    "(choose one with --text-column)"
+                )
+            text = obj.get(col)
+            if text and isinstance(text, str):
+                batch.append(text)
+                chars += len(text)
+            if len(batch) >= opts.batch_rows or chars >= _BATCH_CHARS:
+                yield batch, raw.tell()
+                batch, chars = [], 0
+        if batch:
+            yield batch, raw.tell()
+
+
+def _read_txt(path: Path, f: SourceFile, opts: ReadOptions) -> Iterator[tuple[list[str], int]]:
+    stream, raw = _open_binary(path, f.compression)
+    with raw, io.TextIOWrapper(stream, encoding="utf-8", errors="replace", newline=None) as text:
+        if opts.txt_split == "file":
+            doc = text.read()
+            if doc.strip():
+                yield [doc], f.size
+            return
+        docs = _paragraph_docs(text, opts.doc_chars) if opts.txt_split == "paragraph" else _line_docs(text)
+        batch: list[str] = []
+        chars = 0
+        for doc in docs:
+            batch.append(doc)
+            chars += len(doc)
+            if len(batch) >= opts.batch_rows or chars >= _BATCH_CHARS:
+                yield batch, raw.tell()
+                batch, chars = [], 0
+        if batch:
+            yield batch, raw.tell()
+
+
+def _line_docs(text: io.TextIOBase) -> Iterator[str]:
+    for line in text:
+        line = line.rstrip("\n")
+        if line.strip():
+            yield line
+
+
+def _paragraph_docs(text: io.TextIOBase, doc_chars: int) -> Iterator[str]:
+    """Paragraphs (separated by blank lines) joined by one blank line into documents of >= doc_chars."""
+    doc: list[str] = []
+    para: list[str] = []
+    size = 0
+    for line in itertools.chain(text, [""]):
+        if line.strip():
+            para.append(line)
+            continue
+        if para:
+            p = "".join(para).rstrip("\n")
+            para = []
+            doc.append(p)
+            size += len(p)
+            if size >= doc_chars:
+                yield "\n\n".join(doc)
+                doc, size = [], 0
+    if doc:
+        yield "\n\n".join(doc)

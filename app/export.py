@@ -1,0 +1,465 @@
+"""`pretrain export RUN_DIR --output DIR`: a self-contained report of one run.
+
+DIR/
+  manifest.json        seed, versions, config + its hash, cluster spec, spend, step/tokens, val losses
+  metrics.csv          step,name,value from metrics.jsonl (a step logged twice across a restart keeps
+                       the last; rows of a trajectory abandoned by a resume are dropped)
+  loss-curve.png       train loss and val loss over steps
+  gradnorm-curve.png   grad norm over steps (spikes marked)
+  throughput.png       tokens/s over steps (and MFU when known)
+  final.safetensors    weights of the latest valid checkpoint; tied weights stored once, their
+                       aliases in the header metadata (`load_final` restores them)
+  tokenizer.json       the run's tokenizer, when the checkpoint carries one
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from app import checkpoint as ckpt
+from app.errors import UserError
+
+MANIFEST_VERSION = 1
+CSV_COLUMNS = ("step", "name", "value")
+PLOTS = ("loss-curve.png", "gradnorm-curve.png", "throughput.png")
+
+# Environment variables that describe where a run was exported (a whitelist: never dump the environment).
+_ENV_EXACT = (
+    "KUBERNETES_SERVICE_HOST",
+    "POD_NAME",
+    "POD_NAMESPACE",
+    "POD_IP",
+    "NODE_NAME",
+    "PRETRAIN_JOB_NAME",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "CUDA_VISIBLE_DEVICES",
+    "NVIDIA_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS",
+)
+_ENV_PREFIXES = ("PET_",)  # the Kubeflow training operator's torchrun settings (PET_NNODES, ...)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="a run directory (checkpoints/, metrics.jsonl, budget/) written by `pretrain train`",
+    )
+    p.add_argument(
+        "--output",
+        "-o",
+        required=True,
+        metavar="DIR",
+        help="directory to write manifest.json, metrics.csv, plots and final.safetensors into",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    out = export(Path(args.run_dir), Path(args.output))
+    m = json.loads((out / "manifest.json").read_text())
+    spend = m["spend"]["total_usd"]
+    val = m["val_loss"]["latest"]
+    tokens = f", {m['tokens']:,} tokens" if isinstance(m["tokens"], int) else ""
+    print(
+        f"exported {args.run_dir} -> {out}: step {m['step']}{tokens}"
+        + (f", val loss {val:.4f}" if val is not None else "")
+        + (f", ${spend:.4f} spent" if spend is not None else "")
+    )
+    for name in m["files"]:
+        print(f"  {out / name}")
+    return 0
+
+
+# ---------------------------------------------------------------- metrics.jsonl -> rows
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The JSONL log as dicts; lines cut by a kill (or not objects) are skipped."""
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+    return rows
+
+
+def effective_rows(rows: list[dict]) -> list[dict]:
+    """The rows of the trajectory that led to the final weights.
+
+    A (re)start logs a `start` event at the step it resumed from: rows logged earlier beyond that step
+    belong to an abandoned attempt and are dropped. A (kind, step) logged twice keeps the last row.
+    """
+    kept: dict[tuple[str, int], dict] = {}
+    for i, row in enumerate(rows):
+        kind, step = row.get("kind", ""), row["step"]
+        if kind == "event" and row.get("event") == "start":
+            kept = {k: r for k, r in kept.items() if k[1] <= step}
+        key = (kind, step) if kind != "event" else (f"event:{i}", step)  # events are never duplicates
+        kept.pop(key, None)  # re-insert at the end: the last occurrence wins, in log order
+        kept[key] = row
+    return sorted(kept.values(), key=lambda r: r["step"])  # stable: log order within a step
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, int | float):
+        return float(value)
+    return None
+
+
+def metric_values(rows: list[dict]) -> list[tuple[int, str, float]]:
+    """(step, name, value) for every numeric field of train, eval and checkpoint rows."""
+    out = []
+    for row in rows:
+        kind, step = row.get("kind"), row["step"]
+        if kind not in ("train", "eval", "checkpoint"):
+            continue
+        for key, value in row.items():
+            if key in ("kind", "step", "time", "path", "reason"):
+                continue
+            if kind == "train" and key == "loop_losses" and isinstance(value, list):
+                out += [
+                    (step, f"loop_loss_{i}", float(v)) for i, v in enumerate(value) if _number(v) is not None
+                ]
+                continue
+            num = _number(value)
+            if num is None:
+                continue
+            name = f"checkpoint_{key}" if kind == "checkpoint" else key
+            out.append((step, name, num))
+    return out
+
+
+def write_csv(path: Path, values: list[tuple[int, str, float]]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(CSV_COLUMNS)
+        for step, name, value in values:
+            w.writerow([step, name, repr(value)])  # nan / inf stay readable by float()
+
+
+# ---------------------------------------------------------------- plots
+
+
+def _series(rows: list[dict], kind: str, key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in rows:
+        if r.get("kind") == kind and _number(r.get(key)) is not None:
+            xs.append(r["step"])
+            ys.append(float(r[key]))
+    return xs, ys
+
+
+def write_plots(out: Path, rows: list[dict], title: str, grad_clip: float | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+
+    def empty_note(ax, xs) -> None:
+        if not xs:
+            ax.text(0.5, 0.5, "no data logged", ha="center", va="center", transform=ax.transAxes)
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    sx, sy = _series(rows, "train", "loss")
+    vx, vy = _series(rows, "eval", "val_loss")
+    ax.plot(sx, sy, lw=1, alpha=0.8, label="train loss")
+    if vx:
+        ax.plot(vx, vy, "o-", lw=1.5, ms=4, label="val loss")
+    spikes = [
+        (r["step"], r["loss"])
+        for r in rows
+        if r.get("kind") == "train"
+        and r.get("spike")
+        and _number(r.get("loss")) is not None
+        and math.isfinite(r["loss"])
+    ]
+    if spikes:
+        ax.scatter(*zip(*spikes, strict=True), marker="x", color="red", zorder=3, label="loss spike")
+    empty_note(ax, sx + vx)
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"{title}: loss")
+    ax.grid(alpha=0.3)
+    if sx or vx:
+        ax.legend()
+    save(fig, "loss-curve.png")
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    gx, gy = _series(rows, "train", "grad_norm")
+    ax.plot(gx, gy, lw=1, label="grad norm (before clipping)")
+    if grad_clip and gx:
+        ax.axhline(grad_clip, color="gray", ls="--", lw=1, label=f"clip {grad_clip:g}")
+    empty_note(ax, gx)
+    ax.set(xlabel="step", ylabel="global grad norm", title=f"{title}: gradient norm")
+    if gy and min(gy) > 0 and max(gy) / min(gy) > 100:
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    if gx:
+        ax.legend()
+    save(fig, "gradnorm-curve.png")
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    tx, ty = _series(rows, "train", "tokens_per_second")
+    ax.plot(tx, ty, lw=1, color="tab:blue", label="tokens/s")
+    ax.set(xlabel="step", ylabel="tokens / second", title=f"{title}: throughput")
+    ax.grid(alpha=0.3)
+    empty_note(ax, tx)
+    mx, my = _series(rows, "train", "mfu")
+    if mx:
+        ax2 = ax.twinx()
+        ax2.plot(mx, [v * 100 for v in my], lw=1, color="tab:orange", label="MFU")
+        ax2.set_ylabel("MFU (%)")
+        ax2.set_ylim(bottom=0)
+        lines = ax.get_lines() + ax2.get_lines()
+        ax.legend(lines, [ln.get_label() for ln in lines], loc="lower right")
+    save(fig, "throughput.png")
+
+
+# ---------------------------------------------------------------- weights
+
+
+def write_final(path: Path, info: ckpt.CheckpointInfo) -> dict[str, Any]:
+    """The checkpoint's weights, tensor bytes unchanged; tied aliases and the model config in the header."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(info.path / "model.safetensors"))
+    tied = dict(info.meta.get("tied", {}))
+    model_cfg = (info.meta.get("config") or {}).get("model", {})
+    metadata = {
+        "format": "pt",
+        "tied": json.dumps(tied, sort_keys=True),
+        "model_config": json.dumps(model_cfg, sort_keys=True),
+        "step": str(info.step),
+        "source": str(info.path),
+    }
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o644)  # safetensors creates it 0600; the other exports are world-readable too
+    return {"tensors": len(tensors), "parameters": sum(t.numel() for t in tensors.values()), "tied": tied}
+
+
+def load_final(path: str | Path) -> tuple[dict, dict[str, str]]:
+    """(state dict with tied aliases restored, header metadata) of an exported final.safetensors.
+
+    `model.load_state_dict(state)` works on `app.model.build_model(ModelConfig(**json.loads(meta["model_config"])))`
+    (rebuild nested `loop` with LoopConfig) or on the config in manifest.json.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata() or {})
+    state = load_file(str(path))
+    for alias, target in json.loads(meta.get("tied", "{}")).items():
+        state[alias] = state[target]
+    return state, meta
+
+
+# ---------------------------------------------------------------- manifest
+
+
+def config_hash(config: dict) -> str:
+    """sha256 of the config as canonical JSON (sorted keys, no whitespace): equal configs, equal hashes."""
+    blob = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
+    return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
+
+
+def cluster_spec(meta: dict, start: dict | None) -> dict[str, Any]:
+    """Where the run trained (from the checkpoint and the log) and where it is exported (this environment)."""
+    env = {k: os.environ[k] for k in _ENV_EXACT if k in os.environ}
+    env.update({k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)})
+    gpus: list[str] = []
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # noqa: BLE001 - a broken CUDA setup must not break an export
+        gpus = []
+    return {
+        "training": {
+            "world_size": meta.get("world_size") or (start or {}).get("world_size"),
+            "tokens_per_step": (start or {}).get("tokens_per_step"),
+            "device": ((meta.get("config") or {}).get("train") or {}).get("device"),
+            "gpu_type": ((meta.get("config") or {}).get("metrics") or {}).get("gpu_type") or None,
+        },
+        "environment": {
+            "hostname": socket.gethostname(),
+            "platform": platform.platform(),
+            "machine": platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "kubernetes": "KUBERNETES_SERVICE_HOST" in os.environ,
+            "gpus": gpus,
+            "env": env,
+        },
+    }
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def spend_summary(run_dir: Path, meta: dict) -> dict[str, Any]:
+    """Total spend: the ledger (durable), else the watcher's state.json, else the checkpoint's figure."""
+    ledger = _read_json(run_dir / "budget" / "ledger.json")
+    if ledger and _number(ledger.get("spent_usd")) is not None:
+        spent = float(ledger["spent_usd"])
+        if ledger.get("open_session"):
+            spent += float(ledger.get("reserved_usd") or 0.0)
+        return {
+            "total_usd": spent,
+            "cap_usd": ledger.get("cap_usd"),
+            "source": ledger.get("source") or None,
+            "from": "budget/ledger.json",
+            "sessions": len(ledger.get("sessions") or []),
+            "crashes": ledger.get("crashes", 0),
+            "running_hours": (ledger.get("running_seconds") or 0) / 3600,
+            "stop": ledger.get("stop"),
+        }
+    state = _read_json(run_dir / "budget" / "state.json")
+    if state and _number(state.get("spent_usd")) is not None:
+        return {
+            "total_usd": float(state["spent_usd"]),
+            "cap_usd": state.get("cap_usd"),
+            "source": state.get("source"),
+            "from": "budget/state.json",
+        }
+    if _number(meta.get("spent_usd")) is not None:
+        return {
+            "total_usd": float(meta["spent_usd"]),
+            "cap_usd": None,
+            "source": None,
+            "from": "checkpoint meta.json",
+        }
+    return {"total_usd": None, "cap_usd": None, "source": None, "from": None}
+
+
+def _sha256(path: Path) -> str:
+    return ckpt.sha256_file(path)
+
+
+def export(run_dir: Path, out: Path) -> Path:
+    """Write the export of `run_dir` into `out`; UserError (one line) on bad input."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(
+            f"{run_dir} is not a directory; pass a run dir written by `pretrain train --out RUN_DIR`"
+        )
+    if (run_dir / ckpt.META).exists():
+        raise UserError(f"{run_dir} is a checkpoint dir; pass its run dir ({run_dir.parent.parent})")
+    log_path = run_dir / "metrics.jsonl"
+    if not log_path.is_file():
+        raise UserError(f"{run_dir} has no metrics.jsonl; is it a run dir written by `pretrain train --out`?")
+    warnings: list[str] = []
+    info = ckpt.resolve_latest(run_dir, "sha256", warn=warnings.append)
+    for w in warnings:
+        print(w)
+    if info is None:
+        raise UserError(f"no usable checkpoint under {run_dir / ckpt.CKPT_DIR}; nothing to export")
+    out = Path(out)
+    if out.resolve() == run_dir.resolve():
+        raise UserError("--output must differ from RUN_DIR")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create --output {out}: {e.strerror}") from None
+
+    rows = effective_rows(read_rows(log_path))
+    meta = info.meta
+    config = meta.get("config") or {}
+    trainer_state = _read_json(info.path / "trainer_state.json") or {}
+
+    write_csv(out / "metrics.csv", metric_values(rows))
+    write_plots(out, rows, run_dir.resolve().name, ((config.get("optim") or {}).get("grad_clip")))
+    weights = write_final(out / "final.safetensors", info)
+    files = ["manifest.json", "metrics.csv", *PLOTS, "final.safetensors"]
+    tok = info.path / "tokenizer.json"
+    if tok.is_file():
+        shutil.copyfile(tok, out / "tokenizer.json")
+        files.append("tokenizer.json")
+
+    evals = [r for r in rows if r.get("kind") == "eval" and _number(r.get("val_loss")) is not None]
+    best_eval = min(evals, key=lambda r: r["val_loss"]) if evals else None
+    trains = [r for r in rows if r.get("kind") == "train"]
+    starts = [r for r in rows if r.get("kind") == "event" and r.get("event") == "start"]
+    stops = [r for r in rows if r.get("kind") == "event" and r.get("event") == "stop"]
+    best_ckpt = ckpt.resolve_best(run_dir, "size", warn=lambda m: None)
+    versions = dict(meta.get("versions") or {})
+    manifest = {
+        "manifest_version": MANIFEST_VERSION,
+        "run": {"name": run_dir.resolve().name, "dir": str(run_dir.resolve()), "exported_unix": time.time()},
+        "seed": (config.get("train") or {}).get("seed"),
+        "versions": {"trained_with": versions, "exported_with": ckpt.versions()},
+        "torch": versions.get("torch"),
+        "python": versions.get("python"),
+        "cuda": versions.get("cuda"),
+        "preset": config.get("preset"),
+        "config_hash": config_hash(config),
+        "config": config,
+        "cluster": cluster_spec(meta, starts[-1] if starts else None),
+        "spend": spend_summary(run_dir, meta),
+        "step": info.step,
+        "tokens": meta.get("tokens", trainer_state.get("tokens")),
+        "elapsed_hours": (trainer_state.get("elapsed_seconds") or 0.0) / 3600,
+        "last_logged_step": trains[-1]["step"] if trains else None,
+        "parameters": (starts[-1].get("parameters") if starts else None) or weights["parameters"],
+        "val_loss": {
+            "latest": evals[-1]["val_loss"] if evals else None,
+            "latest_step": evals[-1]["step"] if evals else None,
+            "latest_bpb": evals[-1].get("val_bpb") if evals else None,
+            "best": best_eval["val_loss"] if best_eval else meta.get("best_val_loss"),
+            "best_step": best_eval["step"] if best_eval else None,
+            "best_bpb": best_eval.get("val_bpb") if best_eval else None,
+        },
+        "stop": {k: stops[-1].get(k) for k in ("cause", "reason", "exit_code")} if stops else None,
+        "checkpoint": {
+            "latest": str(info.path),
+            "latest_step": info.step,
+            "best": str(best_ckpt.path) if best_ckpt else None,
+            "best_step": best_ckpt.step if best_ckpt else None,
+            "model_sha256": (meta.get("files") or {}).get("model.safetensors", {}).get("sha256"),
+        },
+        "weights": {"file": "final.safetensors", "tensors": weights["tensors"], "tied": weights["tied"]},
+        "files": files,
+        "sha256": {},
+    }
+    manifest["sha256"] = {name: _sha256(out / name) for name in files if name != "manifest.json"}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str) + "\n")
+    return out

@@ -1,0 +1,212 @@
+"""`pretrain plan`: what a dollar budget buys. Budget -> GPU-hours -> FLOPs -> compute-optimal model and tokens.
+
+Chinchilla (Hoffmann et al. 2022, approach 3): L(N, D) = E + A/N^alpha + B/D^beta with training compute
+C = 6 N D. Minimising L at fixed C gives N_opt = G (C/6)^(beta/(alpha+beta)), D_opt = (C/6)^(alpha/(alpha+beta)) / G,
+G = (alpha A / (beta B))^(1/(alpha+beta)). N counts all parameters, embeddings included, as in the paper.
+The fit is for their data and tokenizer: read the loss as a relative guide, not a promise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+from app.budget import pricing
+from app.errors import UserError
+
+E, A, B, ALPHA, BETA = 1.69, 406.4, 410.7, 0.34, 0.28
+DEFAULT_MFU = 0.4
+
+# Fallback when the presets or the model cannot be loaded: approximate total parameters.
+APPROX_PRESET_PARAMS = {
+    "tiny": 3.7e6,
+    "x1-50m": 8.9e7,
+    "gpt2-124m": 1.24e8,
+    "looped-546m": 5.46e8,
+    "char-d64": 4.3e9,
+}
+
+
+def chinchilla_loss(n_params: float, n_tokens: float) -> float:
+    return E + A / n_params**ALPHA + B / n_tokens**BETA
+
+
+def compute_optimal(flops: float) -> tuple[float, float]:
+    """(N, D) minimising the Chinchilla loss at C = 6 N D."""
+    g = (ALPHA * A / (BETA * B)) ** (1 / (ALPHA + BETA))
+    x = flops / 6
+    n = g * x ** (BETA / (ALPHA + BETA))
+    d = x ** (ALPHA / (ALPHA + BETA)) / g
+    return n, d
+
+
+@dataclass(frozen=True)
+class Plan:
+    budget_usd: float
+    gpu: str
+    gpus: int
+    price_per_gpu_hour: float
+    peak_tflops: float
+    mfu: float
+    hours: float  # wall-clock hours the budget buys
+    flops: float
+    params: float
+    tokens: float
+    loss: float
+
+    @property
+    def tokens_per_param(self) -> float:
+        return self.tokens / self.params
+
+
+def make_plan(
+    budget_usd: float, gpu: str, gpus: int, price: float = 0.0, mfu: float = DEFAULT_MFU, peak: float = 0.0
+) -> Plan:
+    if not (budget_usd > 0 and math.isfinite(budget_usd)):
+        raise UserError(f"--budget-usd must be > 0, got {budget_usd}")
+    if gpus < 1:
+        raise UserError(f"--gpus must be >= 1, got {gpus}")
+    if not 0 < mfu <= 1:
+        raise UserError(f"--mfu is a fraction of peak in (0, 1], e.g. 0.4; got {mfu}")
+    key = pricing.normalize(gpu)
+    price = pricing.price_per_gpu_hour(key, price)
+    peak = peak or pricing.peak_tflops(key)
+    if price <= 0 or peak <= 0:
+        missing = "--price-per-gpu-hour" if price <= 0 else "--peak-tflops"
+        raise UserError(f"unknown GPU type '{gpu}': pass {missing} or use one of: {pricing.known_types()}")
+    hours = budget_usd / (price * gpus)
+    flops = gpus * hours * 3600 * peak * 1e12 * mfu
+    n, d = compute_optimal(flops)
+    return Plan(budget_usd, key, gpus, price, peak, mfu, hours, flops, n, d, chinchilla_loss(n, d))
+
+
+# ---------------------------------------------------------------- presets
+
+
+def _analytic_params(m) -> float:
+    """Total parameters of the project's GPT (RMSNorm, GQA, SwiGLU, RoPE) from its ModelConfig."""
+    head = m.d_model // m.n_head
+    attn = 2 * m.d_model * m.d_model + 2 * m.d_model * m.kv_heads * head
+    block = attn + 3 * m.d_model * m.ffn_dim + 2 * m.d_model
+    vocab = m.vocab_size or 50257
+    emb = vocab * m.d_model * (1 if m.tie_embeddings else 2)
+    return m.n_blocks * block + m.d_model + emb
+
+
+def _model_params(cfg) -> float:
+    """Count on the meta device with app.model when it exists (no memory, exact), else analytically."""
+    try:
+        import torch
+
+        from app import model as model_mod
+
+        m = cfg.model
+        if not m.vocab_size:
+            m.vocab_size = cfg.data.vocab_size if cfg.data.dataset == "embedded" else 50257
+        if hasattr(model_mod, "count_parameters"):
+            counts = model_mod.count_parameters(m)  # ParamCounts(total, non_embedding), built on meta
+            return float(getattr(counts, "total", counts))
+        with torch.device("meta"):
+            net = model_mod.GPT(m)
+        return float(sum(p.numel() for p in net.parameters()))
+    except Exception:
+        return _analytic_params(cfg.model)
+
+
+def preset_params() -> dict[str, float]:
+    """Parameters per preset in app/presets/; the approximate table when presets cannot be loaded."""
+    out: dict[str, float] = {}
+    try:
+        from app.config import load_config, preset_names
+
+        for name in preset_names():
+            try:
+                out[name] = _model_params(load_config(preset=name))
+            except Exception:
+                continue
+    except Exception:
+        pass
+    return out or dict(APPROX_PRESET_PARAMS)
+
+
+def nearest_preset(n_params: float, presets: dict[str, float]) -> tuple[str, float]:
+    """Closest in log-space: a 2x bigger and a 2x smaller model are equally far."""
+    name = min(presets, key=lambda k: abs(math.log(presets[k] / n_params)))
+    return name, presets[name]
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--budget-usd", type=float, required=True, help="the dollars to spend on training")
+    parser.add_argument("--gpu", required=True, help=f"GPU type: {pricing.known_types()}")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs trained on (all nodes)")
+    parser.add_argument(
+        "--price-per-gpu-hour", type=float, default=0.0, help="USD per GPU-hour (default: built-in table)"
+    )
+    parser.add_argument(
+        "--mfu", type=float, default=DEFAULT_MFU, help="expected model FLOPs utilisation, 0..1"
+    )
+    parser.add_argument(
+        "--peak-tflops", type=float, default=0.0, help="dense bf16 TFLOP/s per GPU for an unlisted GPU"
+    )
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def format_plan(plan: Plan, presets: dict[str, float]) -> list[str]:
+    name, n_preset = nearest_preset(plan.params, presets)
+    d_preset = plan.flops / (6 * n_preset)
+    lines = [
+        f"pretrain plan: ${plan.budget_usd:,.2f} on {plan.gpus} x {plan.gpu} at ${plan.price_per_gpu_hour:.2f}/GPU-h, "
+        f"peak {plan.peak_tflops:g} TFLOP/s, MFU {plan.mfu:.0%}",
+        f"  hours           {plan.hours:,.2f} h wall clock",
+        f"  compute         {plan.flops:.3g} FLOPs (C = 6 N D)",
+        f"  params N        {_si(plan.params)} (compute-optimal, embeddings included)",
+        f"  tokens D        {_si(plan.tokens)} ({plan.tokens_per_param:.0f} tokens/param)",
+        f"  predicted loss  {plan.loss:.3f} nats/token (Chinchilla fit: E + A/N^0.34 + B/D^0.28)",
+        f"  nearest preset  {name} ({_si(n_preset)} params): {_si(d_preset)} tokens, "
+        f"predicted loss {chinchilla_loss(n_preset, d_preset):.3f}",
+        "",
+        f"across GPU types (${plan.budget_usd:,.2f}, {plan.gpus} GPU(s), MFU {plan.mfu:.0%}; built-in prices, approximate):",
+        f"  {'gpu':<10} {'$/GPU-h':>8} {'TFLOP/s':>8} {'hours':>9} {'FLOPs':>9} {'params':>7} {'tokens':>7} {'loss':>6}",
+    ]
+    for key in pricing.GPUS:
+        p = make_plan(plan.budget_usd, key, plan.gpus, 0.0, plan.mfu)
+        lines.append(
+            f"  {key:<10} {p.price_per_gpu_hour:>8.2f} {p.peak_tflops:>8g} {p.hours:>9,.1f} {p.flops:>9.2e} "
+            f"{_si(p.params):>7} {_si(p.tokens):>7} {p.loss:>6.3f}"
+        )
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = make_plan(
+        args.budget_usd, args.gpu, args.gpus, args.price_per_gpu_hour, args.mfu, args.peak_tflops
+    )
+    for line in format_plan(plan, preset_params()):
+        print(line)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    parser = argparse.ArgumentParser(prog="pretrain plan", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    try:
+        return run(parser.parse_args(argv))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,635 @@
+"""The Helm chart, rendered by a real helm binary and validated against real schemas.
+
+No cluster runs here: objects are checked with kubernetes-validate (core kinds, strict) and the
+training-operator v1.9 PyTorchJob CRD schema; the shell scripts and the torchrun launcher that the
+chart ships are executed locally.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import k8s_helpers as h
+import pytest
+import yaml
+
+GPU = "nvidia.com/gpu"
+STOP_FILE = "/run/pretrain/stop.json"
+
+VARIANTS = {
+    "defaults": {},
+    "monitors": {
+        "metrics.podMonitor.enabled": True,
+        "metrics.podMonitor.labels": {"release": "kube-prometheus-stack"},
+        "metrics.serviceMonitor.enabled": True,
+        "metrics.serviceMonitor.labels": {"release": "kube-prometheus-stack"},
+        "metrics.prometheusRule.enabled": True,
+        "metrics.grafanaDashboards.enabled": True,
+    },
+    "existing-claims": {
+        "storage.data.existingClaim": "team-data",
+        "storage.checkpoints.existingClaim": "team-ckpt",
+    },
+    "kueue": {
+        "job.kueueQueueName": "gpu-queue",
+        "prepare.kueueQueueName": "cpu-queue",
+        "job.priorityClassName": "training-high",
+    },
+    "secret": {"hfToken.existingSecret": "hf-token", "hfToken.key": "hf"},
+}
+
+
+@pytest.fixture(scope="session")
+def helm_bin() -> str:
+    return h.helm_binary()
+
+
+def topology(gpus: int, per_node: int = 8) -> tuple[int, int]:
+    return (1, gpus) if gpus < per_node else (gpus // per_node, per_node)
+
+
+def test_helm_binary_is_real(helm_bin):
+    out = subprocess.run([helm_bin, "version", "--short"], capture_output=True, text=True, check=True)
+    assert re.match(r"v\d+\.\d+\.\d+", out.stdout.strip())
+
+
+@pytest.mark.parametrize(
+    "values",
+    [[], ["--set", "gpus=64"], ["--set", "metrics.podMonitor.enabled=true", "--set", "budget.capUSD=0"]],
+    ids=["defaults", "gpus64", "monitor-nocap"],
+)
+def test_helm_lint_strict(helm_bin, values):
+    proc = h.helm("lint", "--strict", str(h.CHART), *values, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 chart(s) failed" in proc.stdout
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("gpus", [1, 8, 16, 64])
+def test_render_matrix(helm_bin, gpus, variant):
+    values = {"gpus": gpus, **VARIANTS[variant]}
+    docs = h.render(values)
+    h.validate_all(docs)
+    nodes, nproc = topology(gpus)
+
+    job = h.one(docs, "PyTorchJob")
+    assert job["apiVersion"] == "kubeflow.org/v1"
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert specs["Master"]["replicas"] == 1
+    if nodes == 1:
+        assert "Worker" not in specs
+    else:
+        assert specs["Worker"]["replicas"] == nodes - 1
+    assert job["spec"]["nprocPerNode"] == str(nproc)
+    run_policy = job["spec"]["runPolicy"]
+    assert run_policy["backoffLimit"] >= 1 and run_policy["cleanPodPolicy"] == "Running"
+    assert run_policy["ttlSecondsAfterFinished"] == 604800
+
+    checksums = set()
+    for rtype, spec in specs.items():
+        assert spec["restartPolicy"] == "ExitCode"
+        pod = spec["template"]["spec"]
+        checksums.add(spec["template"]["metadata"]["annotations"]["checksum/config"])
+        trainer = h.container(pod, "pytorch")
+        assert trainer["resources"]["limits"][GPU] == nproc
+        assert trainer["resources"]["requests"][GPU] == nproc
+        args = trainer["args"]
+        assert trainer["command"] == ["python", "/etc/pretrain/launch.py"]
+        assert f"--nnodes={nodes}" in args and f"--nproc-per-node={nproc}" in args
+        i = args.index("-m")
+        assert args[i + 1] == "app.train"
+        flags = dict(zip(args[i + 2 :: 1], args[i + 3 :: 1], strict=False))
+        assert flags["--config"] == "/etc/pretrain/config.yaml"
+        assert flags["--out"] == "/ckpt/pretrain"
+        assert flags["--stop-file"] == STOP_FILE
+        assert flags["--metrics-port"] == "9400"
+        assert flags["--budget-cap-usd"] == "1000"
+        assert args[args.index("budget.in_process=false") - 1 :][:2] == ["--set", "budget.in_process=false"]
+        assert "data.dataset=/data/fineweb-edu-10bt" in args
+        mounts = {m["mountPath"]: m for m in trainer["volumeMounts"]}
+        assert set(mounts) >= {"/etc/pretrain", "/data", "/ckpt", "/run/pretrain", "/dev/shm"}
+        assert mounts["/data"]["readOnly"] is True
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+        assert volumes[mounts["/run/pretrain"]["name"]]["emptyDir"] is not None
+        claims = {
+            volumes[mounts[p]["name"]]["persistentVolumeClaim"]["claimName"] for p in ("/data", "/ckpt")
+        }
+        if variant == "existing-claims":
+            assert claims == {"team-data", "team-ckpt"}
+        else:
+            assert claims == {"pretrain-data", "pretrain-ckpt"}
+        assert {"key": GPU, "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+        assert pod["terminationGracePeriodSeconds"] >= 60
+        env = h.env_map(trainer)
+        if variant == "secret":
+            assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "hf"}}
+        else:
+            assert "HF_TOKEN" not in env
+        init = {c["name"]: c for c in pod.get("initContainers", [])}
+        assert "wait-for-data" in init
+        if rtype == "Master":
+            watcher = init["budget-watcher"]
+            assert watcher["restartPolicy"] == "Always"  # native sidecar: the pod ends with the trainer
+            assert list(init)[0] == "budget-watcher"
+            wargs = watcher["args"]
+            assert wargs[0] == "watch" and watcher["command"] == ["pretrain"]
+            assert wargs[wargs.index("--stop-file") + 1] == STOP_FILE
+            assert wargs[wargs.index("--gpus") + 1] == str(gpus)
+            assert wargs[wargs.index("--metrics-port") + 1] == "9401"
+            assert wargs[wargs.index("--run-dir") + 1] == "/ckpt/pretrain"
+            wmounts = {m["mountPath"]: m["name"] for m in watcher["volumeMounts"]}
+            assert wmounts["/run/pretrain"] == mounts["/run/pretrain"]["name"]  # shared stop-file emptyDir
+            assert pod["automountServiceAccountToken"] is True
+        else:
+            assert "budget-watcher" not in init, "the budget watcher runs in the Master pod only"
+            assert pod["automountServiceAccountToken"] is False
+        all_containers = pod["containers"] + pod.get("initContainers", [])
+        assert not [c for c in all_containers if c["name"] == "budget-watcher" and rtype != "Master"]
+        assert sum(c["name"] == "budget-watcher" for c in all_containers) == (rtype == "Master")
+        if variant == "kueue":
+            assert pod["priorityClassName"] == "training-high"
+    assert len(checksums) == 1
+
+    labels = job["metadata"]["labels"]
+    if variant == "kueue":
+        assert labels["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+        assert h.one(docs, "Job")["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "cpu-queue"
+        assert run_policy["schedulingPolicy"] == {"minAvailable": nodes, "priorityClass": "training-high"}
+    else:
+        assert "kueue.x-k8s.io/queue-name" not in labels
+    pvcs = h.by_kind(docs, "PersistentVolumeClaim")
+    assert len(pvcs) == (0 if variant == "existing-claims" else 2)
+    if variant == "monitors":
+        pm = h.one(docs, "PodMonitor")
+        sm = h.one(docs, "ServiceMonitor")
+        for mon in (pm, sm):
+            assert mon["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        assert [e["port"] for e in pm["spec"]["podMetricsEndpoints"]] == ["metrics", "budget-metrics"]
+        services = {s["metadata"]["name"]: s for s in h.by_kind(docs, "Service")}
+        assert services["pretrain-metrics"]["spec"]["ports"][0]["port"] == 9400
+        assert services["pretrain-budget"]["spec"]["ports"][0]["port"] == 9401
+        assert services["pretrain-budget"]["spec"]["selector"]["pretrain/replica-type"] == "master"
+        for svc in services.values():
+            assert svc["metadata"]["labels"].items() >= sm["spec"]["selector"]["matchLabels"].items()
+    else:
+        assert not h.by_kind(docs, "PodMonitor") and not h.by_kind(docs, "ServiceMonitor")
+        assert not h.by_kind(docs, "Service")
+
+
+def test_hf_token_never_plain(helm_bin):
+    docs = h.render({"hfToken.existingSecret": "hf-token"})
+    text = yaml.safe_dump_all(docs)
+    assert "secretKeyRef" in text
+    prepare = h.one(docs, "Job")["spec"]["template"]["spec"]["containers"][0]
+    assert h.env_map(prepare)["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}
+    schema = json.loads((h.CHART / "values.schema.json").read_text())
+    assert set(schema["properties"]["hfToken"]["properties"]) == {"existingSecret", "key"}
+    assert "not allowed" in h.render_error({"hfToken.token": "hf_abc"})
+
+
+@pytest.mark.parametrize(
+    ("values", "nodes", "nproc"),
+    [
+        ({"gpus": 4}, 1, 4),
+        ({"gpus": 12, "gpusPerNode": 4}, 3, 4),
+        ({"gpus": 2, "gpusPerNode": 1}, 2, 1),
+    ],
+)
+def test_topology(helm_bin, values, nodes, nproc):
+    docs = h.render(values)
+    h.validate_all(docs)
+    job = h.one(docs, "PyTorchJob")
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert specs.get("Worker", {"replicas": 0})["replicas"] == nodes - 1
+    for spec in specs.values():
+        c = h.container(spec["template"]["spec"], "pytorch")
+        assert c["resources"]["limits"][GPU] == nproc
+        assert f"--nnodes={nodes}" in c["args"]
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"gpus": 0}, r"/gpus.*minimum"),
+        ({"gpus": 12}, r"gpus=12 is not a multiple of gpusPerNode=8.*gpus=8 or gpus=16"),
+        ({"gpus": 20, "gpusPerNode": 8}, r"gpus=20 is not a multiple of gpusPerNode=8"),
+        ({"budget.capUSD": -1}, r"/budget/capUSD.*minimum"),
+        ({"gpusPerNode": 0}, r"/gpusPerNode.*minimum"),
+        ({"budget.pricePerGpuHour": -2.5}, r"/budget/pricePerGpuHour.*minimum"),
+        ({"job.restartPolicy": "Sometimes"}, r"/job/restartPolicy"),
+        ({"storage.data.accessModes": ["ReadWriteSometimes"]}, r"/storage/data/accessModes"),
+        ({"gpu": 8}, r"additional properties 'gpu' not allowed"),
+        ({"budget.cap": 10}, r"additional properties 'cap' not allowed"),
+        ({"prepare.valFraction": 1.5}, r"/prepare/valFraction"),
+    ],
+    ids=lambda v: json.dumps(v) if isinstance(v, dict) else "msg",
+)
+def test_bad_values_refused(helm_bin, values, message):
+    err = h.render_error(values)
+    assert re.search(message, err, re.S), err
+
+
+def test_watcher_off_without_cap(helm_bin):
+    docs = h.render({"budget.capUSD": 0, "metrics.serviceMonitor.enabled": True})
+    h.validate_all(docs)
+    job = h.one(docs, "PyTorchJob")
+    pod = h.pod_spec(job, "Master")
+    assert [c["name"] for c in pod["initContainers"]] == ["wait-for-data"]
+    assert pod["automountServiceAccountToken"] is False
+    assert not h.by_kind(docs, "Role") and not h.by_kind(docs, "RoleBinding")
+    assert [s["metadata"]["name"] for s in h.by_kind(docs, "Service")] == ["pretrain-metrics"]
+
+
+def test_rbac_least_privilege(helm_bin):
+    docs = h.render({"gpus": 16})
+    role = h.one(docs, "Role")
+    rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): r for r in role["rules"]}
+    assert rules[("",), ("events",)]["verbs"] == ["create", "patch"]
+    job_rule = rules[("kubeflow.org",), ("pytorchjobs",)]
+    assert job_rule["verbs"] == ["get", "patch"]
+    assert job_rule["resourceNames"] == ["pretrain"]
+    for r in role["rules"]:
+        assert "*" not in r["verbs"] + r["resources"] + r["apiGroups"]
+        assert set(r["verbs"]) <= {"get", "create", "patch"}
+    binding = h.one(docs, "RoleBinding")
+    sa = h.one(docs, "ServiceAccount")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "default"}
+    ]
+    assert h.pod_spec(h.one(docs, "PyTorchJob"), "Master")["serviceAccountName"] == sa["metadata"]["name"]
+    assert sa["automountServiceAccountToken"] is False  # only the Master pod opts in
+
+
+def test_config_map_and_checksum(helm_bin):
+    base = h.render()
+    cm = h.one(base, "ConfigMap")
+    assert (
+        yaml.safe_load(cm["data"]["config.yaml"])
+        == yaml.safe_load((h.CHART / "values.yaml").read_text())["config"]
+    )
+    mount = {
+        m["mountPath"]: m
+        for m in h.container(h.pod_spec(h.one(base, "PyTorchJob"), "Master"), "pytorch")["volumeMounts"]
+    }
+    volumes = {v["name"]: v for v in h.pod_spec(h.one(base, "PyTorchJob"), "Master")["volumes"]}
+    assert volumes[mount["/etc/pretrain"]["name"]]["configMap"]["name"] == cm["metadata"]["name"]
+
+    def checksum(docs):
+        return h.one(docs, "PyTorchJob")["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["metadata"][
+            "annotations"
+        ]["checksum/config"]
+
+    changed = h.render({"config": {"preset": "gpt2-124m", "train": {"max_hours": 20}}})
+    assert yaml.safe_load(h.one(changed, "ConfigMap")["data"]["config.yaml"])["train"] == {"max_hours": 20}
+    assert checksum(base) != checksum(changed)
+    assert checksum(base) == checksum(h.render({"gpus": 8}))
+
+
+def test_prepare_job_on_cpu_pool(helm_bin):
+    docs = h.render(
+        {
+            "prepare.nodeSelector": {"pool": "cpu"},
+            "prepare.input": "hf://datasets/karpathy/tinyshakespeare",
+            "prepare.tokenizer": "char",
+            "prepare.extraArgs": ["--workers", "4"],
+        }
+    )
+    job = h.one(docs, "Job")
+    pod = job["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert pod["nodeSelector"] == {"pool": "cpu"}
+    assert pod["restartPolicy"] == "Never"
+    assert GPU not in json.dumps(c["resources"])
+    assert c["args"][:4] == [
+        "--input",
+        "hf://datasets/karpathy/tinyshakespeare",
+        "--out",
+        "/data/fineweb-edu-10bt",
+    ]
+    assert c["args"][c["args"].index("--tokenizer") + 1] == "char" and "--vocab-size" not in c["args"]
+    assert c["args"][-2:] == ["--workers", "4"]
+    fp = h.env_map(c)["PREPARE_FINGERPRINT"]
+    for rtype in ("Master",):
+        wait = h.container(h.pod_spec(h.one(docs, "PyTorchJob"), rtype), "wait-for-data", init=True)
+        assert h.env_map(wait)["PREPARE_FINGERPRINT"] == fp
+    other = h.env_map(
+        h.one(h.render({"prepare.input": "/data/raw"}), "Job")["spec"]["template"]["spec"]["containers"][0]
+    )
+    assert other["PREPARE_FINGERPRINT"] != fp
+
+
+def test_prepare_disabled(helm_bin):
+    docs = h.render({"prepare.enabled": False, "config": {"preset": "tiny", "data": {"dataset": "embedded"}}})
+    h.validate_all(docs)
+    assert not h.by_kind(docs, "Job")
+    pod = h.pod_spec(h.one(docs, "PyTorchJob"), "Master")
+    assert [c["name"] for c in pod["initContainers"]] == ["budget-watcher"]
+    assert not any(a.startswith("data.dataset=") for a in h.container(pod, "pytorch")["args"])
+
+
+def test_job_disabled_keeps_volumes_and_prepare(helm_bin):
+    docs = h.render({"job.enabled": False, "metrics.podMonitor.enabled": True})
+    h.validate_all(docs)
+    assert {d["kind"] for d in docs} == {"ServiceAccount", "ConfigMap", "PersistentVolumeClaim", "Job"}
+
+
+# ------------------------------------------------------------- the shell scripts, run for real
+
+
+def _script(c: dict, root: Path) -> str:
+    """The container's `sh -c` script with /data and /run/pretrain moved under root."""
+    assert c["command"][:2] == ["sh", "-c"]
+    return c["command"][2].replace("/data/", f"{root}/data/").replace("/run/pretrain", f"{root}/run")
+
+
+def test_prepare_and_wait_scripts(helm_bin, tmp_path):
+    docs = h.render({"prepare.wait.pollSeconds": 1, "prepare.wait.timeoutSeconds": 2})
+    prep = h.one(docs, "Job")["spec"]["template"]["spec"]["containers"][0]
+    wait = h.container(h.pod_spec(h.one(docs, "PyTorchJob"), "Master"), "wait-for-data", init=True)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "run").mkdir()
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    calls = tmp_path / "calls.txt"
+    (fake_bin / "pretrain").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n[ -z "$FAIL" ] || exit 2\n')
+    (fake_bin / "pretrain").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"}
+    env.update({e["name"]: e["value"] for e in prep["env"] if "value" in e})
+    wenv = {**os.environ, **{e["name"]: e["value"] for e in wait["env"]}}
+    marker = tmp_path / "data" / "fineweb-edu-10bt" / "_READY"
+
+    def run_prepare(**extra):
+        cmd = ["sh", "-c", _script(prep, tmp_path), *prep["command"][3:], *prep["args"]]
+        return subprocess.run(cmd, env={**env, **extra}, capture_output=True, text=True, timeout=30)
+
+    def run_wait():
+        return subprocess.run(
+            ["sh", "-c", _script(wait, tmp_path)], env=wenv, capture_output=True, text=True, timeout=30
+        )
+
+    # nothing prepared: the trainer waits, then gives up after the timeout
+    t0 = time.monotonic()
+    proc = run_wait()
+    assert proc.returncode == 1 and "no " in proc.stderr and time.monotonic() - t0 >= 2
+    # a failed prepare leaves no marker
+    assert run_prepare(FAIL="1").returncode == 2 and not marker.exists()
+    proc = run_prepare()
+    assert proc.returncode == 0, proc.stderr
+    assert marker.read_text().strip() == env["PREPARE_FINGERPRINT"]
+    assert (
+        calls.read_text()
+        .splitlines()[-1]
+        .startswith("prepare --input hf://datasets/HuggingFaceFW/fineweb-edu")
+    )
+    # idempotent: the same fingerprint skips the work
+    n = len(calls.read_text().splitlines())
+    assert "nothing to do" in run_prepare().stdout and len(calls.read_text().splitlines()) == n
+    assert run_wait().returncode == 0
+    # a marker of other arguments is not ready; a stop file releases the wait so the trainer can exit 0
+    marker.write_text("0123456789abcdef\n")
+    assert run_wait().returncode == 1
+    (tmp_path / "run" / "stop.json").write_text("{}")
+    proc = run_wait()
+    assert proc.returncode == 0 and "stop file" in proc.stdout
+
+
+def test_notes(helm_bin, tmp_path):
+    env = {**os.environ, "KUBECONFIG": str(tmp_path / "none")}
+    proc = subprocess.run(
+        [helm_bin, "install", "pretrain", str(h.CHART), "--dry-run=client", "--set", "gpus=16"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    notes = proc.stdout.split("NOTES:", 1)[1]
+    assert "2 node(s) x 8 GPU(s) = 16 GPU(s)" in notes
+    for needle in (
+        "logs -f pretrain-master-0 -c pytorch",
+        "logs -f pretrain-master-0 -c budget-watcher",
+        "logs -f job/pretrain-prepare",
+        "port-forward pod/pretrain-master-0 9400:9400 9401:9401",
+        "grafanaDashboards.enabled=true",
+        "cap $1000",
+    ):
+        assert needle in notes, needle
+    # the "stop by hand" command writes a stop file the trainer can parse
+    line = re.search(r"sh -c \\\n\s+'(.*)'\n", notes)
+    assert line, notes
+    cmd = line.group(1).replace("/run/pretrain", str(tmp_path))
+    subprocess.run(["sh", "-c", cmd], check=True, timeout=10)
+    stop = json.loads((tmp_path / "stop.json").read_text())
+    assert stop["mode"] == "graceful" and stop["cause"] == "user" and stop["written_unix"] > 1.6e9
+
+
+# ------------------------------------------------------------- dashboards and alert rules
+
+
+def _chart_copy(tmp_path: Path) -> Path:
+    chart = tmp_path / "chart"
+    shutil.copytree(h.CHART, chart, ignore=shutil.ignore_patterns("dashboards", "rules"))
+    return chart
+
+
+def test_dashboards_and_rules_picked_up(helm_bin, tmp_path):
+    chart = _chart_copy(tmp_path)
+    (chart / "dashboards").mkdir()
+    for name in ("Training Overview.json", "budget.json"):
+        (chart / "dashboards" / name).write_text(json.dumps({"title": name, "panels": []}))
+    (chart / "rules").mkdir()
+    rules = {
+        "groups": [{"name": "pretrain", "rules": [{"alert": "BudgetAlmostSpent", "expr": "vector(1) > 0"}]}]
+    }
+    (chart / "rules" / "pretrain-rules.yaml").write_text(yaml.safe_dump(rules))
+    on = {
+        "metrics.grafanaDashboards.enabled": True,
+        "metrics.prometheusRule.enabled": True,
+        "metrics.prometheusRule.labels": {"release": "kube-prometheus-stack"},
+    }
+    docs = h.render(on, chart=chart)
+    h.validate_all(docs)
+    dash = [
+        d for d in h.by_kind(docs, "ConfigMap") if d["metadata"]["labels"].get("grafana_dashboard") == "1"
+    ]
+    assert sorted(d["metadata"]["name"] for d in dash) == [
+        "pretrain-dashboard-budget",
+        "pretrain-dashboard-training-overview",
+    ]
+    for d in dash:
+        ((key, text),) = d["data"].items()
+        assert json.loads(text)["title"] == key
+    rule = h.one(docs, "PrometheusRule")
+    assert rule["spec"] == rules and rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    # opt-in: nothing by default
+    docs = h.render(chart=chart)
+    assert not h.by_kind(docs, "PrometheusRule")
+    assert all("grafana_dashboard" not in d["metadata"]["labels"] for d in h.by_kind(docs, "ConfigMap"))
+    # a rules file that is not a `groups:` file is refused
+    (chart / "rules" / "pretrain-rules.yaml").write_text("alerts: []\n")
+    assert "top-level `groups:` list" in h.render_error(on, chart=chart)
+
+
+def test_renders_without_dashboards_and_rules(helm_bin, tmp_path):
+    chart = _chart_copy(tmp_path)
+    docs = h.render(
+        {"metrics.grafanaDashboards.enabled": True, "metrics.prometheusRule.enabled": True}, chart=chart
+    )
+    h.validate_all(docs)
+    assert not h.by_kind(docs, "PrometheusRule")
+    assert [d["metadata"]["name"] for d in h.by_kind(docs, "ConfigMap")] == ["pretrain-config"]
+
+
+def test_shipped_dashboards_and_rules_if_present(helm_bin):
+    """The observability files in helm/dashboards and helm/rules render into valid objects."""
+    dashboards = sorted((h.CHART / "dashboards").glob("*.json"))
+    rules = h.CHART / "rules" / "pretrain-rules.yaml"
+    if not dashboards and not rules.exists():
+        pytest.skip("helm/dashboards and helm/rules are not there yet")
+    docs = h.render({"metrics.grafanaDashboards.enabled": True, "metrics.prometheusRule.enabled": True})
+    h.validate_all(docs)
+    dash = [
+        d for d in h.by_kind(docs, "ConfigMap") if d["metadata"]["labels"].get("grafana_dashboard") == "1"
+    ]
+    assert len(dash) == len(dashboards)
+    for d in dash:
+        for text in d["data"].values():
+            assert json.loads(text)["panels"]
+    if rules.exists():
+        assert h.one(docs, "PrometheusRule")["spec"]["groups"] == yaml.safe_load(rules.read_text())["groups"]
+
+
+# ------------------------------------------------------------- values documentation and schema
+
+
+def _leaves(d: dict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if (
+            isinstance(v, dict)
+            and v
+            and key not in {"config", "commonLabels", "commonAnnotations"}
+            and not key.endswith(
+                (
+                    "resources",
+                    "Labels",
+                    "labels",
+                    "Annotations",
+                    "annotations",
+                    "nodeSelector",
+                    "affinity",
+                    "SecurityContext",
+                )
+            )
+        ):
+            out.update(_leaves(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def test_every_value_documented_and_typed():
+    text = (h.CHART / "values.yaml").read_text()
+    values = yaml.safe_load(text)
+    documented = set(re.findall(r"^\s*## @param (\S+) \S", text, re.M))
+    leaves = set(_leaves(values))
+    assert leaves - documented == set(), "values without a `## @param` line"
+    assert documented - leaves == set(), "`## @param` lines for values that do not exist"
+    schema = json.loads((h.CHART / "values.schema.json").read_text())
+
+    for leaf in leaves:
+        cur = schema
+        for part in leaf.split("."):
+            assert cur.get("additionalProperties") is False, (
+                f"{leaf}: unknown keys next to {part} are not refused"
+            )
+            cur = cur["properties"][part]
+        assert cur.get("description"), f"{leaf}: no description in values.schema.json"
+
+
+def test_schema_accepts_the_defaults():
+    import jsonschema
+
+    schema = json.loads((h.CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    jsonschema.validate(yaml.safe_load((h.CHART / "values.yaml").read_text()), schema)
+
+
+# ------------------------------------------------------------- the torchrun launcher (launch.py)
+
+CHILD = """
+import os, signal, sys, time
+code = int(os.environ["CODE"])
+rank = int(os.environ["RANK"])
+ready = os.environ["READY"]
+if code < 0:  # like the trainer: on SIGTERM finish the step, save (SAVE_S seconds), exit 128 + 15
+    def stop(*_):
+        time.sleep(float(os.environ["SAVE_S"]))
+        open(f"{ready}saved{rank}", "w").close()
+        sys.exit(143)
+    signal.signal(signal.SIGTERM, stop)
+    open(f"{ready}{rank}", "w").close()
+    time.sleep(60)
+if rank == 1:
+    sys.exit(code)
+time.sleep(1)
+"""
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory) -> Path:
+    """launch.py as the chart ships it, taken from the rendered ConfigMap."""
+    cm = h.one(h.render(), "ConfigMap")
+    path = tmp_path_factory.mktemp("launch") / "launch.py"
+    path.write_text(cm["data"]["launch.py"])
+    (path.parent / "child.py").write_text(CHILD)
+    assert path.read_bytes() == (h.CHART / "files" / "launch.py").read_bytes()
+    return path
+
+
+def _launch(launcher: Path, code: int, **env: str) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "CODE": str(code),
+        "READY": str(launcher.parent / f"r{code}-"),
+        "OMP_NUM_THREADS": "1",
+        **env,
+    }
+    cmd = [sys.executable, str(launcher), "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0", "child.py"]
+    return subprocess.Popen(
+        cmd, cwd=launcher.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+@pytest.mark.parametrize("code", [0, 1, 2, 143, 137])
+def test_launcher_keeps_the_worker_exit_code(launcher, code):
+    """torchrun alone exits 1 for any failure; the ExitCode restart policy needs 2 (permanent) vs 143 (retry)."""
+    proc = _launch(launcher, code)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == code, out
+
+
+def test_launcher_preempted_saves_then_exits_143(launcher):
+    """SIGTERM reaches the workers, which get their whole save time (torchrun's own timeout is 1 s here)."""
+    proc = _launch(launcher, -1, SAVE_S="4", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="1")
+    ready = launcher.parent / "r-1-"
+    deadline = time.monotonic() + 60
+    while not all(Path(f"{ready}{r}").exists() for r in (0, 1)):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, out
+    assert all(Path(f"{ready}saved{r}").exists() for r in (0, 1)), "a worker was killed before its save ended"
+    assert "got SIGTERM, passed to workers" in out

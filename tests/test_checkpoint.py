@@ -1,0 +1,127 @@
+"""Checkpoint files: atomic layout, verification, corrupt/partial ones skipped, retention."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from app import checkpoint as ckpt
+from app.config import ModelConfig
+from app.errors import UserError
+from app.model import build_model
+from tests.conftest import FAST, pretrain
+
+
+def _save(run_dir, step, model, val_loss=None, optimizer=None):
+    writer = ckpt.CheckpointWriter(run_dir, 0, 1, lambda: None)
+    opt_state = optimizer.state_dict() if optimizer else None
+    return writer.save(step, model.state_dict(), opt_state, {"step": step}, {"val_loss": val_loss})
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return build_model(ModelConfig(vocab_size=64, seq_len=16, n_layer=1, d_model=32, n_head=2))
+
+
+def test_layout_has_no_pickle_and_checksums_every_file(tmp_path, model):
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)).loss.backward()
+    opt.step()
+    res = _save(tmp_path, 5, model, 1.5, opt)
+    names = sorted(p.name for p in res.path.iterdir())
+    assert names == [
+        "meta.json",
+        "model.safetensors",
+        "optimizer.json",
+        "optimizer.safetensors",
+        "rng_rank0.json",
+        "trainer_state.json",
+    ]
+    meta = json.loads((res.path / "meta.json").read_text())
+    assert set(meta["files"]) == set(names) - {"meta.json"}
+    assert meta["tied"] == {"head.weight": "tok_emb.weight"}
+    for f in res.path.iterdir():
+        assert not f.read_bytes().startswith(b"\x80")  # no pickle protocol header anywhere
+    info = ckpt.resolve_latest(tmp_path)
+    state = ckpt.load_model_state(info)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    restored = ckpt.load_optimizer_state(info)
+    fresh = torch.optim.AdamW(model.parameters())
+    fresh.load_state_dict(restored)
+    assert len(fresh.state) == len(opt.state) > 0
+    for p, want in opt.state.items():
+        assert all(torch.equal(fresh.state[p][k], want[k]) for k in want), p.shape
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "no-meta"])
+def test_corrupt_latest_is_skipped_with_a_warning(tmp_path, model, damage):
+    _save(tmp_path, 1, model)
+    bad = _save(tmp_path, 2, model).path
+    target = bad / "model.safetensors"
+    if damage == "truncate":
+        target.write_bytes(target.read_bytes()[:-10])
+    elif damage == "flip":
+        data = bytearray(target.read_bytes())
+        data[-1] ^= 0xFF
+        target.write_bytes(bytes(data))
+    elif damage == "delete":
+        target.unlink()
+    else:
+        (bad / "meta.json").unlink()
+    warnings = []
+    info = ckpt.resolve_latest(tmp_path, warn=warnings.append)
+    assert info.step == 1
+    assert len(warnings) == 1 and "step_000002" in warnings[0]
+
+
+def test_a_leftover_temp_dir_is_never_a_checkpoint_and_is_cleaned(tmp_path, model):
+    _save(tmp_path, 1, model)
+    partial = ckpt.checkpoints_root(tmp_path) / ".tmp-step_000002"
+    shutil.copytree(ckpt.checkpoints_root(tmp_path) / "step_000001", partial)
+    assert ckpt.resolve_latest(tmp_path).step == 1
+    ckpt.clean_temp_dirs(tmp_path)
+    assert not partial.exists()
+
+
+def test_retention_keeps_last_k_and_best_and_can_drop_old_optimizer_state(tmp_path, model):
+    opt = torch.optim.AdamW(model.parameters())
+    for step, loss in [(1, 3.0), (2, 1.0), (3, 2.0), (4, 2.5), (5, 2.2)]:
+        _save(tmp_path, step, model, loss, opt)
+    removed = ckpt.apply_retention(tmp_path, keep_last=2, keep_best=True, drop_optimizer_older=True)
+    assert sorted(p.name for p in removed) == ["step_000001", "step_000003"]
+    kept = {p.name: ckpt.verify(p)[0] for p in ckpt.list_checkpoints(tmp_path)}
+    assert set(kept) == {"step_000002", "step_000004", "step_000005"}
+    assert kept["step_000005"].has_optimizer
+    assert not kept["step_000004"].has_optimizer and not kept["step_000002"].has_optimizer
+    assert ckpt.resolve_best(tmp_path).step == 2
+
+
+def test_resolve_errors_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="no usable checkpoint"):
+        ckpt.resolve(tmp_path)
+
+
+def test_resuming_with_a_different_shape_is_refused_in_one_line(tmp_path):
+    run = tmp_path / "run"
+    assert pretrain("train", "--out", str(run), "--max-steps", "2", *FAST).returncode == 0
+    proc = pretrain("train", "--out", str(run), "--max-steps", "4", *FAST, "--set", "model.d_model=128")
+    assert proc.returncode == 2
+    assert "does not fit the configured model" in proc.stderr and "--resume never" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    fresh = pretrain(
+        "train",
+        "--out",
+        str(run),
+        "--max-steps",
+        "1",
+        *FAST,
+        "--set",
+        "model.d_model=128",
+        "--resume",
+        "never",
+    )
+    assert fresh.returncode == 0, fresh.stderr

@@ -1,0 +1,74 @@
+"""Config resolution and the one-line errors users get for bad configs (exit 2, no traceback)."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.config import ConfigError, load_config
+from tests.conftest import pretrain
+
+
+def test_overrides_apply_in_order(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  n_layer: 6\n  d_model: 96\ntrain:\n  max_steps: 7\n")
+    cfg = load_config(
+        "tiny",
+        str(f),
+        ["model.n_layer=3", "optim.lr=1e-3", "model.loop.loss_weights=[1,2]"],
+        {"train.max_steps": 9},
+    )
+    assert (cfg.model.n_layer, cfg.model.d_model, cfg.train.max_steps) == (3, 96, 9)
+    assert cfg.optim.lr == 1e-3 and cfg.model.loop.loss_weights == [1.0, 2.0]
+
+
+def test_unknown_key_names_the_nearest_valid_key():
+    with pytest.raises(ConfigError, match="did you mean 'model.n_layer'"):
+        load_config("tiny", overrides=["model.n_layers=3"])
+    with pytest.raises(ConfigError, match="did you mean 'train.max_steps'"):
+        load_config("tiny", overrides=["train.max_step=3"])
+
+
+BAD = [
+    (["--set", "model.n_layers=3"], "did you mean 'model.n_layer'"),
+    (["--set", "model.n_head=5"], "model.n_head=5 does not divide model.d_model=192"),
+    (["--set", "model.n_kv_head=4"], "model.n_kv_head=4 does not divide model.n_head=6"),
+    (["--preset", "tyni"], "did you mean 'tiny'"),
+    (["--set", "train.max_steps=ten"], "train.max_steps"),
+    (["--max-steps", "-5"], "train.max_steps must be > 0"),
+    (["--set", "schedule.name=linear"], "schedule.name='linear' is not valid"),
+    (["--set", "model.n_layer"], "--set expects key=value"),
+    (["--set", "optim.min_lr=1", "--set", "optim.lr=0.1"], "optim.min_lr=1.0 must be between 0"),
+    (["--set", "train.batch_tokens=1000", "--max-steps", "1"], "not a multiple of micro_batch_size"),
+    (["--budget-cap-usd", "-3"], "budget.cap_usd must be >= 0"),
+    (["--set", "data.dataset=/nonexistent/data"], "is not a directory"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[m for _, m in BAD])
+def test_bad_config_exits_2_with_one_line(args, message, tmp_path):
+    proc = pretrain("train", "--out", str(tmp_path / "run"), *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert message in lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_bad_yaml_file_is_one_line(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("model: [unclosed\n")
+    proc = pretrain("train", "--config", str(f))
+    assert proc.returncode == 2 and "not valid YAML at line" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_print_config_shows_resolved_config_and_counts():
+    proc = pretrain("train", "--preset", "x1-50m", "--set", "train.max_steps=5", "--print-config")
+    assert proc.returncode == 0, proc.stderr
+    assert "max_steps: 5" in proc.stdout and "n_kv_head: 4" in proc.stdout
+    assert "# parameters: 88,942,080 total, 50,344,704 non-embedding" in proc.stdout
+
+
+def test_unknown_flag_is_one_line():
+    proc = pretrain("train", "--max-stpes", "3")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
