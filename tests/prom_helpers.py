@@ -38,10 +38,14 @@ def prometheus_missing() -> str | None:
         return None
     if _install_result is False:
         if os.geteuid() != 0 and not shutil.which("sudo"):
-            _install_result = "prometheus/promtool are not installed and this user cannot apt-get install them"
+            _install_result = (
+                "prometheus/promtool are not installed and this user cannot apt-get install them"
+            )
         else:
             try:
-                proc = subprocess.run(["bash", str(INSTALL_SCRIPT)], capture_output=True, text=True, timeout=600)
+                proc = subprocess.run(
+                    ["bash", str(INSTALL_SCRIPT)], capture_output=True, text=True, timeout=600
+                )
                 _install_result = (
                     None
                     if proc.returncode == 0
@@ -64,24 +68,21 @@ def free_port() -> int:
 
 
 def exported_metric_names() -> set[str]:
-    """Names of every series the trainer's and the watcher's exporters serve (without _created)."""
-    from prometheus_client import generate_latest
-
+    """Names of every series the trainer's and the watcher's exporters can serve (labelled families with
+    no child yet included; `_created` excluded)."""
     from app.budget.metrics import BudgetMetrics
     from app.metrics import TrainerMetrics
 
+    suffix = {"counter": "_total", "info": "_info"}
     trainer = TrainerMetrics(0, "node0", serve_global=True)  # port 0: any free port, closed at once
     try:
-        text = generate_latest(trainer.registry).decode()
+        families = list(trainer.registry.collect()) + list(BudgetMetrics().registry.collect())
     finally:
         trainer.close()
-    text += generate_latest(BudgetMetrics().registry).decode()
     names = set()
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name = re.split(r"[{ ]", line, maxsplit=1)[0]
-            if not name.endswith("_created"):
-                names.add(name)
+    for fam in families:
+        names.add(fam.name + suffix.get(fam.type, ""))
+        names |= {s.name for s in fam.samples if not s.name.endswith("_created")}
     return names
 
 
@@ -127,14 +128,23 @@ def alert_rules() -> list[dict]:
 class Prometheus:
     """`prometheus` on 127.0.0.1:<free port> with a temp config and storage; stopped by its PID."""
 
-    def __init__(self, workdir: Path, scrape_configs: list[dict], rule_files: list[Path] = (),
-                 scrape_interval: str = "1s") -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        scrape_configs: list[dict],
+        rule_files: list[Path] = (),
+        scrape_interval: str = "1s",
+    ) -> None:
         self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = {
-            "global": {"scrape_interval": scrape_interval, "scrape_timeout": scrape_interval,
-                       "evaluation_interval": scrape_interval},
+            "global": {
+                "scrape_interval": scrape_interval,
+                "scrape_timeout": scrape_interval,
+                "evaluation_interval": scrape_interval,
+            },
             "rule_files": [str(p) for p in rule_files],
             "scrape_configs": scrape_configs,
         }
@@ -146,10 +156,17 @@ class Prometheus:
     def start(self, timeout: float = 60) -> Prometheus:
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                ["prometheus", f"--config.file={self.config}", f"--storage.tsdb.path={self.workdir / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h",
-                 "--log.level=warn"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
+                [
+                    "prometheus",
+                    f"--config.file={self.config}",
+                    f"--storage.tsdb.path={self.workdir / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                    "--storage.tsdb.retention.time=1h",
+                    "--log.level=warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -19,7 +19,9 @@ from app.budget.simulate import SimParams, simulate, summary
 
 
 def inp(**kw) -> PolicyInput:
-    base = dict(spent_usd=0.0, cap_usd=100.0, rate_usd_per_hour=36.0, step_seconds=1.0, checkpoint_seconds=20.0)
+    base = dict(
+        spent_usd=0.0, cap_usd=100.0, rate_usd_per_hour=36.0, step_seconds=1.0, checkpoint_seconds=20.0
+    )
     base.update(poll_seconds=10.0, margin_seconds=60.0)
     base.update(kw)
     return PolicyInput(**base)
@@ -92,10 +94,14 @@ def _check(results, min_mean: float) -> None:
         assert r.ledger_spent_usd >= r.true_spent_usd * (1 - 1e-9), f"{where}: the ledger under-counts"
         assert r.restart_refused, f"{where}: a restart after the budget stop trained again"
         if r.graceful_was_possible():
-            assert r.end in ("graceful", "graceful-killed"), f"{where}: ended {r.end} though a graceful stop fit"
+            assert r.end in ("graceful", "graceful-killed"), (
+                f"{where}: ended {r.end} though a graceful stop fit"
+            )
         lines.append(r.fraction)
     s = summary(results)
-    print(f"\nfinal spend / cap over {s['runs']} runs: mean {s['mean']:.4f} min {s['min']:.4f} max {s['max']:.4f}")
+    print(
+        f"\nfinal spend / cap over {s['runs']} runs: mean {s['mean']:.4f} min {s['min']:.4f} max {s['max']:.4f}"
+    )
     print("endings:", dict(Counter(r.end for r in results)))
     assert s["max"] <= 1.0
     assert s["mean"] >= min_mean
@@ -110,7 +116,9 @@ def test_100_randomized_short_runs_never_cross_the_cap():
     logging.disable(logging.WARNING)
     try:
         root = Path(_sim_dir())
-        results = [simulate(s, root, SimParams.random(s, hours=(0.5, 2.0), poll=(20, 60))) for s in range(100)]
+        results = [
+            simulate(s, root, SimParams.random(s, hours=(0.5, 2.0), poll=(20, 60))) for s in range(100)
+        ]
     finally:
         logging.disable(logging.NOTSET)
     assert sum(r.fallbacks > 0 for r in results) >= 10, "the runs should exercise source failures"

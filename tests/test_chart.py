@@ -148,10 +148,13 @@ def test_render_matrix(helm_bin, gpus, variant):
             assert wargs[wargs.index("--run-dir") + 1] == "/ckpt/pretrain"
             wmounts = {m["mountPath"]: m["name"] for m in watcher["volumeMounts"]}
             assert wmounts["/run/pretrain"] == mounts["/run/pretrain"]["name"]  # shared stop-file emptyDir
-            assert pod["automountServiceAccountToken"] is True
+            # the API token goes to the watcher only (Events, suspend), not to the trainer
+            token = wmounts["/var/run/secrets/kubernetes.io/serviceaccount"]
+            assert "serviceAccountToken" in json.dumps(volumes[token]["projected"])
         else:
             assert "budget-watcher" not in init, "the budget watcher runs in the Master pod only"
-            assert pod["automountServiceAccountToken"] is False
+        assert pod["automountServiceAccountToken"] is False
+        assert not any(m["mountPath"].startswith("/var/run/secrets") for m in trainer["volumeMounts"])
         all_containers = pod["containers"] + pod.get("initContainers", [])
         assert not [c for c in all_containers if c["name"] == "budget-watcher" and rtype != "Master"]
         assert sum(c["name"] == "budget-watcher" for c in all_containers) == (rtype == "Master")
@@ -173,6 +176,8 @@ def test_render_matrix(helm_bin, gpus, variant):
         sm = h.one(docs, "ServiceMonitor")
         for mon in (pm, sm):
             assert mon["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+            # one job label for the trainer and the watcher series: the alert rules join on (namespace, job)
+            assert mon["spec"]["jobLabel"] == "app.kubernetes.io/instance"
         assert [e["port"] for e in pm["spec"]["podMetricsEndpoints"]] == ["metrics", "budget-metrics"]
         services = {s["metadata"]["name"]: s for s in h.by_kind(docs, "Service")}
         assert services["pretrain-metrics"]["spec"]["ports"][0]["port"] == 9400
@@ -267,7 +272,7 @@ def test_rbac_least_privilege(helm_bin):
         {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "default"}
     ]
     assert h.pod_spec(h.one(docs, "PyTorchJob"), "Master")["serviceAccountName"] == sa["metadata"]["name"]
-    assert sa["automountServiceAccountToken"] is False  # only the Master pod opts in
+    assert sa["automountServiceAccountToken"] is False  # the watcher gets a projected token itself
 
 
 def test_config_map_and_checksum(helm_bin):
@@ -546,6 +551,8 @@ def test_every_value_documented_and_typed():
     leaves = set(_leaves(values))
     assert leaves - documented == set(), "values without a `## @param` line"
     assert documented - leaves == set(), "`## @param` lines for values that do not exist"
+    readme = (h.CHART / "README.md").read_text()
+    assert {k for k in documented if f"| `{k}` |" not in readme} == set(), "helm/README.md parameter table"
     schema = json.loads((h.CHART / "values.schema.json").read_text())
 
     for leaf in leaves:

@@ -125,27 +125,24 @@ def start_in_process(cfg: BudgetConfig, run_dir: Path, stop_file: Path, world_si
     from app.budget.kube import KubeActions
 
     metrics = BudgetMetrics()
+    watcher = Watcher(
+        cfg,
+        run_dir=Path(run_dir),
+        stop_file=Path(stop_file),
+        static_rate_usd_per_hour=rate,
+        host="in-process",
+        metrics=metrics,
+        kube=KubeActions.from_config(cfg),
+    )
+    watcher.tick(time.time())  # the first view and any stop right away, before training starts
     if cfg.metrics_port:
         try:
             metrics.serve(cfg.metrics_port)
         except OSError as e:
+            watcher.close()
             raise UserError(
                 f"budget metrics port {cfg.metrics_port} is not available ({e.strerror}); set budget.metrics_port"
             ) from None
-    try:
-        watcher = Watcher(
-            cfg,
-            run_dir=Path(run_dir),
-            stop_file=Path(stop_file),
-            static_rate_usd_per_hour=rate,
-            host="in-process",
-            metrics=metrics,
-            kube=KubeActions.from_config(cfg),
-        )
-    except BaseException:
-        metrics.shutdown()
-        raise
-    watcher.tick(time.time())  # the first view and any stop right away, before training starts
     log.info(
         "budget: watching in-process: cap $%.4f, %s at $%.2f/h, ledger %s",
         cfg.cap_usd,

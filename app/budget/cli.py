@@ -314,30 +314,27 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from app.budget.kube import KubeActions
 
-    kube = KubeActions.from_config(cfg)
     metrics = BudgetMetrics()
+    watcher = Watcher(
+        cfg,
+        run_dir=run_dir,
+        stop_file=stop_file,
+        static_rate_usd_per_hour=rate,
+        ledger_path=ledger_path,
+        host="sidecar",
+        metrics=metrics,
+        kube=KubeActions.from_config(cfg),
+    )
+    watcher.tick(time.time())  # real figures before the first scrape
     if cfg.metrics_port:
         try:
             port = metrics.serve(cfg.metrics_port, args.metrics_addr)
         except OSError as e:
+            watcher.close()
             raise UserError(
                 f"cannot serve metrics on port {cfg.metrics_port} ({e.strerror}); pass --metrics-port"
             ) from None
         log.info("budget: metrics on :%d/metrics", port)
-    try:
-        watcher = Watcher(
-            cfg,
-            run_dir=run_dir,
-            stop_file=stop_file,
-            static_rate_usd_per_hour=rate,
-            ledger_path=ledger_path,
-            host="sidecar",
-            metrics=metrics,
-            kube=kube,
-        )
-    except BaseException:
-        metrics.shutdown()
-        raise
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -356,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
         stop_file,
     )
     try:
-        why = watcher.run(stop, exit_when_done=args.exit_when_done)
+        why = watcher.run(stop, exit_when_done=args.exit_when_done, first_tick=False)
     finally:
         watcher.close()
     v = watcher.view

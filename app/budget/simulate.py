@@ -52,7 +52,9 @@ class SimParams:
     downtime_seconds: float = 600.0
 
     @classmethod
-    def random(cls, seed: int, hours: tuple[float, float] = (1.0, 6.0), poll: tuple[float, float] = (10, 60)) -> SimParams:
+    def random(
+        cls, seed: int, hours: tuple[float, float] = (1.0, 6.0), poll: tuple[float, float] = (10, 60)
+    ) -> SimParams:
         """A random job: rate, cap (hours of it), step and checkpoint times, source failures, preemptions."""
         rng = random.Random(seed)
         rate = rng.uniform(0.5, 50.0)  # USD/h for the whole job

@@ -209,7 +209,9 @@ class Watcher:
             self.fallbacks += 1
             if self.metrics:
                 self.metrics.fallbacks.inc()
-        kind = re.sub(r"[0-9.]+", "#", reading.error)  # "stale: 304 s ago" and "stale: 324 s ago" are one kind
+        kind = re.sub(
+            r"[0-9.]+", "#", reading.error
+        )  # "stale: 304 s ago" and "stale: 324 s ago" are one kind
         if not self._fallback or kind != self._last_error or now - self._last_log >= FALLBACK_LOG_SECONDS:
             log.warning(
                 "budget: source %s failed (%s); falling back to the static rate $%.2f/h",

@@ -160,12 +160,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit 2, like every other bad input
+        raise UserError(f"{self.prog}: {message} (see --help)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pretrain prepare", description=DESCRIPTION)
+    parser = _Parser(prog="pretrain prepare", description=DESCRIPTION)
     add_arguments(parser)
-    args = parser.parse_args(argv)
     try:
-        return run(args)
+        return run(parser.parse_args(argv))
     except UserError as e:
         print(f"pretrain prepare: error: {e}", file=sys.stderr)
         return e.exit_code

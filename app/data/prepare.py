@@ -120,11 +120,11 @@ class Manifest:
         return _from_dict(cls, data)
 
 
-def _write_json(path: Path, data: dict) -> None:
+def _write_json(path: Path, data: dict, indent: int | None = 1) -> None:
     """Atomic and durable: temp file, fsync, rename."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
+        f.write(json.dumps(data, indent=indent))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -222,7 +222,9 @@ class PrepareState:
     complete: bool = False
 
     def save(self, directory: Path) -> None:
-        _write_json(Path(directory) / STATE, asdict(self))
+        data = {**self.__dict__, "files": [r.__dict__ for r in self.files]}
+        data.update({s: [i.__dict__ for i in getattr(self, s)] for s in SPLITS})
+        _write_json(Path(directory) / STATE, data, indent=None)  # compact: rewritten after every shard
 
     @classmethod
     def load(cls, directory: Path) -> PrepareState | None:
@@ -714,8 +716,8 @@ def _run(cfg: PrepareConfig, out: Path, inp: _Input, log: Log, t0: float) -> Pre
     found = _count_first_documents(inp, period)
     if found == 0:
         raise UserError(
-            f"no documents in {', '.join(cfg.inputs)}: {len(files)} file(s), none with non-empty "
-            f"'{cfg.text_column}' text"
+            f"no documents in {', '.join(cfg.inputs)}: {len(files)} file(s), none with a non-empty "
+            f"'{cfg.text_column}' value"
         )
     if found < period:
         raise UserError(

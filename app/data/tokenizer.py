@@ -74,7 +74,7 @@ class Tokenizer:
         """Write `tokenizer.json` atomically (a crash never leaves a half-written tokenizer)."""
         path = Path(directory) / TOKENIZER_FILE
         tmp = path.with_name(f".{TOKENIZER_FILE}.tmp")
-        tmp.write_text(self.to_json())
+        tmp.write_text(self.to_json(), encoding="utf-8")
         os.replace(tmp, path)
         return path
 
@@ -227,7 +227,7 @@ def load_tokenizer(directory_or_file: Path) -> Tokenizer:
     if path.is_dir():
         path = path / TOKENIZER_FILE
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError:
         raise UserError(f"no tokenizer at {path}; prepare the data with `pretrain prepare`") from None
     return tokenizer_from_json(text, str(path))
@@ -254,7 +254,21 @@ _WORKER: Tokenizer | None = None
 def _init_worker(tokenizer_json: str) -> None:
     global _WORKER
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process
+    _die_with_parent()
     _WORKER = tokenizer_from_json(tokenizer_json)
+
+
+def _die_with_parent() -> None:
+    """Linux: a worker gets SIGKILL when its parent dies (e.g. SIGKILL'd), instead of lingering."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent died before prctl took effect
+            os._exit(1)
+    except (OSError, AttributeError):
+        pass
 
 
 def _encode_in_worker(texts: list[str], dtype: str) -> EncodedDocs:
@@ -296,11 +310,17 @@ class ParallelEncoder:
 
         pending: deque = deque()
         limit = 2 * self.workers
-        for meta, texts in batches:
-            pending.append((meta, self._pool.apply_async(_encode_in_worker, (texts, self.dtype.str))))
-            if len(pending) >= limit:
+        try:
+            for meta, texts in batches:
+                pending.append((meta, self._pool.apply_async(_encode_in_worker, (texts, self.dtype.str))))
+                if len(pending) >= limit:
+                    m, r = pending.popleft()
+                    yield m, r.get()
+        except Exception:
+            while pending:  # reading failed: hand back what was read before it, then raise
                 m, r = pending.popleft()
                 yield m, r.get()
+            raise
         while pending:
             m, r = pending.popleft()
             yield m, r.get()

@@ -33,7 +33,8 @@ metadata:
     {{- end }}
 spec:
   serviceAccountName: {{ include "pretrain.serviceAccountName" $ }}
-  automountServiceAccountToken: {{ if and $watcher $v.budget.watcher.kubernetesActions }}true{{ else }}false{{ end }}
+  # No API token for the trainer; the watcher alone gets one (the kube-api-access volume below).
+  automountServiceAccountToken: false
   enableServiceLinks: false
   terminationGracePeriodSeconds: {{ $v.trainer.terminationGracePeriodSeconds }}
   {{- with $v.job.priorityClassName }}
@@ -146,6 +147,11 @@ spec:
           mountPath: /ckpt
         - name: run
           mountPath: /run/pretrain
+        {{- if $v.budget.watcher.kubernetesActions }}
+        - name: kube-api-access
+          mountPath: /var/run/secrets/kubernetes.io/serviceaccount
+          readOnly: true
+        {{- end }}
     {{- end }}
     {{- if $v.prepare.enabled }}
     - name: wait-for-data
@@ -297,6 +303,26 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: {{ $v.trainer.shmSizeLimit }}
+    {{- if and $watcher $v.budget.watcher.kubernetesActions }}
+    # What automountServiceAccountToken would mount, for the budget-watcher container only.
+    - name: kube-api-access
+      projected:
+        defaultMode: 0444
+        sources:
+          - serviceAccountToken:
+              path: token
+              expirationSeconds: 3607
+          - configMap:
+              name: kube-root-ca.crt
+              items:
+                - key: ca.crt
+                  path: ca.crt
+          - downwardAPI:
+              items:
+                - path: namespace
+                  fieldRef:
+                    fieldPath: metadata.namespace
+    {{- end }}
     {{- with $v.trainer.extraVolumes }}
     {{- toYaml . | nindent 4 }}
     {{- end }}

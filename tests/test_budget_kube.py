@@ -1,0 +1,230 @@
+"""Kubernetes actions against a recorded API contract.
+
+No cluster runs here: a fake API server on 127.0.0.1 (http.server) records the requests the real
+`kubernetes` Python client sends, and the tests assert their paths, verbs, content types and bodies; these
+are the calls the chart's RBAC must allow (events: create; pytorchjobs: get, patch).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from kubernetes import client
+
+from app.budget.config import BudgetConfig
+from app.budget.files import atomic_write_json
+from app.budget.kube import KubeActions
+from app.budget.metrics import BudgetMetrics
+from app.budget.watcher import Watcher
+from app.errors import UserError
+
+T = 1_700_000_000.0
+NS, JOB = "ml", "demo"
+JOB_PATH = f"/apis/kubeflow.org/v1/namespaces/{NS}/pytorchjobs/{JOB}"
+EVENTS_PATH = f"/api/v1/namespaces/{NS}/events"
+
+
+class FakeApiServer:
+    def __init__(self):
+        self.requests: list[dict] = []
+        self.deny_events = False
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _handle(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(n) if n else b""
+                req = {
+                    "method": self.command,
+                    "path": self.path,
+                    "content_type": self.headers.get("Content-Type", ""),
+                    "body": json.loads(raw) if raw else None,
+                }
+                fake.requests.append(req)
+                status, body = fake.answer(req)
+                payload = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            do_GET = do_POST = do_PATCH = _handle
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def answer(self, req: dict) -> tuple[int, dict]:
+        job = {
+            "apiVersion": "kubeflow.org/v1",
+            "kind": "PyTorchJob",
+            "metadata": {"name": JOB, "namespace": NS, "uid": "uid-42"},
+        }
+        if req["method"] == "GET" and req["path"] == JOB_PATH:
+            return 200, job
+        if req["method"] == "PATCH" and req["path"] == JOB_PATH:
+            return 200, job
+        if req["method"] == "POST" and req["path"] == EVENTS_PATH:
+            if self.deny_events:
+                return 403, {
+                    "kind": "Status",
+                    "code": 403,
+                    "reason": "Forbidden",
+                    "message": "events is forbidden",
+                }
+            return 201, dict(req["body"], metadata={"name": f"{JOB}-budget-abc", "namespace": NS})
+        return 404, {"kind": "Status", "code": 404, "reason": "NotFound"}
+
+    def calls(self, method: str | None = None) -> list[dict]:
+        return [r for r in self.requests if method is None or r["method"] == method]
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def api():
+    server = FakeApiServer()
+    yield server
+    server.close()
+
+
+def actions(api: FakeApiServer) -> KubeActions:
+    conf = client.Configuration(host=api.url)
+    return KubeActions(NS, JOB, client.ApiClient(conf))
+
+
+def test_event_on_the_pytorchjob(api):
+    assert actions(api).event("BudgetAlert", "budget alert: $80 of $100")
+    get, post = api.requests
+    assert (get["method"], get["path"]) == ("GET", JOB_PATH)
+    assert (post["method"], post["path"]) == ("POST", EVENTS_PATH)
+    ev = post["body"]
+    assert ev["involvedObject"] == {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "name": JOB,
+        "namespace": NS,
+        "uid": "uid-42",
+    }
+    assert (
+        ev["reason"] == "BudgetAlert"
+        and ev["type"] == "Warning"
+        and ev["message"] == "budget alert: $80 of $100"
+    )
+    assert ev["metadata"] == {"generateName": f"{JOB}-budget-", "namespace": NS}
+    assert ev["source"] == {"component": "pretrain-budget-watcher"} and ev["count"] == 1
+    assert ev["firstTimestamp"].endswith("Z")
+
+
+def test_suspend_is_a_merge_patch_of_run_policy(api):
+    assert actions(api).suspend()
+    (patch,) = api.requests
+    assert (patch["method"], patch["path"]) == ("PATCH", JOB_PATH)
+    assert patch["content_type"] == "application/merge-patch+json"
+    assert patch["body"] == {"spec": {"runPolicy": {"suspend": True}}}
+
+
+def test_api_errors_are_logged_not_raised(api, caplog):
+    api.deny_events = True
+    assert actions(api).event("BudgetAlert", "x") is False
+    assert "HTTP 403" in caplog.text
+    assert (
+        KubeActions(NS, JOB, client.ApiClient(client.Configuration(host="http://127.0.0.1:9"))).suspend()
+        is False
+    )
+
+
+def heartbeat(run, now: float, state: str = "running") -> None:
+    atomic_write_json(
+        run / "status.json",
+        {"step": 10, "step_seconds": 1.0, "checkpoint_seconds": 5.0, "state": state, "updated_unix": now},
+    )
+
+
+def test_watcher_events_and_last_resort_suspend(api, tmp_path):
+    """$36/h, cap $1: alert at $0.70, graceful at $1 - horizon ($0.21), immediate at $1; the trainer keeps
+    heartbeating past the grace period, so the job is suspended, once."""
+    c = BudgetConfig(
+        cap_usd=1.0,
+        poll_seconds=5.0,
+        margin_seconds=10.0,
+        suspend_grace_seconds=30.0,
+        alert_fraction=0.7,
+        kube="on",
+    )
+    metrics = BudgetMetrics()
+    w = Watcher(
+        c,
+        run_dir=tmp_path,
+        stop_file=tmp_path / "stop.json",
+        static_rate_usd_per_hour=36.0,
+        kube=actions(api),
+        metrics=metrics,
+        now=T,
+    )
+    reasons = lambda: [r["body"]["reason"] for r in api.calls("POST")]  # noqa: E731
+    heartbeat(tmp_path, T)
+    w.tick(T + 50)
+    assert reasons() == []
+    w.tick(T + 72)  # $0.72: alert; + horizon 21 s ($0.21) < $1
+    assert reasons() == ["BudgetAlert"]
+    w.tick(T + 78)
+    assert reasons() == ["BudgetAlert"]  # once
+    w.tick(T + 85)  # $0.85 + $0.21 >= $1: graceful
+    assert reasons() == ["BudgetAlert", "BudgetGracefulStop"]
+    heartbeat(tmp_path, T + 90)  # the trainer ignores it
+    w.tick(T + 100)  # $1.00: immediate
+    assert reasons()[-1] == "BudgetImmediateStop"
+    assert json.loads((tmp_path / "stop.json").read_text())["mode"] == "immediate"
+    heartbeat(tmp_path, T + 120)
+    w.tick(T + 120)  # within the 30 s grace: no suspend yet
+    assert not api.calls("PATCH")
+    heartbeat(tmp_path, T + 130)
+    w.tick(T + 131)
+    (patch,) = api.calls("PATCH")
+    assert patch["body"] == {"spec": {"runPolicy": {"suspend": True}}}
+    assert reasons()[-1] == "BudgetSuspended"
+    w.tick(T + 140)
+    assert len(api.calls("PATCH")) == 1
+    assert metrics.registry.get_sample_value("pretrain_budget_suspends_total") == 1.0
+    assert metrics.registry.get_sample_value("pretrain_budget_stops_total", {"mode": "immediate"}) == 1.0
+    w.close(T + 141)
+
+
+def test_no_suspend_when_the_trainer_is_done(api, tmp_path):
+    c = BudgetConfig(
+        cap_usd=1.0, poll_seconds=5.0, margin_seconds=10.0, suspend_grace_seconds=30.0, kube="on"
+    )
+    w = Watcher(
+        c,
+        run_dir=tmp_path,
+        stop_file=tmp_path / "stop.json",
+        static_rate_usd_per_hour=36.0,
+        kube=actions(api),
+        now=T,
+    )
+    w.tick(T + 100)
+    heartbeat(tmp_path, T + 105, state="done")
+    w.tick(T + 200)
+    assert not api.calls("PATCH")
+    w.close(T + 201)
+
+
+def test_from_config(monkeypatch):
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.delenv("PRETRAIN_JOB_NAME", raising=False)
+    assert KubeActions.from_config(BudgetConfig(kube="off")) is None
+    assert KubeActions.from_config(BudgetConfig(kube="auto")) is None  # not in a cluster
+    with pytest.raises(UserError, match="--job-name"):
+        KubeActions.from_config(BudgetConfig(kube="on"))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    assert KubeActions.from_config(BudgetConfig(kube="auto")) is None  # in a cluster but no job name

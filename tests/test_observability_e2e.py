@@ -1,0 +1,354 @@
+"""Dashboards against a real Prometheus: a short local training (trainer + in-process budget watcher, both
+exporters) is scraped by a private Prometheus on 127.0.0.1, then every PromQL query of every dashboard panel
+must return data. The DCGM panels are the exception: there is no GPU (and no dcgm-exporter) here, so their
+queries only have to be valid PromQL.
+
+The fast tests check the dashboard JSON itself: importable, variables, filters, metric names, docs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import FAST, REPO, cli_env, train_rows
+from tests.prom_helpers import (
+    DASHBOARDS,
+    PENDING_METRICS,
+    RULES,
+    Prometheus,
+    alert_rules,
+    dashboard_targets,
+    exported_metric_names,
+    free_port,
+    metric_names,
+    prometheus_missing,
+    substitute,
+)
+
+DOCS = REPO / "docs" / "observability.md"
+FILTER = 'namespace=~"$namespace", job=~"$job"'
+
+
+# ---------------------------------------------------------------- the dashboard JSON (fast)
+
+
+def test_dashboards_are_importable_grafana_json():
+    assert {p.name for p in DASHBOARDS} >= {
+        "pretrain-training.json",
+        "pretrain-spend.json",
+        "pretrain-gpu.json",
+    }
+    uids = set()
+    for path in DASHBOARDS:
+        dash = json.loads(path.read_text())
+        assert dash["uid"] and len(dash["uid"]) <= 40 and dash["uid"] not in uids, path
+        uids.add(dash["uid"])
+        assert dash["title"] and isinstance(dash["schemaVersion"], int) and dash["schemaVersion"] >= 36
+        assert "id" not in dash or dash["id"] is None, (
+            f"{path.name}: a fixed id breaks import into another Grafana"
+        )
+        variables = {v["name"]: v for v in dash["templating"]["list"]}
+        assert (
+            variables["datasource"]["type"] == "datasource"
+            and variables["datasource"]["query"] == "prometheus"
+        )
+        for name in ("namespace", "job"):
+            v = variables[name]
+            assert v["type"] == "query" and v["includeAll"] and v["allValue"] == ".*", (path.name, name)
+            assert v["datasource"]["uid"] == "${datasource}"
+        ids = [p["id"] for p in dash["panels"]]
+        assert len(ids) == len(set(ids)), f"{path.name}: duplicate panel ids"
+        for p in dash["panels"]:
+            pos = p["gridPos"]
+            assert pos["x"] + pos["w"] <= 24 and pos["h"] > 0, (path.name, p["title"])
+            if p["type"] != "row":
+                assert p["datasource"]["uid"] == "${datasource}", (path.name, p["title"])
+                assert p["targets"] and p.get("description"), (path.name, p["title"])
+
+
+def test_required_panels_are_there():
+    titles = {(name, title) for name, title, _ in dashboard_targets()}
+    training = {t for n, t in titles if n == "pretrain-training.json"}
+    for want in (
+        "Loss",
+        "Validation bits per byte",
+        "Learning rate",
+        "Gradient norm",
+        "Tokens per second",
+        "MFU",
+        "Step time breakdown",
+        "Checkpoint age",
+    ):
+        assert want in training, want
+    spend = {t for n, t in titles if n == "pretrain-spend.json"}
+    for want in (
+        "Spent vs cap",
+        "Burn rate",
+        "Time to cap and to the budget stop",
+        "Planned end vs budget end",
+    ):
+        assert want in spend, want
+    gpu = " ".join(e for n, _, e in dashboard_targets() if n == "pretrain-gpu.json")
+    for metric in (
+        "DCGM_FI_DEV_GPU_UTIL",
+        "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE",
+        "DCGM_FI_DEV_FB_USED",
+        "DCGM_FI_DEV_POWER_USAGE",
+    ):
+        assert metric in gpu, metric
+
+
+def test_every_query_filters_on_namespace_and_job():
+    for name, title, expr in dashboard_targets():
+        for m in re.finditer(r"\b(pretrain_[a-z0-9_]+)(\{[^}]*\})?", expr):
+            assert m.group(2) and m.group(2).startswith("{" + FILTER), (
+                f"{name} / {title}: {m.group(0)} is unfiltered"
+            )
+        for m in re.finditer(r"\b(DCGM_[A-Z0-9_]+)(\{[^}]*\})?", expr):
+            # DCGM series carry the pod's namespace; the job filter comes from the join on the job's pods.
+            assert m.group(2) and 'namespace=~"$namespace"' in m.group(2), f"{name} / {title}: {m.group(0)}"
+            assert 'job=~"$job"' in expr and "on (namespace, pod)" in expr, f"{name} / {title}"
+
+
+def test_dashboards_and_rules_use_only_served_metrics_and_show_them_all():
+    served = exported_metric_names()
+    on_dashboards = set().union(*(metric_names(e) for _, _, e in dashboard_targets()))
+    in_rules = set().union(*(metric_names(r["expr"]) for r in alert_rules()))
+    unknown = {m for m in on_dashboards | in_rules if not m.startswith("DCGM_")} - served - PENDING_METRICS
+    assert not unknown, f"dashboards/rules use metrics no exporter serves: {sorted(unknown)}"
+    hidden = served - on_dashboards
+    assert not hidden, f"metrics served but on no dashboard: {sorted(hidden)}"
+
+
+def test_docs_list_every_metric_and_alert():
+    text = DOCS.read_text()
+    missing = sorted(m for m in exported_metric_names() | PENDING_METRICS if f"`{m}`" not in text)
+    assert not missing, f"docs/observability.md does not list {missing}"
+    alerts = sorted({r["alert"] for r in alert_rules() if r["alert"] not in text})
+    assert not alerts, f"docs/observability.md does not describe {alerts}"
+
+
+def test_every_query_is_valid_promql(tmp_path):
+    if reason := prometheus_missing():
+        pytest.skip(reason)
+    rules = [
+        {"record": f"dashboard:query_{i}", "expr": substitute(e)}
+        for i, (_, _, e) in enumerate(dashboard_targets())
+    ]
+    path = tmp_path / "queries.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))
+    proc = subprocess.run(
+        ["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------- end to end (slow)
+
+
+def _wait_for(
+    prom: Prometheus, exprs: list[str], trainer: subprocess.Popen, log: Path, timeout: float
+) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(exprs)
+    while pending and time.monotonic() < deadline:
+        if trainer.poll() is not None:
+            raise AssertionError(f"trainer exited {trainer.returncode} early:\n{log.read_text()[-3000:]}")
+        pending = [e for e in pending if not prom.has_data(e)]
+        if pending:
+            time.sleep(0.5)
+    assert not pending, f"no data in {timeout}s for {pending}; trainer log:\n{log.read_text()[-2000:]}"
+
+
+def _served_names(port: int) -> set[str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {re.split(r"[{ ]", ln, maxsplit=1)[0] for ln in text.splitlines() if ln and not ln.startswith("#")}
+
+
+@pytest.mark.slow
+def test_every_dashboard_query_returns_data_from_a_real_scrape(tmp_path):
+    if reason := prometheus_missing():
+        pytest.skip(reason)
+    run = tmp_path / "run"
+    log = tmp_path / "trainer.log"
+    trainer_port, budget_port = free_port(), free_port()
+    args = [
+        "train",
+        "--out",
+        str(run),
+        "--max-steps",
+        "1000000",
+        *FAST,
+        # a looped model with deep supervision, so the per-loop loss panels have data too
+        "--set",
+        "model.loop.prelude=1",
+        "--set",
+        "model.loop.recurrent=1",
+        "--set",
+        "model.loop.coda=1",
+        "--set",
+        "model.loop.recurrence=2",
+        "--set",
+        "model.loop.deep_supervision=true",
+        "--set",
+        "train.eval_every=100",
+        "--set",
+        "train.eval_batches=2",
+        "--set",
+        "checkpoint.every_steps=150",
+        "--set",
+        "metrics.peak_tflops=1",  # a peak for the CPU, so MFU is reported
+        "--metrics-port",
+        str(trainer_port),
+        # the in-process budget guard with a cap far above what a minute costs at $1/h
+        "--budget-cap-usd",
+        "1000",
+        "--price-per-gpu-hour",
+        "1",
+        "--gpus",
+        "1",
+        "--set",
+        f"budget.metrics_port={budget_port}",
+        "--set",
+        "budget.poll_seconds=1",
+        "--set",
+        "budget.stale_seconds=5",
+    ]
+    scrape = [
+        {
+            "job_name": "pretrain-e2e",
+            "static_configs": [
+                {
+                    "targets": [f"127.0.0.1:{trainer_port}", f"127.0.0.1:{budget_port}"],
+                    "labels": {"namespace": "e2e", "job": "pretrain-e2e", "pod": "pretrain-e2e-master-0"},
+                }
+            ],
+        }
+    ]
+    prom = Prometheus(tmp_path / "prom", scrape, rule_files=[RULES])
+    trainer = None
+    try:
+        prom.start()
+        with open(log, "w") as out:
+            trainer = subprocess.Popen(
+                [sys.executable, "-m", "app.cli", *args],
+                cwd=REPO,
+                env=cli_env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        sel = '{namespace="e2e", job="pretrain-e2e"}'
+        _wait_for(
+            prom,
+            [
+                f"pretrain_step{sel} > 0",
+                f"pretrain_val_loss{sel} > 0",
+                f"pretrain_last_checkpoint_timestamp_seconds{sel} > 0",
+                f"pretrain_loop_loss{sel}",
+                f"pretrain_budget_spent_usd{sel} > 0",
+                f"count_over_time(pretrain_step{sel}[1m]) >= 8",
+                f"count_over_time(pretrain_budget_spent_usd{sel}[1m]) >= 8",
+            ],
+            trainer,
+            log,
+            timeout=180,
+        )
+
+        targets = prom.api("targets")["data"]["activeTargets"]
+        assert len(targets) == 2 and all(t["health"] == "up" for t in targets), targets
+
+        served = _served_names(trainer_port) | _served_names(budget_port)
+        failures, checked, excused = [], 0, []
+        for name, title, expr in dashboard_targets():
+            query = substitute(expr)
+            ans = prom.query(query)
+            if ans.get("status") != "success":
+                failures.append(f"{name} / {title}: {query}: {ans.get('error')}")
+                continue
+            if ans["data"]["result"]:
+                checked += 1
+                continue
+            used = metric_names(expr)
+            if any(m.startswith("DCGM_") for m in used):
+                excused.append(f"{title} (DCGM: no GPU here)")
+            elif used & PENDING_METRICS and not used & PENDING_METRICS & served:
+                excused.append(f"{title} (pending trainer metric {sorted(used & PENDING_METRICS)})")
+            else:
+                failures.append(f"{name} / {title}: no data for {query}")
+        assert not failures, "\n".join(failures)
+        assert checked >= 40, (checked, excused)
+        print(f"{checked} dashboard queries returned data; excused: {excused}")
+
+        # The alert rules load and evaluate cleanly on a real scrape, and a healthy run fires none.
+        groups = prom.api("rules")["data"]["groups"]
+        rules = [r for g in groups for r in g["rules"]]
+        assert len(rules) == len(alert_rules())
+        assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+        firing = [a for a in prom.api("alerts")["data"]["alerts"] if a["state"] == "firing"]
+        assert not firing, firing
+
+        # Graceful stop through the stop file: checkpoint, exit 0.
+        (run / "stop.json").write_text(
+            json.dumps(
+                {
+                    "mode": "graceful",
+                    "cause": "user",
+                    "reason": "observability e2e done",
+                    "written_unix": time.time(),
+                }
+            )
+        )
+        assert trainer.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if trainer is not None and trainer.poll() is None:
+            os.kill(trainer.pid, signal.SIGKILL)
+            trainer.wait(timeout=30)
+        prom.stop()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="trainer bug: app/train.py Trainer._record adds one step's tokens to pretrain_tokens_total per "
+    "*logged* step (every train.log_every), so the counter undercounts by log_every x",
+)
+def test_token_counter_counts_every_step_not_only_the_logged_ones(tmp_path):
+    run, port = tmp_path / "run", free_port()
+    log = tmp_path / "trainer.log"
+    with open(log, "w") as out:
+        trainer = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "train", "--out", str(run), "--max-steps", "1000000", *FAST,
+             "--set", "train.log_every=5", "--metrics-port", str(port)],
+            cwd=REPO, env=cli_env(), stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(r.get("step", 0) >= 20 for r in train_rows(run)):
+            assert trainer.poll() is None, log.read_text()
+            time.sleep(0.05)
+        pairs = []
+        for _ in range(5):  # a scrape may land between the two updates of one record: any consistent one
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                values = dict(
+                    ln.rsplit(" ", 1)
+                    for ln in r.read().decode().splitlines()
+                    if ln and not ln.startswith("#")
+                )
+            pairs.append((float(values["pretrain_step"]), float(values["pretrain_tokens_total"])))
+            time.sleep(0.05)
+        assert any(tokens == step * 8 * 64 for step, tokens in pairs), pairs  # FAST: 8 x 64 tokens per step
+    finally:
+        if trainer.poll() is None:
+            os.kill(trainer.pid, signal.SIGKILL)
+            trainer.wait(timeout=30)

@@ -1,0 +1,113 @@
+"""The Chinchilla planner: the optimum is an optimum, D ~ 20 N in order of magnitude, loss falls with money."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+from app import plan as P
+from app.errors import UserError
+
+
+def test_compute_optimal_spends_the_compute_and_minimises_the_loss():
+    for flops in (1e17, 1e19, 1e21, 1e23):
+        n, d = P.compute_optimal(flops)
+        assert 6 * n * d == pytest.approx(flops, rel=1e-9)
+        best = P.chinchilla_loss(n, d)
+        for f in (0.5, 0.8, 1.25, 2.0):  # any other split of the same compute is worse
+            assert P.chinchilla_loss(n * f, d / f) > best
+
+
+@pytest.mark.parametrize("budget", [1, 35, 1000, 100_000])
+def test_tokens_per_parameter_is_about_twenty(budget):
+    p = P.make_plan(budget, "a100-80gb", 8)
+    assert 5 < p.tokens_per_param < 100  # Hoffmann's rule of thumb is ~20; this fit drifts up with scale
+
+
+def test_loss_is_monotone_in_budget_and_params_grow():
+    plans = [P.make_plan(b, "h100-sxm", 8) for b in (1, 10, 100, 1000, 10_000, 100_000)]
+    losses = [p.loss for p in plans]
+    assert losses == sorted(losses, reverse=True) and len(set(losses)) == len(losses)
+    assert all(b.params > a.params and b.tokens > a.tokens for a, b in zip(plans, plans[1:], strict=False))
+    assert all(p.loss > P.E for p in plans)
+
+
+def test_hours_and_flops_follow_price_peak_and_mfu():
+    p = P.make_plan(35, "a100-80gb", 1)
+    assert p.price_per_gpu_hour == 1.79 and p.peak_tflops == 312.0 and p.mfu == P.DEFAULT_MFU
+    assert p.hours == pytest.approx(35 / 1.79)
+    assert p.flops == pytest.approx(p.hours * 3600 * 312e12 * 0.4)
+    q = P.make_plan(35, "a100-80gb", 4, price=1.0, mfu=0.5)
+    assert q.hours == pytest.approx(35 / 4) and q.flops == pytest.approx(35 * 3600 * 312e12 * 0.5)
+    # the $35 one-day seed run: a ~200M model on ~7B tokens, loss about 3
+    assert 1e8 < p.params < 4e8 and 3e9 < p.tokens < 1.5e10 and 2.8 < p.loss < 3.2
+
+
+def test_gpu_names_are_normalised():
+    assert P.make_plan(10, "H100", 1).gpu == "h100-sxm"
+    assert P.make_plan(10, "NVIDIA A100-SXM4-40GB", 1).gpu == "a100-40gb"
+
+
+def test_bad_input_is_a_user_error():
+    for kwargs, needle in [
+        (dict(budget_usd=0, gpu="h100", gpus=1), "--budget-usd"),
+        (dict(budget_usd=10, gpu="h100", gpus=0), "--gpus"),
+        (dict(budget_usd=10, gpu="h100", gpus=1, mfu=1.5), "--mfu"),
+        (dict(budget_usd=10, gpu="tpu-v5", gpus=1), "unknown GPU type 'tpu-v5'"),
+        (dict(budget_usd=10, gpu="tpu-v5", gpus=1, price=1.0), "--peak-tflops"),
+    ]:
+        with pytest.raises(UserError, match=needle):
+            P.make_plan(**kwargs)
+    assert P.make_plan(10, "tpu-v5", 1, price=1.0, peak=400).flops > 0
+
+
+def test_presets_are_counted_from_the_model():
+    counts = P.preset_params()
+    assert {"tiny", "x1-50m", "gpt2-124m", "looped-546m", "char-d64"} <= set(counts)
+    assert counts["gpt2-124m"] == pytest.approx(124e6, rel=0.02)
+    assert counts["looped-546m"] == pytest.approx(546e6, rel=0.02)
+    assert P.nearest_preset(130e6, counts)[0] == "gpt2-124m"
+    assert P.nearest_preset(1e3, counts)[0] == "tiny"
+
+
+def test_nearest_is_in_log_space():
+    presets = {"small": 1e6, "big": 1e8}
+    assert P.nearest_preset(9e6, presets)[0] == "small" and P.nearest_preset(11e6, presets)[0] == "big"
+    assert math.isclose(
+        P._analytic_params(_Model()),
+        8 * (2 * 768**2 + 2 * 768 * 256 + 3 * 768 * 2048 + 2 * 768) + 768 + 50257 * 768,
+    )
+
+
+class _Model:  # the X1 50M shape, for the analytic fallback
+    d_model, n_head, kv_heads, ffn_dim, n_blocks, vocab_size, tie_embeddings = (
+        768,
+        12,
+        4,
+        2048,
+        8,
+        50257,
+        True,
+    )
+
+
+def test_cli_prints_the_plan_and_a_table(capsys):
+    parser = argparse.ArgumentParser()
+    P.add_arguments(parser)
+    assert P.run(parser.parse_args(["--budget-usd", "35", "--gpu", "a100-80gb", "--gpus", "1"])) == 0
+    out = capsys.readouterr().out
+    for needle in (
+        "hours ",
+        "tokens D",
+        "params N",
+        "predicted loss",
+        "nearest preset  gpt2-124m",
+        "across GPU types",
+    ):
+        assert needle in out, needle
+    table = out.split("across GPU types")[1].splitlines()[2:]
+    assert [row.split()[0] for row in table if row.strip()] == list(P.pricing.GPUS)
+    assert P.main(["--budget-usd", "35", "--gpu", "nope"]) == 2
+    assert "unknown GPU type 'nope'" in capsys.readouterr().err

@@ -1,0 +1,127 @@
+"""Kill a real `pretrain prepare` with SIGKILL midway; the re-run finishes and equals an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from app.data.prepare import MANIFEST, STATE, PrepareConfig, prepare
+from app.data.shards import read_header
+from app.data.tokenizer import train_bpe
+
+ROOT = Path(__file__).resolve().parents[1]
+# `pretrain prepare` itself (slow to start while app.cli imports torch eagerly), and the same entry point
+# run directly (`python -m app.data.cli`, what `pretrain prepare` calls) for the default suite.
+COMMANDS = [
+    pytest.param(
+        [str(ROOT / ".venv" / "bin" / "pretrain"), "prepare"], id="pretrain", marks=pytest.mark.slow
+    ),
+    pytest.param([sys.executable, "-m", "app.data.cli"], id="entry-point"),
+]
+
+
+def _docs(seed: int, n: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    words = [f"w{i}" for i in range(400)] + ["the", "a", "of", "and", "."]
+    return [" ".join(rng.choice(words, size=int(rng.integers(20, 400)))) for _ in range(n)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[1][0] != "Z"
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+@pytest.mark.parametrize("prepare_cmd", COMMANDS)
+def test_sigkill_midway_then_rerun_equals_uninterrupted(tmp_path: Path, prepare_cmd: list[str]) -> None:
+    inp = tmp_path / "in"
+    inp.mkdir()
+    for i in range(12):
+        pq.write_table(pa.table({"text": _docs(i, 80)}), inp / f"part-{i:02d}.parquet", row_group_size=10)
+    tok = train_bpe(_docs(99, 200), 600)
+    (tmp_path / "tok").mkdir()
+    tok.save(tmp_path / "tok")
+    opts = ["--tokenizer", str(tmp_path / "tok"), "--shard-tokens", "5000", "--val-fraction", "0.03"]
+
+    ref = tmp_path / "ref"
+    prepare(
+        PrepareConfig(
+            [str(inp)],
+            ref,
+            tokenizer=str(tmp_path / "tok"),
+            shard_tokens=5000,
+            val_fraction=0.03,
+            workers=1,
+            progress="none",
+        )
+    )
+    n_ref = len(list(ref.glob("train_*.bin")))
+    assert n_ref >= 50
+
+    out = tmp_path / "out"
+    cmd = [*prepare_cmd, "--input", str(inp), "--out", str(out), *opts]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [*cmd, "--workers", "2"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    workers: list[int] = []
+    try:
+        deadline = time.time() + 120
+        while len(list(out.glob("train_*.bin"))) < 6:
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.time() < deadline, "prepare made no progress"
+            time.sleep(0.02)
+        workers = _children(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    # The tokenizer workers die with it instead of lingering.
+    deadline = time.time() + 10
+    while any(_alive(w) for w in workers) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(w) for w in workers)
+
+    # Killed midway: no manifest, and every file that looks like a shard is a complete one.
+    assert not (out / MANIFEST).exists()
+    written = sorted(out.glob("train_*.bin"))
+    assert 6 <= len(written) < n_ref
+    for shard in written:
+        read_header(shard)
+    recorded = [s["file"] for s in json.loads((out / STATE).read_text())["train"]]
+    assert len(recorded) >= 5
+
+    r = subprocess.run([*cmd, "--workers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "resuming" in r.stdout
+    assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == {
+        p.name: p.read_bytes() for p in ref.glob("*.bin")
+    }
+    assert (out / MANIFEST).read_text() == (ref / MANIFEST).read_text()
+    assert not list(out.glob(".*.partial"))

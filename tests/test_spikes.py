@@ -1,0 +1,176 @@
+"""Loss spikes: the detector, and a real training with injected high-loss batches: the detector records the
+spike, the JSONL log has it, the Prometheus metric is raised, and skipped updates leave the weights alone."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+import torch
+from safetensors.torch import load_file
+
+from app.spikes import SpikeDetector, spike_batch
+from tests.conftest import FAST, REPO, cli_env, train_rows
+from tests.prom_helpers import free_port
+
+INJECT_AT, BATCHES, MAX_STEPS = 60, 3, 5000
+# A 2-layer model 60 steps in has a loss near 6; random tokens cost ~9: a spike at 1.3x its moving average.
+COMMON = [
+    *FAST,
+    "--set",
+    "optim.lr=3e-3",
+    "--set",
+    "schedule.warmup_steps=10",
+    "--set",
+    "train.spike_factor=1.3",
+]
+
+
+# ---------------------------------------------------------------- the detector
+
+
+def test_detector_flags_losses_above_k_times_the_moving_average():
+    det = SpikeDetector(factor=3.0, beta=0.9, warmup=5)
+    assert not any(det.update(10.0) for _ in range(5))  # warm-up: never a spike, even if high
+    assert [det.update(x) for x in (2.0, 2.0)] == [False, False]
+    avg = det.avg
+    assert det.update(3.1 * avg) and det.count == 1
+    assert det.avg == avg, "a spike is not folded into the average"
+    assert det.update(float("nan")) and det.count == 2  # NaN is a spike
+    assert not det.update(avg)
+
+
+def test_detector_state_round_trips():
+    det = SpikeDetector(factor=2.0, warmup=2)
+    for x in (5.0, 4.0, 4.0, 20.0):
+        det.update(x)
+    again = SpikeDetector(factor=2.0, warmup=2)
+    again.load_state_dict(json.loads(json.dumps(det.state_dict())))
+    assert again.state_dict() == det.state_dict() and again.count == 1
+
+
+def test_spike_batch_is_random_tokens_seeded_by_step():
+    x = torch.zeros(4, 16, dtype=torch.long)
+    a, b = spike_batch(x, 7, 100), spike_batch(x, 7, 100)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert a[0].shape == x.shape and torch.equal(a[0][:, 1:], a[1][:, :-1])  # targets are inputs shifted
+    assert not torch.equal(spike_batch(x, 8, 100)[0], a[0]) and int(a[0].max()) < 100
+
+
+# ---------------------------------------------------------------- a real training
+
+
+def _scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_injected_spike_is_detected_logged_exported_and_skipped(tmp_path):
+    run, ref = tmp_path / "spiked", tmp_path / "reference"
+    port = free_port()
+    # The reference run trains the same 60 steps without a spike (in the background meanwhile). Same
+    # max_steps, so the same LR schedule; its planned end comes from max_tokens at step 60.
+    reference = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "train",
+            "--out",
+            str(ref),
+            "--max-steps",
+            str(MAX_STEPS),
+            *COMMON,
+            "--set",
+            f"train.max_tokens={INJECT_AT * 8 * 64}",
+        ],
+        cwd=REPO,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    log = tmp_path / "spiked.log"
+    with open(log, "w") as out:
+        # log_every=1000: after the spikes no step is logged for a while, so the spike gauge stays 1 to be read.
+        spiked = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "app.cli",
+                "train",
+                "--out",
+                str(run),
+                "--max-steps",
+                str(MAX_STEPS),
+                *COMMON,
+                "--set",
+                "train.log_every=1000",
+                "--set",
+                f"train.inject_spike_at_step={INJECT_AT}",
+                "--set",
+                f"train.spike_batches={BATCHES}",
+                "--set",
+                "train.skip_spike_updates=true",
+                "--set",
+                f"checkpoint.every_steps={INJECT_AT + BATCHES}",
+                "--metrics-port",
+                str(port),
+            ],
+            cwd=REPO,
+            env=cli_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    try:
+        ckpt_dir = run / "checkpoints" / f"step_{INJECT_AT + BATCHES:06d}"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not (len(train_rows(run)) >= BATCHES and ckpt_dir.is_dir()):
+            assert spiked.poll() is None, log.read_text()
+            time.sleep(0.05)
+        metrics = _scrape(port)
+
+        rows = train_rows(run)
+        assert [r["step"] for r in rows[:BATCHES]] == [INJECT_AT + i + 1 for i in range(BATCHES)], rows
+        assert all(r["spike"] and r["injected_spike"] and r["loss"] > 1.3 * 5 for r in rows[:BATCHES])
+        assert metrics["pretrain_loss_spikes_total"] == BATCHES
+        assert metrics["pretrain_loss_spike"] == 1
+        assert metrics["pretrain_step"] == INJECT_AT + BATCHES
+        assert not math.isnan(metrics["pretrain_train_loss"])
+
+        (run / "stop.json").write_text(
+            json.dumps(
+                {"mode": "graceful", "cause": "user", "reason": "test done", "written_unix": time.time()}
+            )
+        )
+        assert spiked.wait(timeout=120) == 0, log.read_text()[-3000:]
+        text = log.read_text()
+        assert len(re.findall(r"loss spike at step \d+: .* \(update skipped\)", text)) == BATCHES, text
+        state = json.loads((ckpt_dir / "trainer_state.json").read_text())
+        assert state["spikes"]["count"] == BATCHES  # the detector's count is checkpointed
+
+        # Skipped updates: the weights after 60 steps + 3 skipped spike steps equal those after 60 steps.
+        out, _ = reference.communicate(timeout=180)
+        assert reference.returncode == 0, out
+        spiked_w = load_file(str(ckpt_dir / "model.safetensors"))
+        ref_w = load_file(str(ref / "checkpoints" / f"step_{INJECT_AT:06d}" / "model.safetensors"))
+        assert set(spiked_w) == set(ref_w)
+        for name, t in ref_w.items():
+            assert torch.equal(spiked_w[name], t), f"{name} changed during skipped spike steps"
+    finally:
+        for proc in (spiked, reference):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
