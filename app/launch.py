@@ -1,63 +1,103 @@
-"""`python -m app.launch <torchrun args>`: torchrun under a supervisor that keeps the stop protocol.
+"""torchrun for containers: the command of every trainer pod (PID 1).
 
-Why not plain torchrun as the container's command: on SIGTERM torchrun gives its workers a fixed
-30 s before SIGKILL (a large checkpoint can take longer), then exits 1 with a traceback, which the
-PyTorchJob ExitCode restart policy treats as a permanent failure. This supervisor runs as PID 1
-instead: on SIGTERM/SIGINT it signals the training processes directly (they finish the step, agree,
-checkpoint and exit; Kubernetes' terminationGracePeriodSeconds is the only deadline), waits for
-torchrun, and exits 128 + signal number so the operator restarts the job. Otherwise it exits with
-torchrun's own code (0 done; 1 a worker failed).
+    python -m app.launch <torchrun arguments> -m app.train <trainer arguments>
+
+Plain torchrun as a pod's command breaks the stop protocol twice:
+1. On SIGTERM it forwards the signal to its workers but SIGKILLs them 30 s later (before torch 2.12
+   the 30 s cannot be changed), which cuts a large checkpoint short.
+2. It exits 1 whenever a worker fails, whatever the worker's code was, while the PyTorchJob
+   `ExitCode` restart policy needs the real one: 128 + signal (preempted: retried) versus 1-127
+   (permanent; 2 = bad config).
+
+This launcher runs torchrun's own `run()` in-process and changes only those two things:
+- SIGTERM/SIGINT are passed to the worker processes and recorded; torchrun keeps monitoring them,
+  so the workers finish the step, agree, checkpoint and exit in their own time (the pod's
+  terminationGracePeriodSeconds is the only deadline). A signal before the workers exist aborts
+  the launch as torchrun would.
+- The exit code: 0 when every worker exited 0; 128 + signal when this launcher was signalled and a
+  worker did not exit 0; else
+  the code of the first worker that failed, the cause (143 when it stopped because a peer on
+  another node was preempted, 2 bad config, 1 crash; killed by signal S: 128 + S). torchrun records
+  failures in the order it saw them; the workers it terminates afterwards come later and are ignored.
 """
-
-from __future__ import annotations
 
 import contextlib
 import os
 import signal
-import subprocess
 import sys
-from pathlib import Path
+
+import torch.distributed.elastic.multiprocessing.api as elastic_api
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+
+received: list = []
 
 
-def descendants(pid: int) -> list[int]:
-    """All live descendants of `pid` (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+def children(pid: int) -> list:
+    """Live direct children of `pid` (Linux /proc): torchrun's worker processes."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(entry))
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv])
-    received: list[int] = []
+def forward(signum, _frame) -> None:
+    """Signal handler in place of torchrun's (which raises and later SIGKILLs the workers)."""
+    workers = children(os.getpid())
+    if not workers and not received:
+        raise elastic_api.SignalException(f"launch: got signal {signum}", sigval=signal.Signals(signum))
+    if not received:
+        print(
+            f"launch: got {signal.Signals(signum).name}, passed to workers {workers}",
+            file=sys.stderr,
+            flush=True,
+        )
+    received.append(signum)
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
 
-    def forward(signum, frame) -> None:
-        received.append(signum)
-        # The workers, not torchrun: torchrun would SIGKILL them 30 s later.
-        for pid in descendants(proc.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
 
+def worker_exit_code(exitcode: int) -> int:
+    """A worker's exit code as a shell reports it (negative = killed by that signal)."""
+    return 128 - exitcode if exitcode < 0 else exitcode
+
+
+def failure_exit_code(codes: list) -> int:
+    """The exit code for failures listed in the order torchrun recorded them (the cause first)."""
+    first = [worker_exit_code(c) for c in codes if c != 0][:1]
+    return first[0] if first else 1
+
+
+def main(argv: list) -> int:
+    # torchrun installs `_terminate_process_handler` (looked up at call time) when it starts workers.
+    elastic_api._terminate_process_handler = forward
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
-    code = proc.wait()
-    if received:
-        return 128 + received[0]
-    return code
+    args = parse_args(argv)
+    try:
+        run(args)
+    except ChildFailedError as e:
+        codes = [f.exitcode for f in e.failures.values()]
+        code = 128 + received[0] if received else failure_exit_code(codes)
+        print(f"launch: worker exit codes {codes} -> exit {code}", file=sys.stderr, flush=True)
+        return code
+    except elastic_api.SignalException as e:
+        code = 128 + int(e.sigval)
+        print(
+            f"launch: stopped by {signal.Signals(e.sigval).name} -> exit {code}", file=sys.stderr, flush=True
+        )
+        return code
+    return 0  # every worker exited 0, even if a signal came: the run is done, nothing to retry
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

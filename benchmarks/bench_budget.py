@@ -25,7 +25,7 @@ from app.budget.simulate import simulate, summary
 from app.budget.watcher import Watcher
 
 ROUNDS = 5
-STEPS = 60
+STEPS = 200  # ~3 s a round: several watcher ticks land inside each timed round
 SIM_RUNS = 100
 
 

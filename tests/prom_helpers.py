@@ -213,3 +213,8 @@ class Prometheus:
     def has_data(self, expr: str) -> bool:
         ans = self.query(expr)
         return ans.get("status") == "success" and bool(ans["data"]["result"])
+
+
+def sets(*pairs: str) -> list[str]:
+    """`--set` overrides for the CLI: sets("a=1", "b=2") -> ["--set", "a=1", "--set", "b=2"]."""
+    return [arg for kv in pairs for arg in ("--set", kv)]

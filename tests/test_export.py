@@ -20,20 +20,14 @@ from app.config import config_from_dict
 from app.export import config_hash, effective_rows, load_final
 from app.model import build_model
 from tests.conftest import FAST, pretrain
+from tests.prom_helpers import sets
 
 STEPS = 30
 TRAIN = [
     "--max-steps",
     str(STEPS),
     *FAST,
-    "--set",
-    "train.eval_every=10",
-    "--set",
-    "checkpoint.every_steps=10",
-    "--set",
-    "optim.lr=3e-3",
-    "--set",
-    "schedule.warmup_steps=5",
+    *sets("train.eval_every=10", "checkpoint.every_steps=10", "optim.lr=3e-3", "schedule.warmup_steps=5"),
     "--budget-cap-usd",
     "100",
     "--price-per-gpu-hour",

@@ -33,6 +33,7 @@ from tests.prom_helpers import (
     free_port,
     metric_names,
     prometheus_missing,
+    sets,
     substitute,
 )
 
@@ -184,48 +185,20 @@ def test_every_dashboard_query_returns_data_from_a_real_scrape(tmp_path):
     run = tmp_path / "run"
     log = tmp_path / "trainer.log"
     trainer_port, budget_port = free_port(), free_port()
-    args = [
-        "train",
-        "--out",
-        str(run),
-        "--max-steps",
-        "1000000",
-        *FAST,
-        # a looped model with deep supervision, so the per-loop loss panels have data too
-        "--set",
+    # A looped model with deep supervision, so the per-loop loss panels have data too; a peak for the CPU, so
+    # MFU is reported; the in-process budget guard with a cap far above what a minute costs at $1/h.
+    looped = (
         "model.loop.prelude=1",
-        "--set",
         "model.loop.recurrent=1",
-        "--set",
         "model.loop.coda=1",
-        "--set",
         "model.loop.recurrence=2",
-        "--set",
-        "model.loop.deep_supervision=true",
-        "--set",
-        "train.eval_every=100",
-        "--set",
-        "train.eval_batches=2",
-        "--set",
-        "checkpoint.every_steps=150",
-        "--set",
-        "metrics.peak_tflops=1",  # a peak for the CPU, so MFU is reported
-        "--metrics-port",
-        str(trainer_port),
-        # the in-process budget guard with a cap far above what a minute costs at $1/h
-        "--budget-cap-usd",
-        "1000",
-        "--price-per-gpu-hour",
-        "1",
-        "--gpus",
-        "1",
-        "--set",
-        f"budget.metrics_port={budget_port}",
-        "--set",
-        "budget.poll_seconds=1",
-        "--set",
-        "budget.stale_seconds=5",
-    ]
+    )
+    args = ["train", "--out", str(run), "--max-steps", "1000000", *FAST,
+            *sets(*looped, "model.loop.deep_supervision=true", "train.eval_every=100", "train.eval_batches=2",
+                  "checkpoint.every_steps=150", "metrics.peak_tflops=1"),
+            "--metrics-port", str(trainer_port),
+            "--budget-cap-usd", "1000", "--price-per-gpu-hour", "1", "--gpus", "1",
+            *sets(f"budget.metrics_port={budget_port}", "budget.poll_seconds=1", "budget.stale_seconds=5")]  # fmt: skip
     scrape = [
         {
             "job_name": "pretrain-e2e",

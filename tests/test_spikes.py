@@ -16,18 +16,13 @@ from safetensors.torch import load_file
 
 from app.spikes import SpikeDetector, spike_batch
 from tests.conftest import FAST, REPO, cli_env, train_rows
-from tests.prom_helpers import free_port
+from tests.prom_helpers import free_port, sets
 
 INJECT_AT, BATCHES, MAX_STEPS = 60, 3, 5000
 # A 2-layer model 60 steps in has a loss near 6; random tokens cost ~9: a spike at 1.3x its moving average.
 COMMON = [
     *FAST,
-    "--set",
-    "optim.lr=3e-3",
-    "--set",
-    "schedule.warmup_steps=10",
-    "--set",
-    "train.spike_factor=1.3",
+    *sets("optim.lr=3e-3", "schedule.warmup_steps=10", "train.spike_factor=1.3"),
 ]
 
 
@@ -92,8 +87,7 @@ def test_injected_spike_is_detected_logged_exported_and_skipped(tmp_path):
             "--max-steps",
             str(MAX_STEPS),
             *COMMON,
-            "--set",
-            f"train.max_tokens={INJECT_AT * 8 * 64}",
+            *sets(f"train.max_tokens={INJECT_AT * 8 * 64}"),
         ],
         cwd=REPO,
         env=cli_env(),
@@ -115,16 +109,13 @@ def test_injected_spike_is_detected_logged_exported_and_skipped(tmp_path):
                 "--max-steps",
                 str(MAX_STEPS),
                 *COMMON,
-                "--set",
-                "train.log_every=1000",
-                "--set",
-                f"train.inject_spike_at_step={INJECT_AT}",
-                "--set",
-                f"train.spike_batches={BATCHES}",
-                "--set",
-                "train.skip_spike_updates=true",
-                "--set",
-                f"checkpoint.every_steps={INJECT_AT + BATCHES}",
+                *sets(
+                    "train.log_every=1000",
+                    f"train.inject_spike_at_step={INJECT_AT}",
+                    f"train.spike_batches={BATCHES}",
+                    "train.skip_spike_updates=true",
+                    f"checkpoint.every_steps={INJECT_AT + BATCHES}",
+                ),
                 "--metrics-port",
                 str(port),
             ],

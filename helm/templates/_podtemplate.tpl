@@ -207,8 +207,8 @@ spec:
     - name: pytorch
       image: {{ include "pretrain.image" $ }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
-      # torchrun, keeping the trainer's exit code for the ExitCode restart policy (see launch.py).
-      command: ["python", "/etc/pretrain/launch.py"]
+      # torchrun, keeping the trainer's exit code for the ExitCode restart policy (see app/launch.py).
+      command: ["python", "-m", "app.launch"]
       args:
         - --nnodes={{ .nodes }}
         - --nproc-per-node={{ .nproc }}
