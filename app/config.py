@@ -146,6 +146,7 @@ class CheckpointConfig:
 @dataclass
 class MetricsConfig:
     port: int = 0  # Prometheus /metrics on this port (global rank 0 and each node's local rank 0); 0 = off
+    addr: str = "0.0.0.0"  # address the metrics server binds (127.0.0.1 to keep it local)
     gpu_type: str = ""  # key of the peak-FLOPs table; "" = detect from the CUDA device name
     peak_tflops: float = 0.0  # override peak dense bf16 TFLOP/s per device (also enables MFU on CPU)
     progress: bool = True  # console progress bar

@@ -88,7 +88,7 @@ def read_jsonl(path: Path) -> list[dict]:
 class TrainerMetrics:
     """Prometheus gauges of one trainer process on its own registry and port."""
 
-    def __init__(self, port: int, node: str, serve_global: bool) -> None:
+    def __init__(self, port: int, node: str, serve_global: bool, with_mfu: bool, addr: str = "0.0.0.0") -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Info, start_http_server
 
         self.registry = r = CollectorRegistry()
@@ -106,7 +106,8 @@ class TrainerMetrics:
             self.lr = g("pretrain_learning_rate", "Current learning rate")
             self.grad_norm = g("pretrain_grad_norm", "Global gradient norm before clipping")
             self.tps = g("pretrain_tokens_per_second", "Global training throughput (tokens/s)")
-            self.mfu = g("pretrain_mfu_ratio", "Model FLOPs utilisation (0..1)")
+            # Absent (not 0) without a known peak: an MFU alert must not fire on a CPU run.
+            self.mfu = g("pretrain_mfu_ratio", "Model FLOPs utilisation (0..1)") if with_mfu else None
             self.step_seconds = g("pretrain_step_seconds", "Wall time of the last optimizer step")
             self.data_wait = g("pretrain_data_wait_seconds", "Time of the last step spent waiting for data")
             self.ckpt_seconds = g("pretrain_checkpoint_seconds", "Duration of the last checkpoint save")
@@ -116,6 +117,10 @@ class TrainerMetrics:
             )
             self.last_step_time = g(
                 "pretrain_last_step_timestamp_seconds", "Unix time the last step finished"
+            )
+            self.planned_end = g(
+                "pretrain_planned_end_timestamp_seconds",
+                "Expected unix time of the planned end (max steps / tokens / hours) at the current pace",
             )
             self.stop_state = g(
                 "pretrain_stop_state",
@@ -131,7 +136,7 @@ class TrainerMetrics:
             self.spikes = Counter("pretrain_loss_spikes", "Loss spikes detected", registry=r)
             self.spike = g("pretrain_loss_spike", "1 while the last step was a loss spike")
             self.info = Info("pretrain", "Run description", registry=r)
-        self.server, self.thread = start_http_server(port, registry=r)
+        self.server, self.thread = start_http_server(port, addr=addr, registry=r)
 
     def close(self) -> None:
         self.server.shutdown()

@@ -139,6 +139,7 @@ class Trainer:
         self.checkpoint_seconds = 0.0
         self.last_ckpt_time = time.monotonic()
         self.last_eval_step = -1
+        self.resumed_saved_unix = 0.0
 
     # ------------------------------------------------------------ setup
 
@@ -205,8 +206,13 @@ class Trainer:
         self.stop_file = stop_file
 
         if cfg.metrics.port and env.is_local_rank0:
-            self.metrics = TrainerMetrics(cfg.metrics.port, env.node, serve_global=self.rank0)
+            self.metrics = TrainerMetrics(cfg.metrics.port, env.node, serve_global=self.rank0,
+                                          with_mfu=bool(self.peak), addr=cfg.metrics.addr)
             if self.rank0:
+                self.metrics.tokens.inc(self.state.tokens)  # a counter of the run, across restarts
+                if self.last_saved_step >= 0:
+                    self.metrics.ckpt_step.set(self.last_saved_step)
+                    self.metrics.ckpt_time.set(self.resumed_saved_unix)
                 self.metrics.info.info(
                     {
                         "preset": cfg.preset,
@@ -246,6 +252,7 @@ class Trainer:
         if rng is not None and info.meta.get("world_size") == self.env.world_size:
             ckpt.set_rng_state(rng)
         self.last_saved_step = info.step if spec == "auto" else -1
+        self.resumed_saved_unix = float(info.meta.get("saved_unix", 0.0))
         self.log(f"resumed from {ckpt.describe(info)}")
 
     def _announce(self) -> None:
@@ -503,8 +510,6 @@ class Trainer:
             self.metrics.node_tps.set(tps * self.env.local_world_size / self.env.world_size)
             if self.rank0:
                 g = self.metrics
-                g.step.set(st.step)
-                g.tokens.inc(self.tokens_per_step)
                 g.train_loss.set(m["loss"])
                 g.lr.set(m["lr"])
                 g.grad_norm.set(m["grad_norm"])
@@ -513,7 +518,7 @@ class Trainer:
                     g.mfu.set(mfu)
                 g.step_seconds.set(m["step_seconds"])
                 g.data_wait.set(m["data_wait_seconds"])
-                g.last_step_time.set(time.time())
+                g.planned_end.set(time.time() + self._seconds_to_planned_end(tps))
                 g.spike.set(1 if m["spike"] else 0)
                 if m["spike"]:
                     g.spikes.inc()
@@ -528,6 +533,22 @@ class Trainer:
             if mfu is not None:
                 post["mfu"] = f"{mfu:.1%}"
             self.progress.set_postfix(post, refresh=False)
+
+    def _seconds_to_planned_end(self, tps: float) -> float:
+        t, st = self.cfg.train, self.state
+        left = [(t.max_steps - st.step) * self.step_seconds_avg]
+        if t.max_tokens and tps > 0:
+            left.append((t.max_tokens - st.tokens) / tps)
+        if t.max_hours:
+            left.append(t.max_hours * 3600 - st.elapsed_seconds)
+        return max(0.0, min(left))
+
+    def _step_metrics(self) -> None:
+        """Every step, cheap: what the stalled-training alert and the token counter need."""
+        g = self.metrics
+        g.step.set(self.state.step)
+        g.tokens.inc(self.tokens_per_step)
+        g.last_step_time.set(time.time())
 
     def run(self) -> int:
         cfg, st = self.cfg, self.state
@@ -562,6 +583,8 @@ class Trainer:
             if save_now and self.last_saved_step != st.step:
                 self.save("every_minutes")
             m = self.train_step()
+            if self.metrics and self.rank0:
+                self._step_metrics()
             window_tokens += self.tokens_per_step
             if self.progress is not None:
                 self.progress.update(1)

@@ -74,7 +74,7 @@ def exported_metric_names() -> set[str]:
     from app.metrics import TrainerMetrics
 
     suffix = {"counter": "_total", "info": "_info"}
-    trainer = TrainerMetrics(0, "node0", serve_global=True)  # port 0: any free port, closed at once
+    trainer = TrainerMetrics(0, "node0", serve_global=True, with_mfu=True, addr="127.0.0.1")  # port 0: any free port
     try:
         families = list(trainer.registry.collect()) + list(BudgetMetrics().registry.collect())
     finally:

@@ -23,6 +23,8 @@ from app.errors import UserError
 
 T = 1_700_000_000.0
 NS, JOB = "ml", "demo"
+# the kubernetes client still calls urllib3's deprecated getheader(s); not ours to fix
+pytestmark = pytest.mark.filterwarnings("ignore:HTTPResponse.getheader:DeprecationWarning")
 JOB_PATH = f"/apis/kubeflow.org/v1/namespaces/{NS}/pytorchjobs/{JOB}"
 EVENTS_PATH = f"/api/v1/namespaces/{NS}/events"
 

@@ -291,11 +291,6 @@ def test_every_dashboard_query_returns_data_from_a_real_scrape(tmp_path):
         prom.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainer bug: app/train.py Trainer._record adds one step's tokens to pretrain_tokens_total per "
-    "*logged* step (every train.log_every), so the counter undercounts by log_every x",
-)
 def test_token_counter_counts_every_step_not_only_the_logged_ones(tmp_path):
     run, port = tmp_path / "run", free_port()
     log = tmp_path / "trainer.log"
