@@ -106,25 +106,37 @@ def split_tied(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
 
 
 def optimizer_to_files(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """torch optimizer state_dict -> (tensors for safetensors, JSON-able structure)."""
+    """Optimizer state dict -> (tensors for safetensors, JSON-able structure).
+
+    Parameters are keyed by name (FQNs such as "blocks.0.attn.wq.weight", what app.parallel produces in
+    DDP and FSDP alike) or by torch's own index. Tensors are stored as "<i>.<state name>" where i is the
+    position in structure["param_keys"], which keeps the original keys, dots and all."""
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
-    for idx, entry in state["state"].items():
+    keys: list = []
+    for i, (pkey, entry) in enumerate(state["state"].items()):
+        keys.append(pkey)
         for key, value in entry.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{idx}.{key}"] = value.detach().contiguous().cpu()
+                tensors[f"{i}.{key}"] = value.detach().contiguous().cpu()
             else:
-                scalars.setdefault(str(idx), {})[key] = value
-    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+                scalars.setdefault(str(i), {})[key] = value
+    return tensors, {"param_keys": keys, "param_groups": state["param_groups"], "scalars": scalars}
 
 
 def optimizer_from_files(tensors: dict[str, torch.Tensor], structure: dict) -> dict:
-    state: dict[int, dict[str, Any]] = {}
+    """Inverse of optimizer_to_files; files written before `param_keys` existed have index keys."""
+    keys = structure.get("param_keys")
+
+    def pkey(i: str):
+        return keys[int(i)] if keys is not None else int(i)
+
+    state: dict[Any, dict[str, Any]] = {k: {} for k in keys or []}
     for name, t in tensors.items():
-        idx, key = name.split(".", 1)
-        state.setdefault(int(idx), {})[key] = t
-    for idx, entry in structure.get("scalars", {}).items():
-        state.setdefault(int(idx), {}).update(entry)
+        i, key = name.split(".", 1)
+        state.setdefault(pkey(i), {})[key] = t
+    for i, entry in structure.get("scalars", {}).items():
+        state.setdefault(pkey(i), {}).update(entry)
     return {"state": state, "param_groups": structure["param_groups"]}
 
 
@@ -366,6 +378,20 @@ def load_model_state(info: CheckpointInfo) -> dict[str, torch.Tensor]:
     for alias, target in info.meta.get("tied", {}).items():
         state[alias] = state[target]
     return state
+
+
+def load_model_shapes(info: CheckpointInfo) -> dict[str, torch.Tensor]:
+    """The checkpoint's weight names and shapes as meta tensors, from the safetensors header only: lets
+    every rank run check_compatible while only rank 0 loads the weights."""
+    from safetensors import safe_open
+
+    shapes = {}
+    with safe_open(str(info.path / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            shapes[name] = torch.empty(f.get_slice(name).get_shape(), device="meta")
+    for alias, target in info.meta.get("tied", {}).items():
+        shapes[alias] = shapes[target]
+    return shapes
 
 
 def load_optimizer_state(info: CheckpointInfo) -> dict | None:

@@ -105,6 +105,8 @@ def _run_train(args: argparse.Namespace) -> int:
             "budget.gpus": args.gpus,
         },
     )
+    if cfg.metrics.port and cfg.budget.cap_usd and not cfg.budget.metrics_port:
+        cfg.budget.metrics_port = cfg.metrics.port + 1  # the in-process watcher's own /metrics
     if args.print_config:
         return _print_config(cfg)
     from app.train import RunArgs, train
@@ -127,6 +129,9 @@ def _print_config(cfg) -> int:
     counts = count_parameters(cfg.model)
     print(f"# parameters: {counts.total:,} total, {counts.non_embedding:,} non-embedding{note}")
     print(f"# training FLOPs per token: {flops_per_token(cfg.model):,.0f}")
+    from app.memory import planned_world_size, print_lines
+
+    print("\n".join(print_lines(cfg, planned_world_size(cfg))))
     return 0
 
 
@@ -185,7 +190,8 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{self.prog}: {message} (see --help)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Only the chosen subcommand's module is imported: `pretrain watch` starts without loading torch."""
     parser = _Parser(
         prog="pretrain",
         description="LLM pretraining that trains the best model a dollar "
@@ -202,15 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
             help_, add, run = _LOCAL[name]
         else:
             module, help_ = _MODULES[name]
-            try:
-                mod = importlib.import_module(module)
-            except ModuleNotFoundError as e:  # TODO(lead): remove once every part has landed
-                if e.name != module:
-                    raise
+            if name != command:
+                sub.add_parser(name, help=help_, description=help_)
                 continue
+            mod = importlib.import_module(module)
             add, run = mod.add_arguments, mod.run
         p = sub.add_parser(name, help=help_, description=help_)
-        add(p)
+        if name == command or name in _LOCAL:
+            add(p)
         p.set_defaults(_run=run)
     return parser
 
@@ -218,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        parser = build_parser()
+        command = next((a for a in argv if not a.startswith("-")), None)
+        parser = build_parser(command)
         args = parser.parse_args(argv)
         if not getattr(args, "_run", None):
             parser.print_help()

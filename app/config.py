@@ -108,6 +108,7 @@ class TrainConfig:
     parallel: str = "ddp"  # ddp | fsdp | auto
     activation_checkpointing: bool = False
     fp8: bool = False  # H100-class GPUs only
+    device_memory_gb: float = 0.0  # per-GPU memory for parallel=auto; 0 = detect (CUDA) / assume DDP fits
     inject_spike_at_step: int = 0  # observability drill: feed high-loss batches from this step; 0 = off
     spike_batches: int = 3
     spike_factor: float = 3.0  # a loss above this multiple of its moving average is a spike

@@ -12,12 +12,16 @@ import contextlib
 import json
 import os
 import signal
+import time
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+
+PROCESS_START = time.time()  # stop files older than this process are stale
 
 
 class StopCause(IntEnum):
@@ -77,8 +81,10 @@ class SignalFlag:
             self.signum = signum
 
 
-def read_stop_file(path: Path) -> StopDecision | None:
-    """A stop file's request; an unreadable one (e.g. `touch stop.json`) means a graceful stop."""
+def read_stop_file(path: Path, not_before: float = 0.0) -> StopDecision | None:
+    """A stop file's request; an unreadable one (e.g. `touch stop.json`) means a graceful stop.
+    A request stamped (`written_unix`) before `not_before` is stale, left by an earlier process: the
+    budget case does not need it, since the trainer refuses to start when the ledger says stop."""
     try:
         raw = path.read_text()
     except FileNotFoundError:
@@ -91,6 +97,9 @@ def read_stop_file(path: Path) -> StopDecision | None:
         data = {}
     if not isinstance(data, dict):
         data = {}
+    written = data.get("written_unix")
+    if isinstance(written, (int, float)) and written < not_before:
+        return None
     mode = str(data.get("mode", "graceful"))
     reason = str(data.get("reason") or f"stop file {path}")
     cause = str(data.get("cause", "user"))
@@ -162,6 +171,7 @@ class StopAgreement:
         device: torch.device,
     ) -> None:
         self.stop_file = stop_file if is_rank0 else None  # in Kubernetes only the master pod has it
+        self.started_unix = PROCESS_START
         self.planned, self.early = planned, early
         self.signals = SignalFlag()
         self.device = device
@@ -172,7 +182,7 @@ class StopAgreement:
         candidates = [
             self.planned.check(step, tokens, elapsed),
             self.early.check(),
-            read_stop_file(self.stop_file) if self.stop_file else None,
+            read_stop_file(self.stop_file, self.started_unix) if self.stop_file else None,
         ]
         if self.signals.signum:
             name = signal.Signals(self.signals.signum).name

@@ -162,10 +162,19 @@ class Trainer:
         self.accum = grad_accum_steps(cfg, env.world_size)
         self.tokens_per_step = self.accum * cfg.train.micro_batch_size * cfg.model.seq_len * env.world_size
 
+        from app.memory import plan as plan_parallel
+        from app.parallel import build_parallel_model
+
         torch.manual_seed(cfg.train.seed)
-        model = build_model(cfg.model, self.device)
-        self.counts = count_parameters(model)
-        self.optimizer = build_optimizer(model, cfg.optim, self.device)
+        self.parallel = plan_parallel(cfg, env.world_size, self.device)  # resolves train.parallel=auto
+        est = self.parallel.fsdp if self.parallel.mode == "fsdp" else self.parallel.ddp
+        self.log(f"parallel: {self.parallel.mode} ({self.parallel.reason}); estimate {est.describe()}")
+        if self.parallel.mode == "fsdp" and env.distributed and cfg.train.sample_every:
+            self.log("train.sample_every is off under FSDP (rank 0 cannot sample alone); use `pretrain sample`")
+            cfg.train.sample_every = 0  # TODO(lead): sample on every rank under FSDP instead
+        model = build_parallel_model(cfg, env, self.device, self.parallel.mode, self.log)
+        self.counts = count_parameters(unwrap(model))
+        self.optimizer = build_optimizer(unwrap(model), cfg.optim, self.device)
         self.loader = TrainLoader(
             self.data_dir,
             cfg.model.seq_len,
@@ -176,8 +185,8 @@ class Trainer:
         )
         self.early = EarlyStopping(cfg.train.early_stop_patience, cfg.train.early_stop_min_delta)
         self.spikes = SpikeDetector(cfg.train.spike_factor)
-        self._maybe_resume(model)
-        self.model = wrap_model(model, env, self.device)
+        self._maybe_resume(unwrap(model))
+        self.model = model
         if cfg.train.compile:
             self.model = torch.compile(self.model)
         self.writer = ckpt.CheckpointWriter(self.run_dir, env.rank, env.world_size, env.barrier)
@@ -235,12 +244,23 @@ class Trainer:
             info = ckpt.resolve(spec, self.cfg.checkpoint.verify, warn=self.log)
         if info is None:
             return
-        model_state = ckpt.load_model_state(info)
-        ckpt.check_compatible(model, model_state, info.path)
-        opt_state = ckpt.load_optimizer_state(info)
-        if opt_state is None:
+        ckpt.check_compatible(model, ckpt.load_model_shapes(info), info.path)  # every rank, header only
+        # Rank 0 reads the full tensors; load_state broadcasts and re-shards them for this mode and world size.
+        reads = self.rank0 or not self.env.distributed
+        model_state = ckpt.load_model_state(info) if reads else {}
+        opt_state = None
+        if info.has_optimizer:
+            opt_state = ckpt.load_optimizer_state(info) if reads else {}
+        else:
             self.log(f"warning: {info.path} has no optimizer state; the optimizer restarts from zero moments")
         load_state(model, self.optimizer, model_state, opt_state)
+        del model_state, opt_state
+        saved_world = info.meta.get("world_size")
+        if saved_world != self.env.world_size:
+            self.log(
+                f"resharding: checkpoint of world size {saved_world} on {self.env.world_size}: weights and "
+                "optimizer restored exactly, data continues at the same global sample, RNG states start fresh"
+            )
         st = ckpt.load_trainer_state(info)
         self.state = TrainerState(**st)
         self.loader.load_state_dict(self.state.loader)
@@ -434,12 +454,9 @@ class Trainer:
         return state.get("spent_usd") if state else self.state.spent_usd
 
     def _budget_state(self) -> dict | None:
-        import json
+        from app.budget import read_budget_state
 
-        try:
-            return json.loads((self.run_dir / "budget" / "state.json").read_text())
-        except (OSError, ValueError):
-            return None
+        return read_budget_state(self.run_dir)
 
     def _decay_proposal(self, now: float) -> int:
         """Rank 0 proposes the budget-driven WSD decay from the watcher's projection."""
@@ -452,15 +469,11 @@ class Trainer:
             return 0
         self.last_budget_read = now
         state = self._budget_state()
-        if not state or state.get("seconds_to_cap") is None:
+        if not state or state.get("seconds_to_stop") is None:
             return 0
-        reserve = self.checkpoint_seconds + cfg.budget.margin_seconds
+        # seconds_to_stop: when the watcher's graceful stop fires (checkpoint and margin already reserved)
         return budget_decay_steps(
-            self.state.step,
-            float(state["seconds_to_cap"]),
-            self.step_seconds_avg,
-            reserve,
-            cfg.budget.decay_fraction,
+            self.state.step, float(state["seconds_to_stop"]), self.step_seconds_avg, 0.0, cfg.budget.decay_fraction
         )
 
     def _write_status(self, state: str) -> None:
@@ -663,27 +676,18 @@ class Trainer:
             self.jsonl.close()
 
 
-def start_budget(cfg: Config, args: RunArgs, env: DistEnv, log):
-    """Refuse to start when the budget is spent (every rank reads the ledger); rank 0 hosts the watcher
-    thread unless a sidecar watches. Returns the watcher handle or None."""
+def start_budget(cfg: Config, args: RunArgs, env: DistEnv):
+    """Raise BudgetExhausted when the ledger says the cap is spent (every rank reads it, so all agree);
+    else rank 0 hosts the watcher thread unless a sidecar watches. Returns the watcher handle or None."""
     if not cfg.budget.cap_usd:
         return None
-    from app.budget import BudgetExhausted, check_not_exhausted, start_in_process
+    from app.budget import check_not_exhausted, start_in_process
 
     run_dir = Path(args.out)
-    try:
-        check_not_exhausted(cfg.budget, run_dir)
-        if env.is_rank0 and cfg.budget.in_process:
-            return start_in_process(
-                cfg.budget, run_dir, args.stop_file or run_dir / "stop.json", env.world_size
-            )
-    except BudgetExhausted as e:
-        raise _BudgetSpent(str(e)) from None
+    check_not_exhausted(cfg.budget, run_dir)
+    if env.is_rank0 and cfg.budget.in_process:
+        return start_in_process(cfg.budget, run_dir, args.stop_file or run_dir / "stop.json", env.world_size)
     return None
-
-
-class _BudgetSpent(Exception):
-    pass
 
 
 def train(cfg: Config, args: RunArgs) -> int:
@@ -692,12 +696,20 @@ def train(cfg: Config, args: RunArgs) -> int:
     budget = None
     try:
         device = pick_device(cfg, env.local_rank)
-        try:
-            budget = start_budget(cfg, args, env, print)
-        except _BudgetSpent as e:
-            if env.is_rank0:
-                print(f"budget already spent, nothing to do: {e}", flush=True)
-            return 0
+        if cfg.budget.cap_usd:
+            from app.budget import BudgetExhausted
+
+            try:
+                budget = start_budget(cfg, args, env)
+            except BudgetExhausted as e:
+                if env.is_rank0:
+                    print(f"budget already spent, nothing to do: {e}", flush=True)
+                    Path(args.out).mkdir(parents=True, exist_ok=True)  # tell a sidecar watcher we are done
+                    ckpt.write_json_atomic(Path(args.out) / "status.json", {
+                        "step": 0, "tokens": 0, "step_seconds": 0.0, "checkpoint_seconds": 0.0,
+                        "last_checkpoint_step": 0, "state": "done", "pid": os.getpid(), "updated_unix": time.time(),
+                    })
+                return 0
         trainer = Trainer(cfg, args, env, device)
         trainer.setup()
         return trainer.run()

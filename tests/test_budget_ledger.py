@@ -156,3 +156,9 @@ def test_a_restarted_sidecar_repeats_the_stop_on_a_fresh_stop_volume(tmp_path):
     (tmp_path / "stop.json").unlink()  # a new pod: emptyDir is empty
     watcher(tmp_path, c, T + 100).close(T + 101)
     assert json.loads((tmp_path / "stop.json").read_text())["mode"] == "graceful"
+
+
+def test_an_unwritable_run_dir_is_a_user_error(tmp_path):
+    (tmp_path / "file").write_text("not a dir")
+    with pytest.raises(UserError, match="cannot create"):
+        watcher(tmp_path / "file" / "run", cfg(), T)

@@ -168,12 +168,17 @@ class LedgerLock:
     def acquire(self) -> None:
         import fcntl
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UserError(
+                f"cannot create {self.path}: {e.strerror}; the run dir must be writable"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 os.close(fd)
                 holder = ""
                 with contextlib.suppress(OSError):

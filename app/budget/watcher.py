@@ -101,6 +101,13 @@ class Watcher:
             self._lock.acquire()
         try:
             self.ledger = self._open_session(load_ledger(self.ledger_path), now)
+            save_ledger(self.ledger_path, self.ledger)
+        except OSError as e:
+            if self._lock:
+                self._lock.release()
+            raise UserError(
+                f"cannot write the budget ledger {self.ledger_path}: {e.strerror}; check the volume"
+            ) from None
         except BaseException:
             if self._lock:
                 self._lock.release()
@@ -120,7 +127,6 @@ class Watcher:
         self._closed = False
         self.fallbacks = 0
         self.view: View | None = None
-        save_ledger(self.ledger_path, self.ledger)
         if self.ledger.stop:  # a new pod has a new (empty) stop-file volume: say it again
             write_stop_file(self.stop_file, self.ledger.stop.mode, self.ledger.stop.reason, now)
 

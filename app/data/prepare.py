@@ -588,28 +588,25 @@ class _SplitWriter:
 
 
 def _tasks(inp: _Input, plan: _Plan, period: int, on_file_done) -> Iterator[tuple[tuple, list[str]]]:
-    """Worker tasks: (meta, texts) with only the documents not already in kept shards."""
+    """Worker tasks of about _TASK_CHARS of text: (meta, texts), with only the documents that are not
+    already in kept shards. meta = (document indices, input bytes consumed)."""
     rv, rt = plan.resume["val"][0], plan.resume["train"][0]
     buf: list[str] = []
-    idx: list[np.ndarray] = []
+    idx: list[int] = []
     chars = 0
-    done = 0
     for g, texts, done in inp.batches(plan.start_file, plan.first_doc, on_file_done):
-        if texts:
-            g_idx = np.arange(g, g + len(texts), dtype=np.int64)
-            val = g_idx % period == period - 1
-            need = np.where(val, g_idx >= rv, g_idx >= rt)
-            if not need.all():
-                texts = [t for t, k in zip(texts, need, strict=True) if k]
-                g_idx = g_idx[need]
-            buf.extend(texts)
-            idx.append(g_idx)
-            chars += sum(map(len, texts))
-        if chars >= _TASK_CHARS or (buf and not texts):
-            yield (np.concatenate(idx), done), buf
-            buf, idx, chars = [], [], 0
+        for i, text in enumerate(texts):
+            gi = g + i
+            if gi < (rv if gi % period == period - 1 else rt):
+                continue  # already in a kept shard
+            buf.append(text)
+            idx.append(gi)
+            chars += len(text)
+            if chars >= _TASK_CHARS:
+                yield (np.array(idx, dtype=np.int64), done), buf
+                buf, idx, chars = [], [], 0
     if buf:
-        yield (np.concatenate(idx), done), buf
+        yield (np.array(idx, dtype=np.int64), inp.total_bytes), buf
 
 
 class _Progress:
@@ -727,7 +724,14 @@ def _run(cfg: PrepareConfig, out: Path, inp: _Input, log: Log, t0: float) -> Pre
     tok = _tokenizer(cfg, out, state, inp, log)
     dtype = _check_dtype(tok.vocab_size, cfg.dtype)
     if state is not None and state.tokenizer_sha256 != tok.sha256():
-        log(f"the tokenizer changed since {out} was last written; starting over")
+        if not cfg.trains_tokenizer:
+            raise UserError(
+                f"{out} was prepared with a different tokenizer (sha256 {state.tokenizer_sha256[:12]}); "
+                f"use another --out or delete {out}"
+            )
+        log(
+            f"the saved tokenizer of {out} is gone or damaged and training gave a different one; starting over"
+        )
         state = None
     plan = _plan(state, files, cfg, out, dtype, log)
     sources = [f.label for f in files]

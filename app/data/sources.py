@@ -13,9 +13,10 @@ import hashlib
 import io
 import itertools
 import json
+import threading
 import zlib
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,35 +145,42 @@ def resolve_inputs(
 
 
 class Fetcher:
-    """Local paths of the input files, downloading hub files ahead of use so tokenizing does not wait."""
+    """Local paths of the input files, downloading hub files ahead of use so tokenizing does not wait.
+
+    Downloads run in daemon threads: an error or Ctrl-C never waits for a prefetch to finish (the
+    download cache resumes it next time).
+    """
 
     def __init__(
         self, files: list[SourceFile], download: Callable[[SourceFile], Path], ahead: int = 1
     ) -> None:
         self.files, self.download, self.ahead = files, download, ahead
-        self._pool: ThreadPoolExecutor | None = None
         self._futures: dict[int, Future] = {}
 
     def _submit(self, i: int) -> None:
-        if i < len(self.files) and i not in self._futures and not self.files[i].local_path:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=self.ahead + 1, thread_name_prefix="prefetch")
-            self._futures[i] = self._pool.submit(self.download, self.files[i])
+        if i >= len(self.files) or i in self._futures or self.files[i].local_path:
+            return
+        fut: Future = Future()
+        f = self.files[i]
+
+        def work() -> None:
+            try:
+                fut.set_result(self.download(f))
+            except BaseException as e:  # handed to the caller of path()
+                fut.set_exception(e)
+
+        threading.Thread(target=work, name=f"prefetch-{i}", daemon=True).start()
+        self._futures[i] = fut
 
     def path(self, i: int) -> Path:
-        f = self.files[i]
         for j in range(i, i + self.ahead + 1):
             self._submit(j)
-        if f.local_path:
-            return Path(f.local_path)
+        if self.files[i].local_path:
+            return Path(self.files[i].local_path)
         return self._futures.pop(i).result()
 
     def close(self) -> None:
-        if self._pool is not None:
-            for fut in self._futures.values():
-                fut.cancel()
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        self._futures.clear()
 
 
 # ---- readers -------------------------------------------------------------------------------------

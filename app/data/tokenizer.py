@@ -23,6 +23,7 @@ EOT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
 MIN_BPE_VOCAB = 257  # 256 byte symbols + the boundary token
 _CHAR_KEY = "pretrain_char_vocab"
+_ENCODE_SLICE = 128
 
 
 @dataclass
@@ -52,17 +53,27 @@ class Tokenizer:
         return self.encode_batch(texts)
 
     def encode_docs(self, texts: list[str], dtype: np.dtype) -> EncodedDocs:
-        """Documents -> one flat array with the boundary token after each (the shard layout)."""
-        ids = self._data_ids(texts)
-        lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
-        out = np.empty(int(lengths.sum()), dtype=dtype)
-        pos = 0
-        for x in ids:
-            out[pos : pos + len(x)] = x
-            pos += len(x)
-            out[pos] = self.eot_id
-            pos += 1
-        return EncodedDocs(out, lengths, _utf8_lengths(texts))
+        """Documents -> one flat array with the boundary token after each (the shard layout).
+
+        Encodes in slices of _ENCODE_SLICE documents: HF `Encoding` objects cost ~100 bytes per token,
+        so this bounds memory whatever the batch size.
+        """
+        tokens, lengths = [], []
+        for i in range(0, len(texts), _ENCODE_SLICE):
+            ids = self._data_ids(texts[i : i + _ENCODE_SLICE])
+            n = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
+            out = np.empty(int(n.sum()), dtype=dtype)
+            pos = 0
+            for x in ids:
+                out[pos : pos + len(x)] = x
+                pos += len(x)
+                out[pos] = self.eot_id
+                pos += 1
+            tokens.append(out)
+            lengths.append(n)
+        if not tokens:
+            return EncodedDocs(np.zeros(0, dtype), np.zeros(0, np.int64), np.zeros(0, np.int64))
+        return EncodedDocs(np.concatenate(tokens), np.concatenate(lengths), _utf8_lengths(texts))
 
     def decode(self, ids: list[int]) -> str:
         raise NotImplementedError

@@ -1,0 +1,317 @@
+"""Memory per GPU before anything is allocated: weights, gradients, optimizer state and activations
+for DDP and for FSDP at a world size, and the `train.parallel=auto` decision built on it.
+
+The counts follow this repo's model and trainer exactly (app/model.py, AdamW, fp32 master weights):
+
+    weights      fp32 master weights                      DDP 4P      FSDP 4P/N
+    grads        fp32 gradients (DDP grads are bucket views) DDP 4P    FSDP 4P/N
+    optimizer    AdamW exp_avg + exp_avg_sq, fp32          DDP 8P      FSDP 8P/N
+    activations  tensors autograd keeps for backward at the configured micro-batch and sequence length,
+                 counted op by op (below); with activation checkpointing only each block's input, plus
+                 the larger of the read-out and one block being recomputed
+    buffers      transient: DDP under bf16 autocast keeps bf16 copies of the matmul weights; FSDP keeps
+                 unsharded parameters of the root and of the blocks in flight (current + prefetched) and
+                 one block's unsharded gradients; both hold the logits' gradients at the start of backward
+    overhead     CUDA context, NCCL and allocator slack (a fixed allowance on CUDA, 0 on CPU)
+
+Activations per token of one block (d = d_model, kv = KV width, f = SwiGLU width, h = heads; a = bytes
+of matmul inputs/outputs: 2 under bf16 autocast, 4 in fp32; the residual stream and RMSNorm stay fp32):
+
+    attention  block input 4d, normalized 4d, linear inputs (4d once in fp32; 3 bf16 casts 3*2d under
+               autocast), rotated q a*d and k a*kv, v a*kv, SDPA output a*d and logsumexp 4h (flash
+               kernels save no T x T matrix), the re-laid-out output a*d
+    MLP        input 4d, normalized 4d, linear inputs (4d, or 2 casts 2*2d), gate/up/silu/product 4*a*f
+
+The read-out adds the final norm, the logits (held by the output) and the fp32 log-softmax (4V), and the
+int64 inputs and targets. tests/test_memory.py checks all of it against torch's own allocation tracker
+on CPU; docs/parallel.md compares it with the seed's table.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+from app.config import Config, ModelConfig
+
+GB = 1e9
+GIB = 1 << 30
+HEADROOM = 0.9  # auto: DDP must fit in this share of the device memory
+CUDA_OVERHEAD = 3 * GIB  # CUDA context (~0.5-1 GiB), NCCL buffers (~1 GiB), allocator fragmentation
+
+# Device memory by GPU type (keys of app.budget.pricing), for planning on a machine without the GPU.
+GPU_MEMORY_GB = {
+    "a100-40gb": 40,
+    "a100-80gb": 80,
+    "h100-pcie": 80,
+    "h100-sxm": 80,
+    "h200": 141,
+    "b200": 180,
+    "l40s": 48,
+}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU (per process) of one parallel mode at one world size."""
+
+    mode: str  # ddp | fsdp
+    world_size: int
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    overhead: int
+
+    @property
+    def static(self) -> int:
+        """What stays allocated between steps: weights, gradients, optimizer state."""
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.static + self.activations + self.buffers + self.overhead
+
+    def describe(self) -> str:
+        unit, div = ("GB", GB) if self.total >= GB else ("MB", 1e6)
+        parts = ", ".join(
+            f"{f.name} {getattr(self, f.name) / div:.2f}"
+            for f in fields(self)
+            if f.name not in ("mode", "world_size")
+        )
+        return (
+            f"{self.mode.upper()} x{self.world_size}: {self.total / div:.1f} {unit} per GPU ({parts} {unit})"
+        )
+
+
+@dataclass(frozen=True)
+class ParamSplit:
+    """Distinct parameters: total, the largest block, the rest (embedding, final norm, head)."""
+
+    total: int
+    block: int
+    root: int
+    linear: int  # parameters of nn.Linear layers (the ones autocast copies to bf16)
+
+
+def param_split(m: ModelConfig) -> ParamSplit:
+    d, kv, f = m.d_model, m.kv_heads * (m.d_model // m.n_head), m.ffn_dim
+    block_linear = d * d * 2 + 2 * d * kv + 3 * d * f  # wq, wo, wk, wv, w_gate, w_up, w_down
+    block = block_linear + 2 * d  # two RMSNorm gains
+    emb = m.vocab_size * d
+    head = 0 if m.tie_embeddings else m.vocab_size * d
+    root = emb + head + d
+    linear = m.n_blocks * block_linear + m.vocab_size * d  # the head's matmul weight, tied or not
+    return ParamSplit(m.n_blocks * block + root, block, root, linear)
+
+
+def block_activation_bytes(m: ModelConfig, autocast: bool) -> int:
+    """Bytes autograd saves per token for one pass through one block (see the module docstring)."""
+    d, kv, f, h = m.d_model, m.kv_heads * (m.d_model // m.n_head), m.ffn_dim, m.n_head
+    a = 2 if autocast else 4
+    attn_in = 3 * 2 * d if autocast else 4 * d
+    mlp_in = 2 * 2 * d if autocast else 4 * d
+    attention = 4 * d + 4 * d + attn_in + a * d + a * kv + a * kv + a * d + 4 * h + a * d
+    mlp = 4 * d + 4 * d + mlp_in + 4 * a * f
+    return attention + mlp
+
+
+def readout_activation_bytes(m: ModelConfig, autocast: bool) -> int:
+    """Final norm, logits (kept by the output) and the fp32 log-softmax, per token."""
+    d, v = m.d_model, m.vocab_size
+    a = 2 if autocast else 4
+    norm = 4 * d + 4 * d + (2 * d if autocast else 4 * d)
+    return norm + a * v + 4 * v
+
+
+def activation_bytes(m: ModelConfig, micro_batch: int, autocast: bool, checkpointing: bool) -> int:
+    """Peak saved activations of one micro-batch (forward done, backward about to start)."""
+    tokens = micro_batch * m.seq_len
+    lp = m.loop
+    readouts = (lp.recurrence if lp.deep_supervision else 1) if m.looped else 1
+    coda = lp.coda if m.looped else 0
+    blocks_run = m.effective_depth + (readouts - 1) * coda
+    per_block = block_activation_bytes(m, autocast)
+    readout = readouts * readout_activation_bytes(m, autocast)
+    if checkpointing:
+        # each block keeps only its fp32 input; the peak is either the end of forward (the read-out's
+        # tensors) or the recompute of one block in backward (the read-out's are freed by then)
+        live = blocks_run * 4 * m.d_model + max(readout, per_block)
+    else:
+        live = blocks_run * per_block + readout
+    return tokens * (live + 16)  # + the int64 inputs and targets
+
+
+def estimate(
+    m: ModelConfig,
+    micro_batch: int,
+    mode: str,
+    world_size: int,
+    *,
+    checkpointing: bool = False,
+    cuda: bool = True,
+    bf16: bool = True,
+) -> MemoryEstimate:
+    """Bytes per GPU. `bf16` means bf16 autocast (DDP) / bf16 parameters (FSDP mixed precision), which the
+    trainer uses on CUDA only; on CPU everything is fp32."""
+    mixed = cuda and bf16
+    n = max(1, world_size)
+    ps = param_split(m)
+    P = ps.total
+    act = activation_bytes(m, micro_batch, mixed, checkpointing)
+    logit_grads = micro_batch * m.seq_len * m.vocab_size * 4 * 2  # d(log-softmax), d(logits)
+    if mode == "fsdp" and n > 1:
+        pb = 2 if mixed else 4  # unsharded parameter dtype
+        shard = -(-P // n)
+        # root params stay unsharded from forward to backward; two blocks in flight (current + prefetch);
+        # one block's unsharded gradients in param dtype plus fp32 for the reduce-scatter
+        buffers = pb * ps.root + 2 * pb * ps.block + (pb + 4) * ps.block + logit_grads
+        return MemoryEstimate(
+            "fsdp",
+            n,
+            4 * shard,
+            4 * shard,
+            8 * shard,
+            act,
+            buffers,
+            CUDA_OVERHEAD if cuda else 0,
+        )
+    buffers = (2 * ps.linear if mixed else 0) + logit_grads  # autocast's bf16 weight copies
+    return MemoryEstimate("ddp", n, 4 * P, 4 * P, 8 * P, act, buffers, CUDA_OVERHEAD if cuda else 0)
+
+
+def estimates(cfg: Config, world_size: int, cuda: bool) -> dict[str, MemoryEstimate]:
+    """Both modes for a resolved config (model.vocab_size must be set)."""
+    bf16 = cfg.train.dtype in ("auto", "bf16")
+    return {
+        mode: estimate(
+            cfg.model,
+            cfg.train.micro_batch_size,
+            mode,
+            world_size,
+            checkpointing=cfg.train.activation_checkpointing,
+            cuda=cuda,
+            bf16=bf16,
+        )
+        for mode in ("ddp", "fsdp")
+    }
+
+
+def device_memory_bytes(cfg: Config, device=None) -> tuple[int | None, str]:
+    """(bytes of one device, where that number came from) or (None, why unknown)."""
+    if cfg.train.device_memory_gb > 0:
+        return int(cfg.train.device_memory_gb * GB), "train.device_memory_gb"
+    if device is not None and getattr(device, "type", device) == "cuda":
+        import torch
+
+        _, total = torch.cuda.mem_get_info(device)
+        return int(total), f"CUDA device {torch.cuda.get_device_name(device)}"
+    from app.budget.pricing import normalize
+
+    for key in (cfg.metrics.gpu_type, cfg.budget.gpu_type):
+        if key and normalize(key) in GPU_MEMORY_GB:
+            return int(GPU_MEMORY_GB[normalize(key)] * GB), f"GPU type {normalize(key)}"
+    return None, "unknown (no CUDA device; set train.device_memory_gb to plan for one)"
+
+
+@dataclass(frozen=True)
+class ParallelChoice:
+    mode: str  # ddp | fsdp: what the trainer will run
+    reason: str  # one line
+    ddp: MemoryEstimate
+    fsdp: MemoryEstimate
+    device_bytes: int | None
+
+
+def choose(
+    requested: str, ddp: MemoryEstimate, fsdp: MemoryEstimate, device_bytes: int | None, world_size: int
+) -> tuple[str, str]:
+    """`auto` -> FSDP exactly when DDP does not fit the device (with 10% headroom) and there is more than
+    one rank to shard over; an explicit ddp/fsdp is kept."""
+    if requested in ("ddp", "fsdp"):
+        return requested, f"train.parallel={requested}"
+    if world_size <= 1:
+        return "ddp", "one process: nothing to shard"
+    if device_bytes is None:
+        return "ddp", "device memory unknown: assuming DDP fits (set train.device_memory_gb to plan)"
+    usable = device_bytes * HEADROOM
+    have = f"{usable / GB:.1f} GB usable of {device_bytes / GB:.1f} GB"
+    if ddp.total <= usable:
+        return "ddp", f"DDP fits: {ddp.total / GB:.1f} GB per GPU, {have}"
+    fits = (
+        ""
+        if fsdp.total <= usable
+        else " (FSDP does not fit either: lower micro_batch_size, enable activation_checkpointing or add GPUs)"
+    )
+    return (
+        "fsdp",
+        f"DDP needs {ddp.total / GB:.1f} GB per GPU, {have}; FSDP needs {fsdp.total / GB:.1f} GB{fits}",
+    )
+
+
+def plan(cfg: Config, world_size: int, device=None) -> ParallelChoice:
+    """The estimates for this config and world size, and the mode the trainer runs."""
+    cuda = device is not None and getattr(device, "type", device) == "cuda"
+    est = estimates(cfg, world_size, cuda)
+    dev, _ = device_memory_bytes(cfg, device)
+    mode, reason = choose(cfg.train.parallel, est["ddp"], est["fsdp"], dev, world_size)
+    return ParallelChoice(mode, reason, est["ddp"], est["fsdp"], dev)
+
+
+def planned_world_size(cfg: Config) -> int:
+    """For --print-config: WORLD_SIZE when launched by torchrun, else --gpus (budget.gpus), else 1."""
+    env = os.environ.get("WORLD_SIZE")
+    if env and env.isdigit() and int(env) > 0:
+        return int(env)
+    return cfg.budget.gpus or 1
+
+
+def plans_for_cuda(cfg: Config) -> bool:
+    """--print-config plans for GPUs unless the run is on CPU: train.device=cuda, a visible CUDA device,
+    or a GPU count / type / memory given on the command line."""
+    t = cfg.train
+    if t.device != "auto":
+        return t.device == "cuda"
+    import torch
+
+    return bool(
+        torch.cuda.is_available()
+        or cfg.budget.gpus
+        or cfg.budget.gpu_type
+        or cfg.metrics.gpu_type
+        or t.device_memory_gb > 0
+    )
+
+
+def print_lines(cfg: Config, world_size: int) -> list[str]:
+    """What `pretrain train --print-config` shows (as YAML comments)."""
+    import torch
+
+    cuda = plans_for_cuda(cfg)
+    est = estimates(cfg, world_size, cuda)
+    probe = torch.device("cuda", 0) if cuda and torch.cuda.is_available() else None
+    dev, source = device_memory_bytes(cfg, probe)
+    mode, reason = choose(cfg.train.parallel, est["ddp"], est["fsdp"], dev, world_size)
+    where = ("CUDA, bf16" if cfg.train.dtype in ("auto", "bf16") else "CUDA, fp32") if cuda else "CPU, fp32"
+    ac = "on" if cfg.train.activation_checkpointing else "off"
+    lines = [
+        f"# memory per GPU at world size {world_size} ({where}; micro-batch {cfg.train.micro_batch_size} x "
+        f"seq {cfg.model.seq_len}; activation checkpointing {ac}; GB = 1e9 bytes):",
+        f"#   {est['ddp'].describe()}",
+    ]
+    if world_size > 1:
+        lines.append(f"#   {est['fsdp'].describe()}")
+    lines.append(
+        f"#   device memory: {dev / GB:.1f} GB ({source})" if dev else f"#   device memory: {source}"
+    )
+    lines.append(f"#   train.parallel={cfg.train.parallel} -> {mode}: {reason}")
+    if dev is None and cuda and cfg.train.parallel == "auto" and world_size > 1:
+        typical = 80 * GB
+        alt, why = choose("auto", est["ddp"], est["fsdp"], int(typical), world_size)
+        lines.append(f"#   on 80 GB GPUs auto would pick {alt}: {why}")
+    if world_size == 1:
+        lines.append(
+            "#   (pass --gpus N, or run under torchrun, to plan for N GPUs; FSDP needs more than one)"
+        )
+    return lines

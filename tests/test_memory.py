@@ -1,0 +1,178 @@
+"""The memory estimate against torch's own allocation tracker on CPU, against the seed's table, and the
+`train.parallel=auto` decision built on it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from app import memory
+from app.cli import main as cli_main
+from app.config import ModelConfig, OptimConfig, load_config
+from app.model import build_model, count_parameters
+from app.optim import build_optimizer
+
+GB = memory.GB
+
+
+def measure(cfg: ModelConfig, micro_batch: int, checkpointing: bool) -> dict:
+    """Peak bytes by kind over two training steps (the second has optimizer state), from MemTracker,
+    which follows every tensor storage through torch's dispatcher."""
+    mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    if checkpointing:
+        from app.parallel import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model)
+    opt = build_optimizer(model, OptimConfig(), torch.device("cpu"))
+    x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len))
+    y = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len))
+    mt = mem_tracker.MemTracker()
+    mt.track_external(model, opt, x, y)
+    with mt:
+        for _ in range(2):
+            mt.reset_mod_stats()
+            out = model(x, y)
+            out.loss.backward()
+            del out
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    peak = {
+        str(k.value) if hasattr(k, "value") else k: v
+        for k, v in mt.get_tracker_snapshot("peak")[torch.device("cpu")].items()
+    }
+    model(x, y).loss.backward()
+    peak["grads"] = sum(p.grad.nbytes for p in model.parameters())
+    return peak
+
+
+@pytest.mark.parametrize(
+    "checkpointing,tie", [(False, False), (True, True)], ids=["plain-untied", "checkpointed-tied"]
+)
+def test_estimate_is_within_15_percent_of_measured_cpu_allocations(checkpointing, tie):
+    cfg = ModelConfig(
+        vocab_size=512, seq_len=128, n_layer=3, d_model=128, n_head=4, n_kv_head=2, tie_embeddings=tie
+    )
+    mb = 8
+    m = measure(cfg, mb, checkpointing)
+    e = memory.estimate(cfg, mb, "ddp", 1, checkpointing=checkpointing, cuda=False)
+    print(f"\nmeasured {m}\nestimate {e.describe()}")
+    assert e.weights == m["Parameter"] == 4 * count_parameters(cfg).total
+    assert e.grads == m["grads"]
+    assert math.isclose(e.optimizer, m["Optstate"], rel_tol=0.01)  # + AdamW's step counters
+    assert math.isclose(e.activations, m["Activation"], rel_tol=0.15)
+    assert math.isclose(e.total, m["Total"], rel_tol=0.15)
+
+
+def test_fsdp_shards_the_static_memory_and_not_the_activations():
+    cfg = load_config("x1-50m").model
+    P = count_parameters(cfg).total
+    ddp = memory.estimate(cfg, 8, "ddp", 8, cuda=True)
+    fsdp = memory.estimate(cfg, 8, "fsdp", 8, cuda=True)
+    assert ddp.static == 16 * P
+    assert fsdp.weights == 4 * math.ceil(P / 8) and fsdp.static == 16 * math.ceil(P / 8)
+    assert fsdp.activations == ddp.activations
+    ac = memory.estimate(cfg, 8, "fsdp", 8, checkpointing=True, cuda=True)
+    assert ac.activations < fsdp.activations  # x1-50m: the 50257-token logits dominate either way
+    one = memory.estimate(cfg, 8, "fsdp", 1, cuda=True)  # nothing to shard: trains unsharded
+    assert one.static == ddp.static
+
+
+SEED_TABLE_GB = {48: 60, 64: 75, 80: 95}  # char-level family, micro-batch 4, seq 2048, 8 GPUs
+
+
+def test_seed_table_plausibility(capsys):
+    """The seed's per-GPU figures against this estimate. The seed calls its depth-64 model 4.3B; the
+    char-d64 preset (d4096, as the issue specifies) is 12.9B. A 4.3B reading (d2368) under FSDP without
+    activation checkpointing lands within 15% of every row; the 12.9B preset needs activation
+    checkpointing to fit 80 GB, and then sits at about half the seed's figures. docs/parallel.md."""
+    rows = []
+    for depth, seed_gb in SEED_TABLE_GB.items():
+        preset = load_config("char-d64", overrides=[f"model.n_layer={depth}"])
+        assert preset.train.activation_checkpointing and preset.train.micro_batch_size == 4
+        fsdp_ac = memory.estimates(preset, 8, cuda=True)["fsdp"]
+        ddp = memory.estimates(preset, 8, cuda=True)["ddp"]
+        preset.train.activation_checkpointing = False
+        fsdp_full = memory.estimates(preset, 8, cuda=True)["fsdp"]
+        small = load_config("char-d64", overrides=[f"model.n_layer={depth}", "model.d_model=2368"])
+        small.train.activation_checkpointing = False
+        seedlike = memory.estimates(small, 8, cuda=True)["fsdp"]
+        rows.append((depth, seed_gb, seedlike, fsdp_ac, fsdp_full, ddp))
+
+        assert math.isclose(seedlike.total / GB, seed_gb, rel_tol=0.15), (depth, seedlike.describe())
+        assert 0.4 * seed_gb < fsdp_ac.total / GB < 0.9 * 80  # fits an 80 GB GPU with headroom
+        assert fsdp_full.total / GB > 80 and ddp.total / GB > 80  # why the preset shards and checkpoints
+        if depth == 64:
+            assert 4.2e9 < count_parameters(small.model).total < 4.4e9
+    with capsys.disabled():
+        print("\ndepth  seed GB | 4.3B-like FSDP | preset FSDP+AC | preset FSDP | preset DDP  (GB per GPU)")
+        for depth, seed_gb, s, a, f, d in rows:
+            print(
+                f"{depth:5d}  {seed_gb:7d} | {s.total / GB:14.1f} | {a.total / GB:14.1f} | "
+                f"{f.total / GB:11.1f} | {d.total / GB:10.1f}"
+            )
+
+
+def _cfg(preset: str, *overrides: str):
+    cfg = load_config(preset, overrides=list(overrides))
+    cfg.model.vocab_size = cfg.model.vocab_size or 2048
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "preset,world,device_gb,want",
+    [
+        ("char-d64", 8, 80, "fsdp"),  # 12.9B: DDP needs ~250 GB per GPU
+        ("char-d64", 8, 1000, "ddp"),  # a device big enough for DDP keeps DDP
+        ("char-d64", 1, 80, "ddp"),  # one process: nothing to shard
+        ("x1-50m", 8, 80, "ddp"),  # small models stay on DDP
+        ("x1-50m", 2, 2, "fsdp"),  # ... unless the device is tiny
+        ("char-d64", 8, 0, "ddp"),  # CPU / unknown device: assume DDP fits
+    ],
+)
+def test_auto_picks_each_mode_where_it_should(preset, world, device_gb, want):
+    cfg = _cfg(preset, "train.parallel=auto", f"train.device_memory_gb={device_gb}")
+    choice = memory.plan(cfg, world, torch.device("cpu"))
+    assert choice.mode == want, choice.reason
+    assert choice.device_bytes == (int(device_gb * GB) if device_gb else None)
+
+
+def test_explicit_modes_are_kept_and_gpu_types_give_the_memory():
+    cfg = _cfg("char-d64", "train.parallel=ddp", "budget.gpu_type=h100-sxm")
+    assert memory.device_memory_bytes(cfg)[0] == 80 * GB
+    assert memory.plan(cfg, 8).mode == "ddp"
+    cfg.train.parallel = "fsdp"
+    assert memory.plan(cfg, 8).mode == "fsdp"
+    d, f = memory.estimates(cfg, 8, cuda=True).values()
+    mode, reason = memory.choose("auto", d, f, 80 * GB, 8)
+    assert mode == "fsdp" and "DDP needs" in reason
+
+
+def test_print_config_shows_the_estimate_at_the_planned_world_size(capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert (
+        cli_main(
+            [
+                "train",
+                "--preset",
+                "char-d64",
+                "--gpus",
+                "8",
+                "--set",
+                "budget.gpu_type=h100-sxm",
+                "--print-config",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "# memory per GPU at world size 8 (CUDA, bf16; micro-batch 4 x seq 2048" in out
+    assert "#   FSDP x8: " in out and "#   DDP x8: " in out
+    assert "train.parallel=auto -> fsdp" in out
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert cli_main(["train", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "world size 4 (CPU, fp32" in out and "train.parallel=ddp -> ddp" in out
