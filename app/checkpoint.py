@@ -2,8 +2,8 @@
 
     checkpoints/step_000123/
       model.safetensors       weights (tied weights stored once, aliases in meta.json)
-      optimizer.safetensors   optimizer tensors, keyed "<param index>.<state name>"
-      optimizer.json          param groups and non-tensor optimizer state
+      optimizer.safetensors   optimizer tensors, keyed "<i>.<state name>" (i: position in param_keys)
+      optimizer.json          param_keys (parameter names), param groups, non-tensor optimizer state
       trainer_state.json      step, tokens, loader position, schedule, early stopping, best val loss
       rng_rank<R>.json        python / numpy / torch RNG states of rank R
       meta.json               config, versions, step, val loss, sha256 + size of every file above

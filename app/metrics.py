@@ -88,7 +88,9 @@ def read_jsonl(path: Path) -> list[dict]:
 class TrainerMetrics:
     """Prometheus gauges of one trainer process on its own registry and port."""
 
-    def __init__(self, port: int, node: str, serve_global: bool, with_mfu: bool, addr: str = "0.0.0.0") -> None:
+    def __init__(
+        self, port: int, node: str, serve_global: bool, with_mfu: bool, addr: str = "0.0.0.0"
+    ) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Info, start_http_server
 
         self.registry = r = CollectorRegistry()

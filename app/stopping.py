@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-
 PROCESS_START = time.time()  # stop files older than this process are stale
 
 

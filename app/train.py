@@ -22,7 +22,7 @@ from app.data.loader import TrainLoader, val_batches
 from app.data.prepare import Manifest
 from app.errors import ConfigError, UserError
 from app.metrics import JsonlLog, TrainerMetrics, detect_gpu_type, flops_per_token, peak_flops
-from app.model import GPT, build_model, count_parameters
+from app.model import GPT, count_parameters
 from app.optim import build_optimizer, set_lr
 from app.parallel import (
     DistEnv,
@@ -34,7 +34,6 @@ from app.parallel import (
     optimizer_state_dict,
     shutdown_distributed,
     unwrap,
-    wrap_model,
 )
 from app.schedule import DecayPlan, budget_decay_steps, lr_at
 from app.spikes import SpikeDetector, spike_batch
@@ -169,9 +168,6 @@ class Trainer:
         self.parallel = plan_parallel(cfg, env.world_size, self.device)  # resolves train.parallel=auto
         est = self.parallel.fsdp if self.parallel.mode == "fsdp" else self.parallel.ddp
         self.log(f"parallel: {self.parallel.mode} ({self.parallel.reason}); estimate {est.describe()}")
-        if self.parallel.mode == "fsdp" and env.distributed and cfg.train.sample_every:
-            self.log("train.sample_every is off under FSDP (rank 0 cannot sample alone); use `pretrain sample`")
-            cfg.train.sample_every = 0  # TODO(lead): sample on every rank under FSDP instead
         model = build_parallel_model(cfg, env, self.device, self.parallel.mode, self.log)
         self.counts = count_parameters(unwrap(model))
         self.optimizer = build_optimizer(unwrap(model), cfg.optim, self.device)
@@ -215,8 +211,13 @@ class Trainer:
         self.stop_file = stop_file
 
         if cfg.metrics.port and env.is_local_rank0:
-            self.metrics = TrainerMetrics(cfg.metrics.port, env.node, serve_global=self.rank0,
-                                          with_mfu=bool(self.peak), addr=cfg.metrics.addr)
+            self.metrics = TrainerMetrics(
+                cfg.metrics.port,
+                env.node,
+                serve_global=self.rank0,
+                with_mfu=bool(self.peak),
+                addr=cfg.metrics.addr,
+            )
             if self.rank0:
                 self.metrics.tokens.inc(self.state.tokens)  # a counter of the run, across restarts
                 if self.last_saved_step >= 0:
@@ -387,6 +388,7 @@ class Trainer:
         return val, bpb
 
     def sample_text(self, prompt: str = "\n", tokens: int = 64) -> str:
+        """The same seed on every rank, so under FSDP all ranks draw the same tokens in lockstep."""
         from app.data.tokenizer import load_tokenizer
 
         tok = load_tokenizer(self.data_dir)
@@ -473,7 +475,11 @@ class Trainer:
             return 0
         # seconds_to_stop: when the watcher's graceful stop fires (checkpoint and margin already reserved)
         return budget_decay_steps(
-            self.state.step, float(state["seconds_to_stop"]), self.step_seconds_avg, 0.0, cfg.budget.decay_fraction
+            self.state.step,
+            float(state["seconds_to_stop"]),
+            self.step_seconds_avg,
+            0.0,
+            cfg.budget.decay_fraction,
         )
 
     def _write_status(self, state: str) -> None:
@@ -613,8 +619,9 @@ class Trainer:
                     )
             if cfg.train.eval_every and st.step % cfg.train.eval_every == 0:
                 self._eval_and_log()
-            if cfg.train.sample_every and st.step % cfg.train.sample_every == 0 and self.rank0:
-                self.log(f"sample at step {st.step}: {self.sample_text()!r}")
+            if cfg.train.sample_every and st.step % cfg.train.sample_every == 0:
+                text = self.sample_text()  # every rank: FSDP's forward gathers shards from all of them
+                self.log(f"sample at step {st.step}: {text!r}")
             if cfg.checkpoint.every_steps and st.step % cfg.checkpoint.every_steps == 0:
                 self.save("every_steps")
             if self.rank0 and time.monotonic() - self.last_status >= STATUS_EVERY_SECONDS:
@@ -705,10 +712,19 @@ def train(cfg: Config, args: RunArgs) -> int:
                 if env.is_rank0:
                     print(f"budget already spent, nothing to do: {e}", flush=True)
                     Path(args.out).mkdir(parents=True, exist_ok=True)  # tell a sidecar watcher we are done
-                    ckpt.write_json_atomic(Path(args.out) / "status.json", {
-                        "step": 0, "tokens": 0, "step_seconds": 0.0, "checkpoint_seconds": 0.0,
-                        "last_checkpoint_step": 0, "state": "done", "pid": os.getpid(), "updated_unix": time.time(),
-                    })
+                    ckpt.write_json_atomic(
+                        Path(args.out) / "status.json",
+                        {
+                            "step": 0,
+                            "tokens": 0,
+                            "step_seconds": 0.0,
+                            "checkpoint_seconds": 0.0,
+                            "last_checkpoint_step": 0,
+                            "state": "done",
+                            "pid": os.getpid(),
+                            "updated_unix": time.time(),
+                        },
+                    )
                 return 0
         trainer = Trainer(cfg, args, env, device)
         trainer.setup()

@@ -15,7 +15,9 @@ from pathlib import Path
 def main(argv: list[str]) -> int:
     names = argv or sorted(p.stem for p in Path(__file__).parent.glob("bench_*.py"))
     for name in names:
-        module = importlib.import_module(f"benchmarks.{name if name.startswith('bench_') else 'bench_' + name}")
+        module = importlib.import_module(
+            f"benchmarks.{name if name.startswith('bench_') else 'bench_' + name}"
+        )
         print(f"== {name}", flush=True)
         start = time.time()
         for line in module.run():

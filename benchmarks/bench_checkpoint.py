@@ -51,9 +51,27 @@ def plain_write(path: Path, nbytes: int) -> float:
 def sigterm_latency(workdir: Path) -> float:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     run = workdir / f"term-{time.monotonic_ns()}"
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "train", "--out", str(run), "--set",
-                             "train.eval_every=0", "--set", "train.log_every=1", "--set", "metrics.progress=false"],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "train",
+            "--out",
+            str(run),
+            "--set",
+            "train.eval_every=0",
+            "--set",
+            "train.log_every=1",
+            "--set",
+            "metrics.progress=false",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     for line in proc.stdout:
         if line.startswith("step 5/"):
             break

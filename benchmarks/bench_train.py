@@ -34,8 +34,15 @@ def _free_port() -> int:
 
 
 def _config():
-    cfg = load_config("tiny", overrides=["train.eval_every=0", "checkpoint.every_steps=0",
-                                         "checkpoint.every_minutes=0", f"train.max_steps={STEPS}"])
+    cfg = load_config(
+        "tiny",
+        overrides=[
+            "train.eval_every=0",
+            "checkpoint.every_steps=0",
+            "checkpoint.every_minutes=0",
+            f"train.max_steps={STEPS}",
+        ],
+    )
     return cfg
 
 

@@ -50,7 +50,15 @@ def _launch(launcher: Path, code: int, **env: str) -> subprocess.Popen:
         "OMP_NUM_THREADS": "1",
         **env,
     }
-    cmd = [sys.executable, "-m", "app.launch", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0", "child.py"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "app.launch",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "--max-restarts=0",
+        "child.py",
+    ]
     return subprocess.Popen(
         cmd, cwd=launcher, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

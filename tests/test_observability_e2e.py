@@ -24,7 +24,6 @@ import yaml
 from tests.conftest import FAST, REPO, cli_env, train_rows
 from tests.prom_helpers import (
     DASHBOARDS,
-    PENDING_METRICS,
     RULES,
     Prometheus,
     alert_rules,
@@ -126,16 +125,17 @@ def test_dashboards_and_rules_use_only_served_metrics_and_show_them_all():
     served = exported_metric_names()
     on_dashboards = set().union(*(metric_names(e) for _, _, e in dashboard_targets()))
     in_rules = set().union(*(metric_names(r["expr"]) for r in alert_rules()))
-    unknown = {m for m in on_dashboards | in_rules if not m.startswith("DCGM_")} - served - PENDING_METRICS
+    unknown = {m for m in on_dashboards | in_rules if not m.startswith("DCGM_")} - served
     assert not unknown, f"dashboards/rules use metrics no exporter serves: {sorted(unknown)}"
     hidden = served - on_dashboards
     assert not hidden, f"metrics served but on no dashboard: {sorted(hidden)}"
 
 
-def test_docs_list_every_metric_and_alert():
+def test_readme_lists_every_metric_and_docs_every_alert():
+    readme = (REPO / "README.md").read_text()
+    missing = sorted(m for m in exported_metric_names() if f"`{m}`" not in readme)
+    assert not missing, f"README.md's metric tables do not list {missing}"
     text = DOCS.read_text()
-    missing = sorted(m for m in exported_metric_names() | PENDING_METRICS if f"`{m}`" not in text)
-    assert not missing, f"docs/observability.md does not list {missing}"
     alerts = sorted({r["alert"] for r in alert_rules() if r["alert"] not in text})
     assert not alerts, f"docs/observability.md does not describe {alerts}"
 
@@ -243,6 +243,8 @@ def test_every_dashboard_query_returns_data_from_a_real_scrape(tmp_path):
         assert len(targets) == 2 and all(t["health"] == "up" for t in targets), targets
 
         served = _served_names(trainer_port) | _served_names(budget_port)
+        used = {m for _, _, e in dashboard_targets() for m in metric_names(e) if not m.startswith("DCGM_")}
+        assert not used - served, f"dashboards use metrics the live endpoints do not serve: {used - served}"
         failures, checked, excused = [], 0, []
         for name, title, expr in dashboard_targets():
             query = substitute(expr)
@@ -256,8 +258,6 @@ def test_every_dashboard_query_returns_data_from_a_real_scrape(tmp_path):
             used = metric_names(expr)
             if any(m.startswith("DCGM_") for m in used):
                 excused.append(f"{title} (DCGM: no GPU here)")
-            elif used & PENDING_METRICS and not used & PENDING_METRICS & served:
-                excused.append(f"{title} (pending trainer metric {sorted(used & PENDING_METRICS)})")
             else:
                 failures.append(f"{name} / {title}: no data for {query}")
         assert not failures, "\n".join(failures)

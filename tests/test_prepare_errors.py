@@ -1,8 +1,7 @@
 """Bad input to `pretrain prepare`: exit 2, one line on stderr, no traceback, nothing written is lost.
 
-The fast tests run the prepare entry point as its own process (`python -m app.data.cli`, the same
-`run` that `pretrain prepare` calls) several at a time; the slow test sends every case through the
-full `pretrain` CLI (`python -m app.cli prepare`).
+Every case runs the real CLI (`python -m app.cli prepare`, what the `pretrain` script runs) as its own
+process, several at a time.
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ from app.data.shards import read_header
 from app.data.tokenizer import CharTokenizer, train_bpe
 
 ROOT = Path(__file__).resolve().parents[1]
-PREPARE = [sys.executable, "-m", "app.data.cli"]
-PRETRAIN_PREPARE = [sys.executable, "-m", "app.cli", "prepare"]
+PREPARE = [sys.executable, "-m", "app.cli", "prepare"]
 
 
 def docs(seed: int, n: int) -> list[str]:
@@ -192,11 +190,6 @@ def test_bad_inputs_exit_2_with_one_line(bad: dict[str, Path], tmp_path: Path) -
     _run_all(PREPARE, bad, tmp_path)
 
 
-@pytest.mark.slow
-def test_bad_inputs_through_the_pretrain_cli(bad: dict[str, Path], tmp_path: Path) -> None:
-    _run_all(PRETRAIN_PREPARE, bad, tmp_path)
-
-
 def test_locked_output_dir(bad: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
@@ -286,3 +279,25 @@ def test_corrupt_file_midway_keeps_finished_shards(
         p.name: p.read_bytes() for p in fresh.glob("*.bin")
     }
     assert Manifest.load(out).train == Manifest.load(fresh).train
+
+
+def test_error_line_is_exactly_one_line(bad: dict[str, Path], tmp_path: Path) -> None:
+    r = subprocess.run(
+        [
+            *PREPARE,
+            "--input",
+            str(bad["no_column"]),
+            "--out",
+            str(tmp_path / "o"),
+            "--tokenizer",
+            str(bad["tok"]),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines() == [
+        f"error: {bad['no_column']} has no column 'text'; its columns are: id, body, url (choose one with --text-column)"
+    ]

@@ -204,9 +204,7 @@ def _env(hub_url: str, tmp: Path, token: str | None = None) -> dict[str, str]:
     return env
 
 
-# The prepare entry point run as its own process (the same `run` that `pretrain prepare` calls; it
-# starts in well under a second). tests/test_prepare_errors.py runs bad inputs through `pretrain` too.
-PREPARE = [sys.executable, "-m", "app.data.cli"]
+PREPARE = [sys.executable, "-m", "app.cli", "prepare"]  # the real CLI, what the `pretrain` script runs
 
 
 def _run(args: list[str], hub: FakeHub, tmp: Path, token: str | None = None) -> subprocess.CompletedProcess:

@@ -103,7 +103,9 @@ def test_char_tokenizer() -> None:
     assert enc.tokens.tolist() == naive
     assert tok.decode(tok.encode(TEXTS[2])) == TEXTS[2]
     fixed = CharTokenizer("abc ")
-    assert fixed.encode("abz c") == [3, 4, 1, 2, 5] and fixed.vocab_size == 6  # sorted " abc"; z: unknown id 1
+    assert (
+        fixed.encode("abz c") == [3, 4, 1, 2, 5] and fixed.vocab_size == 6
+    )  # sorted " abc"; z: unknown id 1
     assert fixed.encode("😀") == [1]
     assert tokenizer_from_json(fixed.to_json()).encode("cab") == fixed.encode("cab")
     assert train_char(["ignored"], alphabet="xy").chars == "xy"

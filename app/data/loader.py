@@ -117,10 +117,13 @@ class TrainLoader:
 def val_batches(
     data_dir: Path, seq_len: int, micro_batch_size: int, batches: int, rank: int, world_size: int
 ):
-    """The same fixed validation windows at every eval, spread evenly over the split, split by rank."""
+    """The same fixed validation windows at every eval, spread evenly over the split, split by rank.
+
+    Every rank gets the same number of batches (FSDP runs a collective per forward), repeating a
+    window when the split has fewer windows than ranks need."""
     windows = TokenWindows(data_dir, "val", seq_len)
-    total = min(windows.count, batches * micro_batch_size * world_size)
-    chosen = np.linspace(0, windows.count - 1, total).astype(np.int64)
+    per_rank = -(-min(windows.count, batches * micro_batch_size * world_size) // world_size)
+    chosen = np.linspace(0, windows.count - 1, per_rank * world_size).astype(np.int64)
     mine = chosen[rank::world_size]
     for i in range(0, len(mine), micro_batch_size):
         yield windows.batch(mine[i : i + micro_batch_size])

@@ -311,10 +311,30 @@ def _check_dtype(vocab_size: int, dtype: str) -> np.dtype:
 
 
 def default_workers() -> int:
+    """Cores this process may use: CPU affinity, capped by a cgroup CPU quota (a Kubernetes CPU limit)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    return max(1, min(cores, quota)) if quota else cores
+
+
+def _cgroup_cpu_quota() -> int:
+    """ceil(quota / period) from cgroup v2 `cpu.max` or v1 `cpu.cfs_quota_us`; 0 when unlimited or unknown."""
+    import math
+
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        return 0 if quota == "max" else math.ceil(int(quota) / int(period))
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+        period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+        return math.ceil(quota / period) if quota > 0 and period > 0 else 0
+    except (OSError, ValueError):
+        return 0
 
 
 # ---- the document stream ---------------------------------------------------------------------------
