@@ -175,3 +175,27 @@ def test_launcher_turns_sigterm_into_143_after_the_workers_checkpoint(tmp_path):
     assert proc.wait(60) == 143
     ckpt = list_checkpoints(run)[0]
     assert ckpt.name == f"step_{train_rows(run)[-1]['step']:06d}"
+
+
+def test_time_based_checkpoints_and_retention(tmp_path):
+    """checkpoint.every_minutes saves while training (agreed across ranks like a stop), and retention
+    keeps only the newest `keep_last`."""
+    run = tmp_path / "run"
+    proc = pretrain(
+        "train",
+        "--out",
+        str(run),
+        *FAST,
+        "--max-steps",
+        "150",
+        "--set",
+        "checkpoint.every_minutes=0.004",
+        "--set",
+        "checkpoint.keep_last=2",
+        "--set",
+        "checkpoint.keep_best=false",
+    )
+    assert proc.returncode == 0, proc.stderr
+    saves = [r for r in train_rows(run, "checkpoint")]
+    assert sum(r["reason"] == "every_minutes" for r in saves) >= 2, saves
+    assert [p.name for p in list_checkpoints(run)] == ["step_000150", f"step_{saves[-2]['step']:06d}"]
