@@ -2,11 +2,12 @@
 
 1. Tokens/s per core of the prepare pipeline (parquet in, shards out) against raw `tokenizers`
    `encode_batch` over the same documents with the same tokenizer settings, each on one core
-   (TOKENIZERS_PARALLELISM=false), alternating rounds in child processes, best of each; then the
-   pipeline on every core, also as tokens per CPU-second (robust to other load on a shared machine).
-   Goal: >= 90% per core.
-2. Peak RSS of a prepare run (main process and worker processes) on a 1/4-size and a full-size input
-   (default 200 MB of parquet; PRETRAIN_BENCH_MB=40 for a quick run). Goal: flat as the input grows.
+   (TOKENIZERS_PARALLELISM=false), in one child process per round in rotating order, best of each; then
+   `--workers N` on all N cores against raw encode_batch in N concurrent single-core processes over
+   disjoint row groups (the same cores, the same load). Goal: >= 90% per core.
+2. Peak RSS (VmHWM) of a prepare run's main process and largest worker process on a 1/4-size and a
+   full-size input (default 200 MB of text; PRETRAIN_BENCH_MB=40 for a quick run). Goal: flat as the
+   input grows.
 
 The text is the embedded Shakespeare corpus, repeated with a per-copy prefix to reach the size.
 """
@@ -24,38 +25,99 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ROUNDS = 3
 
-_BASELINE = r"""
+_PAIR = r"""
+import json, os, sys, time
+from pathlib import Path
+os.environ["TOKENIZERS_PARALLELISM"] = "false"  # both on one core
+import pyarrow.parquet as pq
+from tokenizers import Tokenizer
+from app.data.prepare import PrepareConfig, prepare
+data, tok_dir, out, order = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+
+def raw(ids):
+    tok = Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json"))
+    tok.encode_special_tokens = True  # as the pipeline encodes document text
+    n = docs = 0
+    spent = 0.0
+    for f in sorted(os.listdir(data)):  # streamed like the pipeline; only the encode calls are timed
+        for rb in pq.ParquetFile(os.path.join(data, f)).iter_batches(batch_size=1024, columns=["text"]):
+            texts = [t for t in rb.column(0).to_pylist() if t]
+            docs += len(texts)
+            for i in range(0, len(texts), 128):
+                t0 = time.perf_counter()
+                enc = tok.encode_batch(texts[i : i + 128], add_special_tokens=False)
+                n += sum(len(e.ids) for e in enc) if ids else sum(len(e) for e in enc)
+                spent += time.perf_counter() - t0
+    return (n + docs) / spent
+
+def pipeline():
+    cfg = PrepareConfig([data], Path(out), tokenizer=tok_dir, workers=1, val_fraction=0.01, progress="none")
+    t0 = time.perf_counter()
+    r = prepare(cfg, log=lambda s: None)
+    return r.new_tokens / (time.perf_counter() - t0)
+
+res = {}
+for name in order.split(","):
+    res[name] = {"raw": lambda: raw(False), "ids": lambda: raw(True), "prepare": pipeline}[name]()
+print(json.dumps(res))
+"""
+
+_RAW_PART = r"""
 import json, os, sys, time
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer
-data, tok_path, batch, ids = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "ids"
-tok = Tokenizer.from_file(tok_path)
-tok.encode_special_tokens = True  # as the pipeline encodes document text (measurably faster than the default)
-texts = [t for f in sorted(os.listdir(data)) for t in pq.read_table(os.path.join(data, f))["text"].to_pylist()]
-t0 = time.perf_counter()
-n = 0
-for i in range(0, len(texts), batch):
-    encodings = tok.encode_batch(texts[i : i + batch], add_special_tokens=False)
-    n += sum(len(e.ids) for e in encodings) if ids else sum(len(e) for e in encodings)
-print(json.dumps({"tokens": n + len(texts), "seconds": time.perf_counter() - t0}))
+data, tok_dir, part, parts = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+tok = Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json"))
+tok.encode_special_tokens = True
+n = docs = k = 0
+spent = 0.0
+for f in sorted(os.listdir(data)):  # row groups part, part + parts, ... of every file
+    pf = pq.ParquetFile(os.path.join(data, f))
+    mine = [g for g in range(pf.num_row_groups) if (k + g) % parts == part]
+    k += pf.num_row_groups
+    for rb in pf.iter_batches(batch_size=1024, columns=["text"], row_groups=mine) if mine else []:
+        texts = [t for t in rb.column(0).to_pylist() if t]
+        docs += len(texts)
+        for i in range(0, len(texts), 128):
+            t0 = time.perf_counter()
+            n += sum(len(e) for e in tok.encode_batch(texts[i : i + 128], add_special_tokens=False))
+            spent += time.perf_counter() - t0
+print(json.dumps({"tokens": n + docs, "seconds": spent}))
 """
 
 _PIPELINE = r"""
-import json, resource, sys, time
+import glob, json, resource, sys, threading, time
 from pathlib import Path
 from app.data.prepare import PrepareConfig, prepare
 data, tok_dir, out, workers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-cfg = PrepareConfig([data], Path(out), tokenizer=tok_dir, workers=workers, val_fraction=0.01, progress="none")
+
+def hwm_mb(pid="self"):
+    # VmHWM starts afresh at exec; ru_maxrss would also count the parent's peak (it survives fork+exec).
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) / 1024
+    except (OSError, StopIteration):
+        return 0.0
+
+workers_hwm = {}
+def watch():
+    while True:
+        for path in glob.glob("/proc/self/task/*/children"):
+            for pid in open(path).read().split():
+                workers_hwm[pid] = max(workers_hwm.get(pid, 0.0), hwm_mb(pid))
+        time.sleep(0.2)
+threading.Thread(target=watch, daemon=True).start()
+
 def cpu():
     a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+cfg = PrepareConfig([data], Path(out), tokenizer=tok_dir, workers=workers, val_fraction=0.01, progress="none")
 t0, c0 = time.perf_counter(), cpu()
 r = prepare(cfg, log=lambda s: None)
 dt = time.perf_counter() - t0
-print(json.dumps({"tokens": r.new_tokens, "seconds": dt, "cpu_seconds": cpu() - c0,
-                  "rss_main_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "rss_workers_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
+print(json.dumps({"tokens": r.new_tokens, "seconds": dt, "cpu_seconds": cpu() - c0, "rss_main_mb": hwm_mb(),
+                  "rss_workers_mb": max(workers_hwm.values(), default=0.0)}))
 """
 
 
@@ -72,6 +134,34 @@ def _child(code: str, *args: str) -> dict:
     if r.returncode != 0:
         raise RuntimeError(f"benchmark child failed: {r.stderr.strip()[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _raw_on_cores(data: Path, tok_dir: Path, cores: int) -> tuple[int, float]:
+    """Raw encode_batch in `cores` concurrent single-core processes over disjoint row groups:
+    (tokens, aggregate tokens/s)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RAW_PART, str(data), str(tok_dir), str(i), str(cores)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(cores)
+    ]
+    results = []
+    for p in procs:
+        out, err = p.communicate()
+        if p.returncode != 0:
+            raise RuntimeError(f"benchmark child failed: {err.strip()[-2000:]}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    # Conservative: all tokens over the slowest process's encode time (a process that finishes early
+    # or is reading leaves its core to the others, which a sum of per-process rates would count twice).
+    return sum(r["tokens"] for r in results), sum(r["tokens"] for r in results) / max(
+        r["seconds"] for r in results
+    )
 
 
 def _make_input(directory: Path, megabytes: float, files: int = 4) -> int:
@@ -117,60 +207,56 @@ def run() -> list[str]:
     from app.data.prepare import default_workers
 
     full_mb = float(os.environ.get("PRETRAIN_BENCH_MB", "200"))
-    tput_mb = min(20.0, full_mb / 4)
+    small_mb = min(20.0, full_mb / 4)
     cores = default_workers()
     tmp = Path(tempfile.mkdtemp(prefix="bench-prepare-"))
     lines: list[str] = []
     try:
         tok_dir = _tokenizer(tmp / "tok")
-        _make_input(tmp / "small", tput_mb)
+        _make_input(tmp / "small", small_mb)
 
-        # 1. Throughput per core, alternating rounds.
+        # 1. One core: raw encode_batch, encode_batch + ids, and the pipeline, in one process per round.
         base, base_ids, pipe = [], [], []
-        for r in range(ROUNDS):  # alternate, each in a fresh process (cold caches for all three)
-            b = _child(_BASELINE, tmp / "small", tok_dir / "tokenizer.json", 128, "raw")
-            base.append(b["tokens"] / b["seconds"])
-            p = _child(_PIPELINE, tmp / "small", tok_dir, tmp / f"out-w1-{r}", 1)
-            pipe.append(p["tokens"] / p["seconds"])
-            assert p["tokens"] == b["tokens"], (p["tokens"], b["tokens"])
-            bi = _child(_BASELINE, tmp / "small", tok_dir / "tokenizer.json", 128, "ids")
-            base_ids.append(bi["tokens"] / bi["seconds"])
+        orders = ["raw,prepare,ids", "prepare,ids,raw", "ids,raw,prepare"]
+        for r in range(ROUNDS):
+            res = _child(_PAIR, tmp / "small", tok_dir, tmp / f"out-w1-{r}", orders[r % len(orders)])
+            base.append(res["raw"])
+            base_ids.append(res["ids"])
+            pipe.append(res["prepare"])
         b1, bi, p1 = max(base), max(base_ids), max(pipe)
         lines.append(
-            f"{tput_mb:.0f} MB parquet, BPE vocab 8192, 1 core: raw encode_batch {_k(b1)} tok/s, "
-            f"encode_batch + ids {_k(bi)} tok/s, prepare --workers 1 {_k(p1)} tok/s"
+            f"1 core, {small_mb:.0f} MB of text, BPE vocab 8192: raw encode_batch {_k(b1)} tok/s, encode_batch + "
+            f".ids {_k(bi)} tok/s, prepare --workers 1 {_k(p1)} tok/s = {100 * p1 / b1:.1f}% of raw (goal >= 90%)"
         )
-        lines.append(
-            f"prepare per core vs raw encode_batch: {100 * p1 / b1:.1f}% (goal >= 90%); "
-            f"vs encode_batch + ids: {100 * p1 / bi:.1f}%"
-        )
-        if cores > 1:
-            pn = _child(_PIPELINE, tmp / "small", tok_dir, tmp / "out-wn", cores)
-            rate, per_cpu = pn["tokens"] / pn["seconds"], pn["tokens"] / pn["cpu_seconds"]
-            lines.append(
-                f"prepare --workers {cores}: {_k(rate)} tok/s wall ({_k(rate / cores)}/core, shared machine), "
-                f"{_k(per_cpu)} tokens per CPU-second incl. main process and worker start-up "
-                f"= {100 * per_cpu / b1:.1f}% of raw encode_batch on one core"
-            )
 
-        # 2. Peak memory as the input grows.
-        rss = {}
-        for name, mb in (("quarter", full_mb / 4), ("full", full_mb)):
-            text = _make_input(tmp / name, mb)
-            r = _child(_PIPELINE, tmp / name, tok_dir, tmp / f"out-{name}", cores)
-            rss[name] = (text, r)
-            shutil.rmtree(tmp / name)
-            shutil.rmtree(tmp / f"out-{name}")
-        (qt, q), (ft, f) = rss["quarter"], rss["full"]
+        # 2. All cores on a quarter-size input (also the first memory figure), then the full size.
+        quarter_text = _make_input(tmp / "quarter", full_mb / 4)
+        raw_n, pipe_n, quarter = [], [], []
+        for r in range(ROUNDS - 1):
+            tokens, rate = _raw_on_cores(tmp / "quarter", tok_dir, cores)
+            raw_n.append(rate)
+            res = _child(_PIPELINE, tmp / "quarter", tok_dir, tmp / f"out-q-{r}", cores)
+            assert res["tokens"] == tokens, (res["tokens"], tokens)
+            pipe_n.append(res["tokens"] / res["seconds"])
+            quarter.append(res)
+            shutil.rmtree(tmp / f"out-q-{r}")
+        bn, pn = max(raw_n), max(pipe_n)
         lines.append(
-            f"peak RSS, {qt / 1e6:.0f} MB input: main {q['rss_main_mb']:.0f} MB, largest worker "
-            f"{q['rss_workers_mb']:.0f} MB; {ft / 1e6:.0f} MB input: main {f['rss_main_mb']:.0f} MB, largest worker "
-            f"{f['rss_workers_mb']:.0f} MB"
+            f"{cores} cores, {quarter_text / 1e6:.0f} MB: raw encode_batch in {cores} processes {_k(bn)} tok/s "
+            f"({_k(bn / cores)}/core), prepare --workers {cores} {_k(pn)} tok/s ({_k(pn / cores)}/core, including "
+            f"reading, writing and worker start-up) = {100 * pn / bn:.1f}% (goal >= 90%)"
         )
+        shutil.rmtree(tmp / "quarter")
+        full_text = _make_input(tmp / "full", full_mb)
+        f = _child(_PIPELINE, tmp / "full", tok_dir, tmp / "out-full", cores)
+        q_main = max(q["rss_main_mb"] for q in quarter)
+        q_work = max(q["rss_workers_mb"] for q in quarter)
         lines.append(
-            f"peak RSS ratio {ft / qt:.1f}x input: main {f['rss_main_mb'] / q['rss_main_mb']:.2f}x, "
-            f"workers {f['rss_workers_mb'] / q['rss_workers_mb']:.2f}x (goal: flat, ~1.0x); "
-            f"{_k(f['tokens'] / f['seconds'])} tok/s on {cores} workers"
+            f"peak RSS: {quarter_text / 1e6:.0f} MB input: main {q_main:.0f} MB, largest worker {q_work:.0f} MB; "
+            f"{full_text / 1e6:.0f} MB input: main {f['rss_main_mb']:.0f} MB, largest worker "
+            f"{f['rss_workers_mb']:.0f} MB; ratio for {full_text / quarter_text:.1f}x the input: main "
+            f"{f['rss_main_mb'] / q_main:.2f}x, worker {f['rss_workers_mb'] / q_work:.2f}x (goal: flat); "
+            f"{_k(f['tokens'] / f['seconds'])} tok/s"
         )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

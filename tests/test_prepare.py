@@ -350,11 +350,7 @@ def test_loader_reads_prepared_dir(corpus: dict, tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.parametrize("kind", ["char", "bpe"])
-def test_embedded_corpus_goes_through_the_pipeline(tmp_path: Path, kind: str) -> None:
-    out = embedded_dataset(
-        kind, vocab_size=2048, val_fraction=0.02, cache_dir=str(tmp_path), log=lambda s: None
-    )
+def check_embedded(out: Path, kind: str) -> None:
     m = Manifest.load(out)
     docs = list(embedded_documents())
     assert m.documents == len(docs) > 1000
@@ -365,13 +361,26 @@ def test_embedded_corpus_goes_through_the_pipeline(tmp_path: Path, kind: str) ->
     val = [d for i, d in enumerate(docs) if is_val_document(i, 0.02)]
     assert stream(out, "val").tolist() == [t for d in val for t in (*tok.encode(d), tok.eot_id)]
     head = [
-        t for d in docs[:40] if not is_val_document(docs.index(d), 0.02) for t in (*tok.encode(d), tok.eot_id)
+        t
+        for i, d in enumerate(docs[:40])
+        if not is_val_document(i, 0.02)
+        for t in (*tok.encode(d), tok.eot_id)
     ]
     assert stream(out, "train")[: len(head)].tolist() == head
     assert sum(s.documents for s in m.train + m.val) == len(docs)
+
+
+def test_embedded_corpus_goes_through_the_pipeline(embedded_data: Path) -> None:
+    """The session's embedded corpus (tests/conftest.py builds it with the trainer's defaults)."""
+    check_embedded(embedded_data, "bpe")
     assert (
-        embedded_dataset(kind, vocab_size=2048, val_fraction=0.02, cache_dir=str(tmp_path)) == out
+        embedded_dataset(cache_dir=str(embedded_data.parent), log=lambda s: None) == embedded_data
     )  # cached
+
+
+def test_embedded_char_corpus(tmp_path: Path) -> None:
+    out = embedded_dataset("char", val_fraction=0.02, cache_dir=str(tmp_path), log=lambda s: None)
+    check_embedded(out, "char")
 
 
 def test_build_dataset_compat(tmp_path: Path, corpus: dict) -> None:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -36,6 +38,7 @@ class FakeHub:
     def __init__(self, repos: dict) -> None:
         self.repos = repos
         self.requests: list[tuple[str, str]] = []
+        self.slow = False
         self.auth_seen: list[str] = []
         hub = self
 
@@ -73,8 +76,20 @@ class FakeHub:
             h.send_header(k, v)
         h.send_header("Content-Length", str(len(body)))
         h.end_headers()
-        if not head:
+        if head:
+            return
+        if not self.slow or len(body) < 21 << 19:
             h.wfile.write(body)
+            return
+        # A link that stalls after 10.5 MB (huggingface_hub writes to disk in 10 MiB chunks), so a
+        # download can be interrupted with part of the file on disk.
+        fast = 21 << 19
+        h.wfile.write(body[:fast])
+        h.wfile.flush()
+        for i in range(fast, len(body), 1 << 16):
+            time.sleep(0.1)
+            h.wfile.write(body[i : i + (1 << 16)])
+            h.wfile.flush()
 
     def _json(self, h, data, headers: dict | None = None, head: bool = False) -> None:
         self._send(
@@ -386,3 +401,59 @@ def test_hub_unreachable_is_one_line(tmp_path: Path) -> None:
     )
     assert r.returncode == 2
     assert "cannot reach the Hub at http://127.0.0.1:9" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_rerun_after_sigkill_mid_download_reuses_finished_downloads(tmp_path: Path) -> None:
+    """SIGKILL while a hub file downloads: the re-run takes finished files from the download cache and
+    fetches only the interrupted one again (huggingface_hub 2.x restarts an interrupted file)."""
+    rng = np.random.default_rng(5)
+    letters = np.array(list("abcdefghij klmnopqrstuvwxyz"))
+    big = ["".join(rng.choice(letters, size=2000)) for _ in range(6000)]
+    pq.write_table(pa.table({"text": big}), tmp_path / "b.parquet", compression="none")
+    files = {
+        "data/a.parquet": _parquet_bytes(_docs(1, 100), tmp_path, "a.parquet"),
+        "data/b.parquet": (tmp_path / "b.parquet").read_bytes(),
+    }
+    assert len(files["data/b.parquet"]) > 11 << 20
+    repos = {"acme/big": {"type": "dataset", "files": files, "access": "public"}}
+    args = [
+        "--input",
+        "hf://datasets/acme/big",
+        "--out",
+        str(tmp_path / "out"),
+        "--tokenizer",
+        "char",
+        "--val-fraction",
+        "0.1",
+    ]
+    with FakeHub(repos) as hub:
+        hub.slow = True
+        proc = subprocess.Popen(
+            [*PREPARE, *args],
+            cwd=ROOT,
+            env=_env(hub.url, tmp_path),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.time() + 60
+            while not [
+                p for p in (tmp_path / "hfcache").rglob("*.incomplete") if p.stat().st_size >= 10 << 20
+            ]:
+                assert proc.poll() is None and time.time() < deadline
+                time.sleep(0.02)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        assert not (tmp_path / "out" / "manifest.json").exists()
+        hub.slow = False
+        r = _run(args, hub, tmp_path)
+        assert r.returncode == 0, r.stderr
+    gets = [p for m, p in hub.requests if m == "GET" and "/resolve/" in p]
+    assert sum(p.endswith("a.parquet") for p in gets) == 1  # cached by the first run
+    assert sum(p.endswith("b.parquet") for p in gets) == 2
+    assert Manifest.load(tmp_path / "out").documents == 6100

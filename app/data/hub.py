@@ -2,8 +2,10 @@
 and fetch a tokenizer.json from a model repo.
 
 The token comes only from the HF_TOKEN environment variable (never a token file, never logged). The
-listing is pinned to one commit, so a re-run downloads the same bytes; huggingface_hub keeps downloads
-in its cache (HF_HUB_CACHE or --cache-dir) and resumes interrupted ones from their `.incomplete` file.
+listing is pinned to one commit, so a re-run reads the same bytes; huggingface_hub keeps finished
+downloads in its cache (HF_HUB_CACHE or --cache-dir), so a re-run after a crash fetches only files it
+had not finished (huggingface_hub 2.x retries a broken transfer with a Range request within the process,
+but restarts a file whose process died).
 """
 
 from __future__ import annotations
@@ -152,7 +154,7 @@ def list_dataset_files(
 
 
 def download(f: SourceFile, cache_dir: str | None = None) -> Path:
-    """Local path of a hub file: from the cache, else downloaded (resuming a partial download)."""
+    """Local path of a hub file: from the download cache, else downloaded into it."""
     from huggingface_hub import hf_hub_download
 
     try:

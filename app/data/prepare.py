@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from app.data.shards import ShardWriter, dtype_for_vocab, remove_stale, shard_name, verify_shard
-from app.data.sources import Fetcher, ReadOptions, SourceFile, read_documents, resolve_inputs
+from app.data.shards import ShardInfo, SplitWriter, dtype_for_vocab, remove_stale, verify_shard
+from app.data.sources import DocumentStream, Fetcher, ReadOptions, SourceFile, read_documents, resolve_inputs
 from app.data.tokenizer import (
     MIN_BPE_VOCAB,
     TOKENIZER_FILE,
@@ -52,19 +52,6 @@ PIPELINE_VERSION = 1  # bump when the same settings would produce different shar
 SPLITS = ("train", "val")
 _TASK_CHARS = 1 << 20  # text per worker task: big enough to amortize IPC, small enough for smooth progress
 Log = Callable[[str], None]
-
-
-@dataclass
-class ShardInfo:
-    file: str
-    tokens: int
-    documents: int  # documents whose last token (the boundary token) is in this shard
-    bytes: int  # UTF-8 bytes of those documents (for bits per byte)
-    sha256: str = ""  # of the token bytes (the file after its 256-byte header)
-    start: list[int] = field(
-        default_factory=lambda: [0, 0]
-    )  # [document index, token offset] of the first token
-    end: list[int] = field(default_factory=lambda: [0, 0])  # the position just after the last token
 
 
 def _from_dict(cls, data: dict):
@@ -340,49 +327,7 @@ def _cgroup_cpu_quota() -> int:
 # ---- the document stream ---------------------------------------------------------------------------
 
 
-class _Input:
-    """The numbered document stream over all input files, read from any file onwards."""
-
-    def __init__(
-        self,
-        files: list[SourceFile],
-        fetcher: Fetcher,
-        opts: ReadOptions,
-        reader: Callable[[Path, SourceFile, ReadOptions], Iterator[tuple[list[str], int]]],
-    ) -> None:
-        self.files, self.fetcher, self.opts, self.reader = files, fetcher, opts, reader
-        self.offsets = np.concatenate([[0], np.cumsum([f.size for f in files])]).astype(np.int64)
-
-    @property
-    def total_bytes(self) -> int:
-        return int(self.offsets[-1])
-
-    def batches(
-        self,
-        start_file: int = 0,
-        first_doc: int = 0,
-        on_file_done: Callable[[int, int, int], None] | None = None,
-    ) -> Iterator[tuple[int, list[str], int]]:
-        """(index of the first document, documents, input bytes consumed so far) from `start_file` on."""
-        g = first_doc
-        for fi in range(start_file, len(self.files)):
-            f = self.files[fi]
-            file_first = g
-            for texts, done in self.reader(self.fetcher.path(fi), f, self.opts):
-                if texts:
-                    yield g, texts, int(self.offsets[fi]) + min(done, f.size)
-                    g += len(texts)
-            if on_file_done is not None:
-                on_file_done(fi, file_first, g - file_first)
-            yield g, [], int(self.offsets[fi + 1])
-
-    def documents(self) -> Iterator[tuple[int, str]]:
-        for g, texts, _ in self.batches():
-            for i, t in enumerate(texts):
-                yield g + i, t
-
-
-def _sample(inp: _Input, val_fraction: float, sample_bytes: int, log: Log) -> Iterator[str]:
+def _sample(inp: DocumentStream, val_fraction: float, sample_bytes: int, log: Log) -> Iterator[str]:
     """The first `sample_bytes` of training documents (validation documents stay unseen)."""
     taken = 0
     for g, text in inp.documents():
@@ -393,16 +338,6 @@ def _sample(inp: _Input, val_fraction: float, sample_bytes: int, log: Log) -> It
         if taken >= sample_bytes:
             break
     log(f"trained the tokenizer on {taken / 1e6:.1f} MB of text")
-
-
-def _count_first_documents(inp: _Input, n: int) -> int:
-    """How many documents the input has, counting at most `n` (a cheap early sanity check)."""
-    count = 0
-    for _, texts, _ in inp.batches():
-        count += len(texts)
-        if count >= n:
-            break
-    return count
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------------
@@ -423,7 +358,9 @@ def _load_tokenizer_spec(cfg: PrepareConfig) -> tuple[Tokenizer, str]:
     return load_tokenizer(path), str(path)
 
 
-def _tokenizer(cfg: PrepareConfig, out: Path, state: PrepareState | None, inp: _Input, log: Log) -> Tokenizer:
+def _tokenizer(
+    cfg: PrepareConfig, out: Path, state: PrepareState | None, inp: DocumentStream, log: Log
+) -> Tokenizer:
     """The saved tokenizer when resuming, else loaded or trained (and saved beside the shards)."""
     saved = out / TOKENIZER_FILE
     if state is not None and saved.exists():
@@ -531,90 +468,23 @@ def _last_doc(info: ShardInfo) -> int:
 # ---- writing ---------------------------------------------------------------------------------------
 
 
-class _SplitWriter:
-    """Cuts one split's token stream into shards of exactly `shard_tokens` tokens."""
-
-    def __init__(
-        self,
-        out: Path,
-        split: str,
-        shard_tokens: int,
-        dtype: np.dtype,
-        kept: list[ShardInfo],
-        resume: tuple[int, int],
-        on_shard: Callable[[], None],
-    ) -> None:
-        self.out, self.split, self.S, self.dtype = out, split, shard_tokens, dtype
-        self.shards = list(kept)
-        self.resume_doc, self.resume_offset = resume
-        self.on_shard = on_shard
-        self.cur: ShardWriter | None = None
-        self.cur_start: list[int] = [0, 0]
-        self.cur_docs = self.cur_bytes = 0
-        self.next_doc = resume[0]  # index after the last document seen (for the tail shard's end)
-        self.new_tokens = 0
-
-    def add(self, tokens: np.ndarray, lengths: np.ndarray, nbytes: np.ndarray, docs: np.ndarray) -> None:
-        """Documents `docs` (indices, increasing) with their tokens, in stream order."""
-        skip = 0
-        if self.resume_offset and docs[0] == self.resume_doc:
-            skip, self.resume_offset = self.resume_offset, 0  # this document's head is in the last kept shard
-            tokens = tokens[skip:]
-        ends = np.cumsum(lengths) - skip  # end of each document within `tokens`
-        starts = ends - lengths
-        n, pos = int(tokens.size), 0
-        self.next_doc = int(docs[-1]) + 1
-        while pos < n:
-            if self.cur is None:
-                k = int(np.searchsorted(ends, pos, side="right"))
-                self.cur_start = (
-                    list(self.shards[-1].end) if self.shards else [int(docs[k]), int(pos - starts[k])]
-                )
-                self.cur = ShardWriter(self.out / shard_name(self.split, len(self.shards)), self.dtype)
-            take = min(self.S - self.cur.count, n - pos)
-            self.cur.write(tokens[pos : pos + take])
-            lo = int(np.searchsorted(ends, pos, side="right"))
-            hi = int(np.searchsorted(ends, pos + take, side="right"))
-            self.cur_docs += hi - lo
-            self.cur_bytes += int(nbytes[lo:hi].sum())
-            pos += take
-            self.new_tokens += take
-            if self.cur.count == self.S:
-                k = int(np.searchsorted(ends, pos, side="right"))
-                if k == len(ends) or pos == starts[k]:  # at a document boundary: the next document
-                    end = [int(docs[k - 1]) + 1, 0]
-                else:
-                    end = [int(docs[k]), int(pos - starts[k])]
-                self._finish(end)
-
-    def _finish(self, end: list[int]) -> None:
-        assert self.cur is not None
-        count, sha = self.cur.finish()
-        self.shards.append(
-            ShardInfo(self.cur.path.name, count, self.cur_docs, self.cur_bytes, sha, self.cur_start, end)
-        )
-        self.cur, self.cur_docs, self.cur_bytes = None, 0, 0
-        self.on_shard()
-
-    def close(self) -> None:
-        """Write the last, shorter shard."""
-        if self.cur is not None and self.cur.count:
-            self._finish([self.next_doc, 0])
-
-    def abort(self) -> None:
-        if self.cur is not None:
-            self.cur.abort()
-            self.cur = None
-
-
-def _tasks(inp: _Input, plan: _Plan, period: int, on_file_done) -> Iterator[tuple[tuple, list[str]]]:
+def _tasks(inp: DocumentStream, plan: _Plan, period: int, on_file_done) -> Iterator[tuple[tuple, list[str]]]:
     """Worker tasks of about _TASK_CHARS of text: (meta, texts), with only the documents that are not
     already in kept shards. meta = (document indices, input bytes consumed)."""
     rv, rt = plan.resume["val"][0], plan.resume["train"][0]
     buf: list[str] = []
     idx: list[int] = []
-    chars = 0
-    for g, texts, done in inp.batches(plan.start_file, plan.first_doc, on_file_done):
+    chars = done = 0
+    batches = inp.batches(plan.start_file, plan.first_doc, on_file_done)
+    while True:
+        try:
+            g, texts, done = next(batches)
+        except StopIteration:
+            break
+        except Exception:
+            if buf:  # a bad file: still tokenize and write what was read before it
+                yield (np.array(idx, dtype=np.int64), done), buf
+            raise
         for i, text in enumerate(texts):
             gi = g + i
             if gi < (rv if gi % period == period - 1 else rt):
@@ -708,7 +578,7 @@ def prepare(
 
         fetcher = Fetcher(files, lambda f: hub.download(f, cfg.cache_dir))
         opts = ReadOptions(cfg.text_column, cfg.txt_split, cfg.doc_chars)
-        inp = _Input(files, fetcher, opts, reader)
+        inp = DocumentStream(files, fetcher, opts, reader)
         return _run(cfg, out, inp, log, t0)
     finally:
         if fetcher is not None:
@@ -716,7 +586,7 @@ def prepare(
         lock.release()
 
 
-def _run(cfg: PrepareConfig, out: Path, inp: _Input, log: Log, t0: float) -> PrepareResult:
+def _run(cfg: PrepareConfig, out: Path, inp: DocumentStream, log: Log, t0: float) -> PrepareResult:
     files = inp.files
     state = PrepareState.load(out)
     if state is not None and state.settings != cfg.settings():
@@ -730,7 +600,7 @@ def _run(cfg: PrepareConfig, out: Path, inp: _Input, log: Log, t0: float) -> Pre
             f"use another --out or delete {out}"
         )
     period = val_period(cfg.val_fraction)
-    found = _count_first_documents(inp, period)
+    found = inp.count(period)
     if found == 0:
         raise UserError(
             f"no documents in {', '.join(cfg.inputs)}: {len(files)} file(s), none with a non-empty "
@@ -792,7 +662,7 @@ def _run(cfg: PrepareConfig, out: Path, inp: _Input, log: Log, t0: float) -> Pre
             new_state.files.append(FileRecord(files[fi].name, files[fi].fingerprint, first, n))
 
     writers = {
-        s: _SplitWriter(out, s, cfg.shard_tokens, dtype, plan.kept[s], plan.resume[s], save_state)
+        s: SplitWriter(out, s, cfg.shard_tokens, dtype, plan.kept[s], plan.resume[s], save_state)
         for s in SPLITS
     }
     save_state()
@@ -825,7 +695,7 @@ def _run(cfg: PrepareConfig, out: Path, inp: _Input, log: Log, t0: float) -> Pre
     return PrepareResult(manifest, out, time.time() - t0, new_tokens, False)
 
 
-def _route(enc: EncodedDocs, g_idx: np.ndarray, period: int, writers: dict[str, _SplitWriter]) -> None:
+def _route(enc: EncodedDocs, g_idx: np.ndarray, period: int, writers: dict[str, SplitWriter]) -> None:
     """Send each document's tokens to its split, keeping order within each split."""
     val = g_idx % period == period - 1
     for split, mask in (("train", ~val), ("val", val)):

@@ -13,6 +13,8 @@ import hashlib
 import os
 import re
 import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -171,3 +173,98 @@ def remove_stale(directory: Path, keep: set[str]) -> list[str]:
             p.unlink(missing_ok=True)
             removed.append(p.name)
     return removed
+
+
+@dataclass
+class ShardInfo:
+    """One shard in the manifest.
+
+    documents: documents whose last token (the boundary token) is in this shard; bytes: their UTF-8
+    bytes (for bits per byte); sha256: of the token bytes after the header; start/end: stream positions
+    [document index, token offset] of the first token and just after the last one (what resume uses).
+    """
+
+    file: str
+    tokens: int
+    documents: int
+    bytes: int
+    sha256: str = ""
+    start: list[int] = field(default_factory=lambda: [0, 0])
+    end: list[int] = field(default_factory=lambda: [0, 0])
+
+
+class SplitWriter:
+    """Cuts one split's token stream into shards of exactly `shard_tokens` tokens (the last one shorter),
+    continuing after the shards `kept` from an earlier run; `on_shard` runs after each finished shard."""
+
+    def __init__(
+        self,
+        out: Path,
+        split: str,
+        shard_tokens: int,
+        dtype: np.dtype,
+        kept: list[ShardInfo],
+        resume: tuple[int, int],
+        on_shard: Callable[[], None],
+    ) -> None:
+        self.out, self.split, self.S, self.dtype = out, split, shard_tokens, dtype
+        self.shards = list(kept)
+        self.resume_doc, self.resume_offset = resume
+        self.on_shard = on_shard
+        self.cur: ShardWriter | None = None
+        self.cur_start: list[int] = [0, 0]
+        self.cur_docs = self.cur_bytes = 0
+        self.next_doc = resume[0]  # index after the last document seen (for the tail shard's end)
+        self.new_tokens = 0
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, nbytes: np.ndarray, docs: np.ndarray) -> None:
+        """Documents `docs` (indices, increasing) with their tokens, in stream order."""
+        skip = 0
+        if self.resume_offset and docs[0] == self.resume_doc:
+            skip, self.resume_offset = self.resume_offset, 0  # this document's head is in the last kept shard
+            tokens = tokens[skip:]
+        ends = np.cumsum(lengths) - skip  # end of each document within `tokens`
+        starts = ends - lengths
+        n, pos = int(tokens.size), 0
+        self.next_doc = int(docs[-1]) + 1
+        while pos < n:
+            if self.cur is None:
+                k = int(np.searchsorted(ends, pos, side="right"))
+                self.cur_start = (
+                    list(self.shards[-1].end) if self.shards else [int(docs[k]), int(pos - starts[k])]
+                )
+                self.cur = ShardWriter(self.out / shard_name(self.split, len(self.shards)), self.dtype)
+            take = min(self.S - self.cur.count, n - pos)
+            self.cur.write(tokens[pos : pos + take])
+            lo = int(np.searchsorted(ends, pos, side="right"))
+            hi = int(np.searchsorted(ends, pos + take, side="right"))
+            self.cur_docs += hi - lo
+            self.cur_bytes += int(nbytes[lo:hi].sum())
+            pos += take
+            self.new_tokens += take
+            if self.cur.count == self.S:
+                k = int(np.searchsorted(ends, pos, side="right"))
+                if k == len(ends) or pos == starts[k]:  # at a document boundary: the next document
+                    end = [int(docs[k - 1]) + 1, 0]
+                else:
+                    end = [int(docs[k]), int(pos - starts[k])]
+                self._finish(end)
+
+    def _finish(self, end: list[int]) -> None:
+        assert self.cur is not None
+        count, sha = self.cur.finish()
+        self.shards.append(
+            ShardInfo(self.cur.path.name, count, self.cur_docs, self.cur_bytes, sha, self.cur_start, end)
+        )
+        self.cur, self.cur_docs, self.cur_bytes = None, 0, 0
+        self.on_shard()
+
+    def close(self) -> None:
+        """Write the last, shorter shard."""
+        if self.cur is not None and self.cur.count:
+            self._finish([self.next_doc, 0])
+
+    def abort(self) -> None:
+        if self.cur is not None:
+            self.cur.abort()
+            self.cur = None

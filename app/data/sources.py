@@ -33,7 +33,7 @@ _FORMATS = {
     ".text": "txt",
     ".md": "txt",
 }
-_BATCH_CHARS = 4 << 20  # a yielded batch holds about this much text at most
+_BATCH_CHARS = 1 << 20  # a yielded batch holds about this much text at most
 SUPPORTED = ".parquet, .jsonl/.json/.ndjson and .txt/.md (text formats optionally .gz or .zst)"
 
 
@@ -61,7 +61,7 @@ class ReadOptions:
     text_column: str = "text"
     txt_split: str = "file"  # file: one document per file; line: per line; paragraph: see _paragraph_docs
     doc_chars: int = 4000  # paragraph mode: documents are runs of paragraphs of about this many characters
-    batch_rows: int = 1024
+    batch_rows: int = 256  # parquet rows per batch; jsonl/txt batches also stop at _BATCH_CHARS
 
 
 def file_format(name: str) -> tuple[str, str] | None:
@@ -181,6 +181,57 @@ class Fetcher:
 
     def close(self) -> None:
         self._futures.clear()
+
+
+class DocumentStream:
+    """The numbered document stream over all input files, read from any file onwards."""
+
+    def __init__(
+        self,
+        files: list[SourceFile],
+        fetcher: Fetcher,
+        opts: ReadOptions,
+        reader: Callable[[Path, SourceFile, ReadOptions], Iterator[tuple[list[str], int]]] | None = None,
+    ) -> None:
+        self.files, self.fetcher, self.opts, self.reader = files, fetcher, opts, reader or read_documents
+        self.offsets = list(itertools.accumulate((f.size for f in files), initial=0))
+
+    @property
+    def total_bytes(self) -> int:
+        return self.offsets[-1]
+
+    def batches(
+        self,
+        start_file: int = 0,
+        first_doc: int = 0,
+        on_file_done: Callable[[int, int, int], None] | None = None,
+    ) -> Iterator[tuple[int, list[str], int]]:
+        """(index of the first document, documents, input bytes consumed so far) from `start_file` on."""
+        g = first_doc
+        for fi in range(start_file, len(self.files)):
+            f = self.files[fi]
+            file_first = g
+            for texts, done in self.reader(self.fetcher.path(fi), f, self.opts):
+                if texts:
+                    yield g, texts, self.offsets[fi] + min(done, f.size)
+                    g += len(texts)
+            if on_file_done is not None:
+                on_file_done(fi, file_first, g - file_first)
+            yield g, [], self.offsets[fi + 1]
+
+    def documents(self) -> Iterator[tuple[int, str]]:
+        for g, texts, _ in self.batches():
+            for i, t in enumerate(texts):
+                yield g + i, t
+
+    def count(self, limit: int) -> int:
+        """How many documents the input has, counting at most `limit` (a cheap early sanity check)."""
+        n = 0
+        for _, texts, _ in self.batches():
+            n += len(texts)
+            if n >= limit:
+                break
+        return n
 
 
 # ---- readers -------------------------------------------------------------------------------------
