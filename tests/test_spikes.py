@@ -138,7 +138,7 @@ def test_injected_spike_is_detected_logged_exported_and_skipped(tmp_path):
         assert all(r["spike"] and r["injected_spike"] and r["loss"] > 1.3 * 5 for r in rows[:BATCHES])
         assert metrics["pretrain_loss_spikes_total"] == BATCHES
         assert metrics["pretrain_loss_spike"] == 1
-        assert metrics["pretrain_step"] == INJECT_AT + BATCHES
+        assert metrics["pretrain_step"] >= INJECT_AT + BATCHES  # set every step; training goes on
         assert not math.isnan(metrics["pretrain_train_loss"])
 
         (run / "stop.json").write_text(
