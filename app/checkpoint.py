@@ -72,14 +72,6 @@ def write_json(path: Path, data: Any) -> None:
         os.fsync(f.fileno())
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """For small state files other processes read (status.json): temp + rename, never half-written."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
-
-
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from app import checkpoint as ckpt
+from app.budget.files import atomic_write_json
 from app.config import Config
 from app.data.loader import TrainLoader, val_batches
 from app.data.prepare import Manifest
@@ -486,7 +487,7 @@ class Trainer:
         if not self.rank0:
             return
         self.last_status = time.monotonic()
-        ckpt.write_json_atomic(
+        atomic_write_json(
             self.run_dir / "status.json",
             {
                 "step": self.state.step,
@@ -498,6 +499,7 @@ class Trainer:
                 "pid": os.getpid(),
                 "updated_unix": time.time(),
             },
+            durable=False,  # a heartbeat: rename keeps it whole, losing one on a crash is fine
         )
 
     # ------------------------------------------------------------ the loop
@@ -712,7 +714,7 @@ def train(cfg: Config, args: RunArgs) -> int:
                 if env.is_rank0:
                     print(f"budget already spent, nothing to do: {e}", flush=True)
                     Path(args.out).mkdir(parents=True, exist_ok=True)  # tell a sidecar watcher we are done
-                    ckpt.write_json_atomic(
+                    atomic_write_json(
                         Path(args.out) / "status.json",
                         {
                             "step": 0,
@@ -724,6 +726,7 @@ def train(cfg: Config, args: RunArgs) -> int:
                             "pid": os.getpid(),
                             "updated_unix": time.time(),
                         },
+                        durable=False,
                     )
                 return 0
         trainer = Trainer(cfg, args, env, device)
