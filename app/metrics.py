@@ -75,16 +75,6 @@ class JsonlLog:
         self.f.close()
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut by SIGKILL
-    return rows
-
-
 class TrainerMetrics:
     """Prometheus gauges of one trainer process on its own registry and port."""
 

@@ -130,7 +130,6 @@ class Trainer:
         self.state = TrainerState()
         self.metrics: TrainerMetrics | None = None
         self.jsonl: JsonlLog | None = None
-        self.budget = None
         self.progress = None
         self.last_saved_step = -1
         self.last_status = 0.0

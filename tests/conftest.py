@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -108,18 +107,10 @@ def spawn_train(*args: str, env: dict | None = None) -> subprocess.Popen:
 
 
 def train_rows(run_dir: Path, kind: str = "train") -> list[dict]:
+    from app.export import read_rows  # the same reader export uses: lines cut by a kill are skipped
+
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if row.get("kind") == kind:
-            rows.append(row)
-    return rows
+    return [r for r in read_rows(path) if r.get("kind") == kind] if path.exists() else []
 
 
 def losses_by_step(run_dir: Path) -> dict[int, float]:
