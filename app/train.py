@@ -1,14 +1,14 @@
-"""The training loop: set up, step, evaluate, checkpoint, stop. Policy lives in the components
-(config, schedule, stopping, checkpoint, budget, metrics); this file only wires them.
+"""The training loop: set up, step, evaluate, save, stop. The policy lives in the components under
+app/trainer/ (schedule, stopping, checkpoint, budget link, report); this file wires them.
 
 Run as `pretrain train ...` or, under torchrun, `torchrun --nproc-per-node N -m app.train ...`.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -16,16 +16,18 @@ from pathlib import Path
 
 import torch
 
-from app import checkpoint as ckpt
-from app.budget.files import atomic_write_json
+from app.budget import BudgetExhausted
 from app.config import Config
-from app.data.loader import TrainLoader, val_batches
-from app.data.prepare import Manifest
-from app.errors import ConfigError, UserError
-from app.metrics import JsonlLog, TrainerMetrics, detect_gpu_type, flops_per_token, peak_flops
-from app.model import GPT, count_parameters
-from app.optim import build_optimizer, set_lr
-from app.parallel import (
+from app.data.loader import TrainLoader, fit_vocab, resolve_data_dir, val_batches
+from app.data.manifest import Manifest
+from app.trainer import checkpoint as ckpt
+from app.trainer.args import DESCRIPTION, add_arguments, config_from_args, print_config
+from app.trainer.budget_link import BudgetLink
+from app.trainer.heartbeat import Heartbeat
+from app.trainer.metrics import detect_gpu_type, flops_per_token, peak_flops
+from app.trainer.model import GPT, count_parameters
+from app.trainer.optim import build_optimizer, set_lr
+from app.trainer.parallel import (
     DistEnv,
     all_reduce_mean,
     all_reduce_sum,
@@ -36,9 +38,11 @@ from app.parallel import (
     shutdown_distributed,
     unwrap,
 )
-from app.schedule import DecayPlan, budget_decay_steps, lr_at
-from app.spikes import SpikeDetector, spike_batch
-from app.stopping import (
+from app.trainer.report import Reporter
+from app.trainer.runtime import autocast_for, grad_accum_steps, pick_device
+from app.trainer.schedule import DecayPlan, lr_at
+from app.trainer.spikes import SpikeDetector, spike_batch
+from app.trainer.stopping import (
     EarlyStopping,
     PlannedEnd,
     StopAgreement,
@@ -46,8 +50,6 @@ from app.stopping import (
     StopDecision,
     consume_stop_file,
 )
-
-STATUS_EVERY_SECONDS = 5.0
 
 
 @dataclass
@@ -75,79 +77,30 @@ class TrainerState:
     spent_usd: float | None = None
 
 
-def pick_device(cfg: Config, env_local_rank: int) -> torch.device:
-    want = cfg.train.device
-    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
-        torch.cuda.set_device(env_local_rank)
-        return torch.device("cuda", env_local_rank)
-    return torch.device("cpu")
-
-
-def resolve_data_dir(cfg: Config, log) -> Path:
-    if cfg.data.dataset == "embedded":
-        from app.data.corpus import embedded_dataset
-
-        return embedded_dataset(
-            cfg.data.tokenizer, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.cache_dir, log=log
-        )
-    path = Path(cfg.data.dataset)
-    if not path.is_dir():
-        raise UserError(f"data.dataset={path} is not a directory; run `pretrain prepare --out {path}` first")
-    return path
-
-
-def fit_vocab(cfg: Config, manifest: Manifest, data_dir: Path) -> None:
-    """The model's vocab comes from the data unless set; shards with bigger ids are refused."""
-    vocab = manifest.vocab_size
-    if cfg.model.vocab_size == 0:
-        cfg.model.vocab_size = vocab
-    elif vocab > cfg.model.vocab_size:
-        raise UserError(
-            f"the tokenizer of {data_dir} has {vocab} tokens but model.vocab_size={cfg.model.vocab_size}; "
-            f"set model.vocab_size >= {vocab} or prepare the data with a matching tokenizer"
-        )
-
-
-def grad_accum_steps(cfg: Config, world_size: int) -> int:
-    per_micro = cfg.train.micro_batch_size * cfg.model.seq_len * world_size
-    if not cfg.train.batch_tokens:
-        return 1
-    if cfg.train.batch_tokens % per_micro:
-        raise ConfigError(
-            f"train.batch_tokens={cfg.train.batch_tokens} is not a multiple of micro_batch_size x seq_len x "
-            f"world_size = {per_micro}; use a multiple such as {max(1, round(cfg.train.batch_tokens / per_micro)) * per_micro}"
-        )
-    return cfg.train.batch_tokens // per_micro
-
-
 class Trainer:
-    def __init__(self, cfg: Config, args: RunArgs, env: DistEnv, device: torch.device) -> None:
-        self.cfg, self.args, self.env, self.device = cfg, args, env, device
+    def __init__(
+        self, cfg: Config, args: RunArgs, env: DistEnv, device: torch.device, budget: BudgetLink
+    ) -> None:
+        self.cfg, self.args, self.env, self.device, self.budget = cfg, args, env, device, budget
         self.run_dir = Path(args.out)
         self.rank0 = env.is_rank0
         self.state = TrainerState()
-        self.metrics: TrainerMetrics | None = None
-        self.jsonl: JsonlLog | None = None
-        self.progress = None
+        self.report: Reporter | None = None
+        self.heartbeat = Heartbeat(self.run_dir, enabled=self.rank0)
         self.last_saved_step = -1
-        self.last_status = 0.0
-        self.last_budget_read = 0.0
         self.step_seconds_avg = 0.0
         self.checkpoint_seconds = 0.0
         self.last_ckpt_time = time.monotonic()
         self.last_eval_step = -1
         self.resumed_saved_unix = 0.0
 
-    # ------------------------------------------------------------ setup
-
     def log(self, msg: str) -> None:
-        if self.rank0:
-            if self.progress is not None:
-                self.progress.write(msg)
-            else:
-                print(msg, flush=True)
+        if self.report is not None:
+            self.report.log(msg)
+        elif self.rank0:
+            print(msg, flush=True)
+
+    # ------------------------------------------------------------ setup
 
     def setup(self) -> None:
         cfg, env = self.cfg, self.env
@@ -155,14 +108,14 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             ckpt.clean_temp_dirs(self.run_dir)
         env.barrier()
-        self.data_dir = resolve_data_dir(cfg, self.log)
+        self.data_dir = resolve_data_dir(cfg.data, self.log)
         self.manifest = Manifest.load(self.data_dir)
-        fit_vocab(cfg, self.manifest, self.data_dir)
+        fit_vocab(cfg.model, self.manifest, self.data_dir)
         self.accum = grad_accum_steps(cfg, env.world_size)
         self.tokens_per_step = self.accum * cfg.train.micro_batch_size * cfg.model.seq_len * env.world_size
 
-        from app.memory import plan as plan_parallel
-        from app.parallel import build_parallel_model
+        from app.trainer.memory import plan as plan_parallel
+        from app.trainer.parallel import build_parallel_model
 
         torch.manual_seed(cfg.train.seed)
         self.parallel = plan_parallel(cfg, env.world_size, self.device)  # resolves train.parallel=auto
@@ -182,16 +135,9 @@ class Trainer:
         self.early = EarlyStopping(cfg.train.early_stop_patience, cfg.train.early_stop_min_delta)
         self.spikes = SpikeDetector(cfg.train.spike_factor)
         self._maybe_resume(unwrap(model))
-        self.model = model
-        if cfg.train.compile:
-            self.model = torch.compile(self.model)
+        self.model = torch.compile(model) if cfg.train.compile else model
         self.writer = ckpt.CheckpointWriter(self.run_dir, env.rank, env.world_size, env.barrier)
-
-        self.autocast = contextlib.nullcontext()
-        if self.device.type == "cuda" and cfg.train.dtype in ("auto", "bf16"):
-            self.autocast = torch.autocast("cuda", dtype=torch.bfloat16)
-        elif cfg.train.dtype == "bf16":
-            self.autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+        self.autocast = autocast_for(cfg, self.device)
 
         gpu_type = cfg.metrics.gpu_type
         if not gpu_type and self.device.type == "cuda":
@@ -199,41 +145,26 @@ class Trainer:
         self.peak = peak_flops(gpu_type, cfg.metrics.peak_tflops)
         self.flops_per_token = flops_per_token(cfg.model)
 
-        stop_file = self.args.stop_file or self.run_dir / "stop.json"
+        self.stop_file = self.args.stop_file or self.run_dir / "stop.json"
         planned = PlannedEnd(cfg.train.max_steps, cfg.train.max_tokens, cfg.train.max_hours * 3600)
         self.stopper = StopAgreement(
-            stop_file,
+            self.stop_file,
             planned,
             self.early,
             self.rank0,
             torch.device("cpu") if self.device.type == "cpu" else self.device,
         )
-        self.stop_file = stop_file
-
-        if cfg.metrics.port and env.is_local_rank0:
-            self.metrics = TrainerMetrics(
-                cfg.metrics.port,
-                env.node,
-                serve_global=self.rank0,
-                with_mfu=bool(self.peak),
-                addr=cfg.metrics.addr,
-            )
-            if self.rank0:
-                self.metrics.tokens.inc(self.state.tokens)  # a counter of the run, across restarts
-                if self.last_saved_step >= 0:
-                    self.metrics.ckpt_step.set(self.last_saved_step)
-                    self.metrics.ckpt_time.set(self.resumed_saved_unix)
-                self.metrics.info.info(
-                    {
-                        "preset": cfg.preset,
-                        "run": self.run_dir.name,
-                        "world_size": str(env.world_size),
-                        "parameters": str(self.counts.total),
-                        "non_embedding_parameters": str(self.counts.non_embedding),
-                    }
-                )
-        if self.rank0:
-            self.jsonl = JsonlLog(self.run_dir / "metrics.jsonl")
+        self.report = Reporter(cfg, env, self.run_dir, with_mfu=bool(self.peak))
+        self.report.resumed(self.state.tokens, self.last_saved_step, self.resumed_saved_unix)
+        self.report.info(
+            {
+                "preset": cfg.preset,
+                "run": self.run_dir.name,
+                "world_size": str(env.world_size),
+                "parameters": str(self.counts.total),
+                "non_embedding_parameters": str(self.counts.non_embedding),
+            }
+        )
         self._announce()
 
     def _maybe_resume(self, model: GPT) -> None:
@@ -262,15 +193,14 @@ class Trainer:
                 f"resharding: checkpoint of world size {saved_world} on {self.env.world_size}: weights and "
                 "optimizer restored exactly, data continues at the same global sample, RNG states start fresh"
             )
-        st = ckpt.load_trainer_state(info)
-        self.state = TrainerState(**st)
+        self.state = TrainerState(**ckpt.load_trainer_state(info))
         self.loader.load_state_dict(self.state.loader)
         if self.state.early_stopping:
             self.early.load_state_dict(self.state.early_stopping)
         if self.state.spikes:
             self.spikes.load_state_dict(self.state.spikes)
         rng = ckpt.load_rng_state(info, self.env.rank)
-        if rng is not None and info.meta.get("world_size") == self.env.world_size:
+        if rng is not None and saved_world == self.env.world_size:
             ckpt.set_rng_state(rng)
         self.last_saved_step = info.step if spec == "auto" else -1
         self.resumed_saved_unix = float(info.meta.get("saved_unix", 0.0))
@@ -286,17 +216,16 @@ class Trainer:
             f"({cfg.train.micro_batch_size} x {cfg.model.seq_len} x {env.world_size} ranks x {self.accum} accum), "
             f"{self.flops_per_token / 1e6:.1f} MFLOPs/token"
         )
-        if self.jsonl:
-            self.jsonl.write(
-                "event",
-                self.state.step,
-                event="start",
-                preset=cfg.preset,
-                parameters=self.counts.total,
-                non_embedding=self.counts.non_embedding,
-                world_size=env.world_size,
-                tokens_per_step=self.tokens_per_step,
-            )
+        self.report.event(
+            "event",
+            self.state.step,
+            event="start",
+            preset=cfg.preset,
+            parameters=self.counts.total,
+            non_embedding=self.counts.non_embedding,
+            world_size=env.world_size,
+            tokens_per_step=self.tokens_per_step,
+        )
 
     # ------------------------------------------------------------ one step
 
@@ -345,7 +274,6 @@ class Trainer:
         self.state.tokens += self.tokens_per_step
         dt = time.perf_counter() - t0
         self.step_seconds_avg = dt if self.step_seconds_avg == 0 else 0.9 * self.step_seconds_avg + 0.1 * dt
-        loop_losses = [float(v) / self.accum for v in loop_sums]
         return {
             "loss": loss,
             "lr": lr,
@@ -354,7 +282,7 @@ class Trainer:
             "data_wait_seconds": data_wait,
             "spike": spike,
             "injected": bool(inject),
-            "loop_losses": loop_losses,
+            "loop_losses": [float(v) / self.accum for v in loop_sums],
         }
 
     # ------------------------------------------------------------ eval, sample, save
@@ -385,6 +313,8 @@ class Trainer:
         if self.state.best_val_loss is None or val < self.state.best_val_loss:
             self.state.best_val_loss = val
         self.early.update(val)
+        self.last_eval_step = self.state.step
+        self.report.eval(self.state.step, val, bpb)
         return val, bpb
 
     def sample_text(self, prompt: str = "\n", tokens: int = 64) -> str:
@@ -400,12 +330,18 @@ class Trainer:
         model.train()
         return tok.decode(out[0, ids.size(1) :].tolist())
 
+    def beat(self, state: str) -> None:
+        st = self.state
+        self.heartbeat.write(
+            state, st.step, st.tokens, self.step_seconds_avg, self.checkpoint_seconds, self.last_saved_step
+        )
+
     def save(self, reason: str) -> None:
         st = self.state
         st.loader = self.loader.state_dict()
         st.early_stopping = self.early.state_dict()
         st.spikes = self.spikes.state_dict()
-        st.spent_usd = self._spent_usd()
+        st.spent_usd = self.budget.spent_usd(st.spent_usd)
         meta = {
             "config": self.cfg.to_dict(),
             "tokens": st.tokens,
@@ -415,7 +351,7 @@ class Trainer:
             "reason": reason,
             "data": {"dir": str(self.data_dir), "tokenizer_sha256": self.manifest.tokenizer.get("sha256")},
         }
-        self._write_status("saving")
+        self.beat("saving")
         result = self.writer.save(
             st.step,
             model_state_dict(self.model),
@@ -430,129 +366,10 @@ class Trainer:
         if self.rank0:
             c = self.cfg.checkpoint
             ckpt.apply_retention(self.run_dir, c.keep_last, c.keep_best, c.drop_optimizer_older)
-            self.log(
-                f"checkpoint step {st.step} -> {result.path} ({result.bytes / 1e6:.1f} MB in "
-                f"{result.seconds:.2f}s, {reason})"
-            )
-            self.jsonl.write(
-                "checkpoint",
-                st.step,
-                path=str(result.path),
-                seconds=result.seconds,
-                bytes=result.bytes,
-                reason=reason,
-            )
-            if self.metrics:
-                m = self.metrics
-                m.ckpt_seconds.set(result.seconds)
-                m.ckpt_step.set(st.step)
-                m.ckpt_time.set(time.time())
-        self._write_status("running")
-
-    # ------------------------------------------------------------ budget + status
-
-    def _spent_usd(self) -> float | None:
-        state = self._budget_state()
-        return state.get("spent_usd") if state else self.state.spent_usd
-
-    def _budget_state(self) -> dict | None:
-        from app.budget import read_budget_state
-
-        return read_budget_state(self.run_dir)
-
-    def _decay_proposal(self, now: float) -> int:
-        """Rank 0 proposes the budget-driven WSD decay from the watcher's projection."""
-        cfg = self.cfg
-        if not (
-            self.rank0 and cfg.budget.cap_usd and cfg.schedule.name == "wsd" and not self.state.budget_decay
-        ):
-            return 0
-        if now - self.last_budget_read < STATUS_EVERY_SECONDS:
-            return 0
-        self.last_budget_read = now
-        state = self._budget_state()
-        if not state or state.get("seconds_to_stop") is None:
-            return 0
-        # seconds_to_stop: when the watcher's graceful stop fires (checkpoint and margin already reserved)
-        return budget_decay_steps(
-            self.state.step,
-            float(state["seconds_to_stop"]),
-            self.step_seconds_avg,
-            0.0,
-            cfg.budget.decay_fraction,
-        )
-
-    def _write_status(self, state: str) -> None:
-        if not self.rank0:
-            return
-        self.last_status = time.monotonic()
-        atomic_write_json(
-            self.run_dir / "status.json",
-            {
-                "step": self.state.step,
-                "tokens": self.state.tokens,
-                "step_seconds": self.step_seconds_avg,
-                "checkpoint_seconds": self.checkpoint_seconds,
-                "last_checkpoint_step": max(self.last_saved_step, 0),
-                "state": state,
-                "pid": os.getpid(),
-                "updated_unix": time.time(),
-            },
-            durable=False,  # a heartbeat: rename keeps it whole, losing one on a crash is fine
-        )
+        self.report.checkpoint(st.step, result.path, result.seconds, result.bytes, reason)
+        self.beat("running")
 
     # ------------------------------------------------------------ the loop
-
-    def _record(self, m: dict, tps: float) -> None:
-        st = self.state
-        mfu = self.flops_per_token * tps / (self.peak * self.env.world_size) if self.peak else None
-        if self.jsonl:
-            row = {
-                "loss": m["loss"],
-                "lr": m["lr"],
-                "grad_norm": m["grad_norm"],
-                "tokens": st.tokens,
-                "tokens_per_second": tps,
-                "step_seconds": m["step_seconds"],
-                "data_wait_seconds": m["data_wait_seconds"],
-            }
-            if mfu is not None:
-                row["mfu"] = mfu
-            if m["loop_losses"]:
-                row["loop_losses"] = m["loop_losses"]
-                row["refinement"] = (m["loop_losses"][0] - m["loop_losses"][-1]) / m["loop_losses"][0]
-            if m["spike"]:
-                row["spike"] = True
-            if m["injected"]:
-                row["injected_spike"] = True
-            self.jsonl.write("train", st.step, **row)
-        if self.metrics:
-            self.metrics.node_tps.set(tps * self.env.local_world_size / self.env.world_size)
-            if self.rank0:
-                g = self.metrics
-                g.train_loss.set(m["loss"])
-                g.lr.set(m["lr"])
-                g.grad_norm.set(m["grad_norm"])
-                g.tps.set(tps)
-                if mfu is not None:
-                    g.mfu.set(mfu)
-                g.step_seconds.set(m["step_seconds"])
-                g.data_wait.set(m["data_wait_seconds"])
-                g.planned_end.set(time.time() + self._seconds_to_planned_end(tps))
-                g.spike.set(1 if m["spike"] else 0)
-                if m["spike"]:
-                    g.spikes.inc()
-                for i, v in enumerate(m["loop_losses"]):
-                    g.loop_loss.labels(loop=str(i)).set(v)
-                if m["loop_losses"]:
-                    g.refinement.set((m["loop_losses"][0] - m["loop_losses"][-1]) / m["loop_losses"][0])
-                if self.device.type == "cuda":
-                    g.gpu_mem.set(torch.cuda.max_memory_allocated(self.device))
-        if self.progress is not None:
-            post = {"loss": f"{m['loss']:.3f}", "tok/s": f"{tps:,.0f}"}
-            if mfu is not None:
-                post["mfu"] = f"{mfu:.1%}"
-            self.progress.set_postfix(post, refresh=False)
 
     def _seconds_to_planned_end(self, tps: float) -> float:
         t, st = self.cfg.train, self.state
@@ -563,28 +380,16 @@ class Trainer:
             left.append(t.max_hours * 3600 - st.elapsed_seconds)
         return max(0.0, min(left))
 
-    def _step_metrics(self) -> None:
-        """Every step, cheap: what the stalled-training alert and the token counter need."""
-        g = self.metrics
-        g.step.set(self.state.step)
-        g.tokens.inc(self.tokens_per_step)
-        g.last_step_time.set(time.time())
-
     def run(self) -> int:
         cfg, st = self.cfg, self.state
         self.stopper.signals.install()
         if st.step == 0 and cfg.train.eval_every:
-            self._eval_and_log()
-        use_bar = self.rank0 and cfg.metrics.progress and sys.stderr.isatty()
-        if use_bar:
-            from tqdm import tqdm
-
-            self.progress = tqdm(total=cfg.train.max_steps, initial=st.step, unit="step", dynamic_ncols=True)
-        self._write_status("running")
+            self.evaluate()
+        self.report.open_progress(cfg.train.max_steps, st.step)
+        self.beat("running")
         start = time.monotonic()
         elapsed_before = st.elapsed_seconds
         window_tokens, window_start = 0, time.perf_counter()
-        tps = 0.0
         while True:
             now = time.monotonic()
             st.elapsed_seconds = elapsed_before + (now - start)
@@ -592,8 +397,9 @@ class Trainer:
                 bool(cfg.checkpoint.every_minutes)
                 and now - self.last_ckpt_time >= cfg.checkpoint.every_minutes * 60
             )
+            proposal = self.budget.decay_proposal(st.step, self.step_seconds_avg, bool(st.budget_decay))
             decision, decay, save_now = self.stopper.agree(
-                st.step, st.tokens, st.elapsed_seconds, self._decay_proposal(now), due
+                st.step, st.tokens, st.elapsed_seconds, proposal, due
             )
             if decision.cause != StopCause.NONE:
                 break
@@ -603,71 +409,52 @@ class Trainer:
             if save_now and self.last_saved_step != st.step:
                 self.save("every_minutes")
             m = self.train_step()
-            if self.metrics and self.rank0:
-                self._step_metrics()
+            self.report.step_done(st.step, self.tokens_per_step)
             window_tokens += self.tokens_per_step
-            if self.progress is not None:
-                self.progress.update(1)
             if st.step % cfg.train.log_every == 0 or m["spike"]:
                 t = time.perf_counter()
                 tps = window_tokens / max(t - window_start, 1e-9)
                 window_tokens, window_start = 0, t
-                self._record(m, tps)
-                if self.progress is None:
-                    self.log(
-                        f"step {st.step}/{cfg.train.max_steps} loss {m['loss']:.4f} lr {m['lr']:.2e} "
-                        f"{tps:,.0f} tok/s"
-                    )
+                mfu = self.flops_per_token * tps / (self.peak * self.env.world_size) if self.peak else None
+                self.report.train(
+                    st.step, st.tokens, m, tps, mfu, time.time() + self._seconds_to_planned_end(tps)
+                )
             if cfg.train.eval_every and st.step % cfg.train.eval_every == 0:
-                self._eval_and_log()
+                self.evaluate()
             if cfg.train.sample_every and st.step % cfg.train.sample_every == 0:
                 text = self.sample_text()  # every rank: FSDP's forward gathers shards from all of them
                 self.log(f"sample at step {st.step}: {text!r}")
             if cfg.checkpoint.every_steps and st.step % cfg.checkpoint.every_steps == 0:
                 self.save("every_steps")
-            if self.rank0 and time.monotonic() - self.last_status >= STATUS_EVERY_SECONDS:
-                self._write_status("running")
+            if self.heartbeat.due():
+                self.beat("running")
         return self._finish(decision)
-
-    def _eval_and_log(self) -> None:
-        val, bpb = self.evaluate()
-        self.last_eval_step = self.state.step
-        self.log(f"step {self.state.step}: val loss {val:.4f}, {bpb:.3f} bits/byte")
-        if self.jsonl:
-            self.jsonl.write("eval", self.state.step, val_loss=val, val_bpb=bpb)
-        if self.metrics and self.rank0:
-            self.metrics.val_loss.set(val)
-            self.metrics.val_bpb.set(bpb)
 
     def _finish(self, decision: StopDecision) -> int:
         st = self.state
-        if self.progress is not None:
-            self.progress.close()
-            self.progress = None
+        self.report.close_progress()
         self.log(f"stopping at step {st.step}: {decision.reason}")
-        if self.metrics and self.rank0:
-            self.metrics.stop_state.set(int(decision.cause))
-        self._write_status("stopping")
+        self.report.stop_state(int(decision.cause))
+        self.beat("stopping")
         if (
             decision.cause in (StopCause.PLANNED, StopCause.EARLY)
             and self.last_eval_step != st.step
             and self.cfg.train.eval_every
         ):
-            self._eval_and_log()
+            self.evaluate()
         if decision.saves and self.last_saved_step != st.step:
             self.save(decision.cause.name.lower())
-        if self.jsonl:
-            self.jsonl.write(
-                "event",
-                st.step,
-                event="stop",
-                cause=decision.cause.name.lower(),
-                reason=decision.reason,
-                exit_code=decision.exit_code,
-            )
+        self.report.event(
+            "event",
+            st.step,
+            event="stop",
+            cause=decision.cause.name.lower(),
+            reason=decision.reason,
+            exit_code=decision.exit_code,
+        )
         if self.rank0 and decision.cause in (StopCause.BUDGET, StopCause.IMMEDIATE):
             consume_stop_file(self.stop_file)
-        self._write_status("done" if decision.exit_code == 0 else "preempted")
+        self.beat("done" if decision.exit_code == 0 else "preempted")
         if self.rank0:
             verify = self.cfg.checkpoint.verify
             self.log(
@@ -677,25 +464,10 @@ class Trainer:
         return decision.exit_code
 
     def close(self) -> None:
-        self.stopper.signals.uninstall() if hasattr(self, "stopper") else None
-        if self.metrics:
-            self.metrics.close()
-        if self.jsonl:
-            self.jsonl.close()
-
-
-def start_budget(cfg: Config, args: RunArgs, env: DistEnv):
-    """Raise BudgetExhausted when the ledger says the cap is spent (every rank reads it, so all agree);
-    else rank 0 hosts the watcher thread unless a sidecar watches. Returns the watcher handle or None."""
-    if not cfg.budget.cap_usd:
-        return None
-    from app.budget import check_not_exhausted, start_in_process
-
-    run_dir = Path(args.out)
-    check_not_exhausted(cfg.budget, run_dir)
-    if env.is_rank0 and cfg.budget.in_process:
-        return start_in_process(cfg.budget, run_dir, args.stop_file or run_dir / "stop.json", env.world_size)
-    return None
+        if hasattr(self, "stopper"):
+            self.stopper.signals.uninstall()
+        if self.report is not None:
+            self.report.close()
 
 
 def train(cfg: Config, args: RunArgs) -> int:
@@ -704,31 +476,16 @@ def train(cfg: Config, args: RunArgs) -> int:
     budget = None
     try:
         device = pick_device(cfg, env.local_rank)
-        if cfg.budget.cap_usd:
-            from app.budget import BudgetExhausted
-
-            try:
-                budget = start_budget(cfg, args, env)
-            except BudgetExhausted as e:
-                if env.is_rank0:
-                    print(f"budget already spent, nothing to do: {e}", flush=True)
-                    Path(args.out).mkdir(parents=True, exist_ok=True)  # tell a sidecar watcher we are done
-                    atomic_write_json(
-                        Path(args.out) / "status.json",
-                        {
-                            "step": 0,
-                            "tokens": 0,
-                            "step_seconds": 0.0,
-                            "checkpoint_seconds": 0.0,
-                            "last_checkpoint_step": 0,
-                            "state": "done",
-                            "pid": os.getpid(),
-                            "updated_unix": time.time(),
-                        },
-                        durable=False,
-                    )
-                return 0
-        trainer = Trainer(cfg, args, env, device)
+        stop_file = args.stop_file or Path(args.out) / "stop.json"
+        try:
+            budget = BudgetLink(cfg, Path(args.out), stop_file, env.is_rank0, env.world_size)
+        except BudgetExhausted as e:
+            if env.is_rank0:
+                print(f"budget already spent, nothing to do: {e}", flush=True)
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                Heartbeat(Path(args.out)).write("done")  # tells a sidecar watcher we are done
+            return 0
+        trainer = Trainer(cfg, args, env, device, budget)
         trainer.setup()
         return trainer.run()
     finally:
@@ -739,10 +496,19 @@ def train(cfg: Config, args: RunArgs) -> int:
         shutdown_distributed()
 
 
-def main(argv: list[str] | None = None) -> int:
-    from app.cli import main as cli_main
+def run(args: argparse.Namespace) -> int:
+    """`pretrain train`: resolve the config, then print it or train."""
+    cfg = config_from_args(args)
+    if args.print_config:
+        return print_config(cfg)
+    stop_file = Path(args.stop_file) if args.stop_file else None
+    return train(cfg, RunArgs(Path(args.out), args.resume, stop_file))
 
-    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
+
+def main(argv: list[str] | None = None) -> int:
+    from app.command import main_for
+
+    return main_for("pretrain train", DESCRIPTION, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from app.checkpoint import CheckpointWriter
 from app.config import ModelConfig
-from app.model import build_model
+from app.trainer.checkpoint import CheckpointWriter
+from app.trainer.model import build_model
 
 REPEATS = 3
 REPO = Path(__file__).resolve().parents[1]

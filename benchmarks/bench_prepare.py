@@ -31,7 +31,8 @@ from pathlib import Path
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # both on one core
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer
-from app.data.prepare import PrepareConfig, prepare
+from app.data.prepare import prepare
+from app.data.settings import PrepareConfig
 data, tok_dir, out, order = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 
 def raw(ids):
@@ -89,7 +90,8 @@ print(json.dumps({"tokens": n + docs, "seconds": spent}))
 _PIPELINE = r"""
 import glob, json, resource, sys, threading, time
 from pathlib import Path
-from app.data.prepare import PrepareConfig, prepare
+from app.data.prepare import prepare
+from app.data.settings import PrepareConfig
 data, tok_dir, out, workers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 
 def hwm_mb(pid="self"):
@@ -204,7 +206,7 @@ def _k(x: float) -> str:
 
 
 def run() -> list[str]:
-    from app.data.prepare import default_workers
+    from app.data.settings import default_workers
 
     full_mb = float(os.environ.get("PRETRAIN_BENCH_MB", "200"))
     small_mb = min(20.0, full_mb / 4)

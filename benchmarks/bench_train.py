@@ -17,10 +17,10 @@ import torch
 
 from app.config import load_config
 from app.data.loader import TrainLoader
-from app.model import build_model
-from app.optim import build_optimizer
-from app.parallel import DistEnv
 from app.train import RunArgs, Trainer, resolve_data_dir
+from app.trainer.model import build_model
+from app.trainer.optim import build_optimizer
+from app.trainer.parallel import DistEnv
 
 STEPS = 60
 WARMUP = 10  # steps excluded from both timings
@@ -66,7 +66,7 @@ def bare_seconds() -> float:
     """Seconds per step of forward/backward/clip/step/zero_grad and nothing else."""
     cfg = _config()
     data_dir = resolve_data_dir(cfg, log=lambda m: None)
-    from app.data.prepare import Manifest
+    from app.data.manifest import Manifest
 
     cfg.model.vocab_size = Manifest.load(data_dir).vocab_size
     torch.manual_seed(cfg.train.seed)

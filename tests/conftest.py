@@ -107,7 +107,7 @@ def spawn_train(*args: str, env: dict | None = None) -> subprocess.Popen:
 
 
 def train_rows(run_dir: Path, kind: str = "train") -> list[dict]:
-    from app.export import read_rows  # the same reader export uses: lines cut by a kill are skipped
+    from app.tools.export import read_rows  # the same reader export uses: lines cut by a kill are skipped
 
     path = Path(run_dir) / "metrics.jsonl"
     return [r for r in read_rows(path) if r.get("kind") == kind] if path.exists() else []

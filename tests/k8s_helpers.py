@@ -1,7 +1,7 @@
 """Helpers for the Kubernetes packaging tests: a real helm binary, rendering, and schema validation.
 
 The PyTorchJob is validated against the training-operator v1.9 CRD schema in
-<repo>/../shared/k8s-schemas/ (CI clones the repo with shared/ beside it), made strict the way
+tests/fixtures/k8s-schemas/ (upstream source and licence in its README), made strict the way
 `kubectl apply --validate=strict` is: unknown fields are errors, not silently pruned.
 Core kinds are validated with kubernetes-validate in strict mode.
 """
@@ -23,7 +23,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "helm"
-SCHEMAS = REPO.parent / "shared" / "k8s-schemas"
+SCHEMAS = REPO / "tests" / "fixtures" / "k8s-schemas"
 PYTORCHJOB_CRD = SCHEMAS / "kubeflow.org_pytorchjobs.v1.9.0.yaml"
 # The chart's kubeVersion floor (native sidecars) and the newest schema kubernetes-validate ships.
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())

@@ -67,7 +67,7 @@ def exported_metric_names() -> set[str]:
     """Names of every series the trainer's and the watcher's exporters can serve (labelled families with
     no child yet included; `_created` excluded)."""
     from app.budget.metrics import BudgetMetrics
-    from app.metrics import TrainerMetrics
+    from app.trainer.metrics import TrainerMetrics
 
     suffix = {"counter": "_total", "info": "_info"}
     trainer = TrainerMetrics(

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from app.budget.ledger import load_ledger
-from app.budget.watcher import ledger_path_for
+from app.budget.view import ledger_path_for
 from tests.conftest import FAST, REPO, cli_env, pretrain
 
 CAP = ["--budget-cap-usd", "0.01", "--price-per-gpu-hour", "3.6", "--gpus", "1"]

@@ -12,7 +12,7 @@ import pytest
 from app.budget import BudgetExhausted, read_budget_state, resolve_gpus, start_in_process
 from app.budget.config import BudgetConfig
 from app.budget.ledger import load_ledger
-from app.budget.watcher import ledger_path_for
+from app.budget.view import ledger_path_for
 from app.errors import UserError
 
 

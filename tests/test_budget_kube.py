@@ -15,11 +15,11 @@ import pytest
 from kubernetes import client
 
 from app.budget.config import BudgetConfig
-from app.budget.files import atomic_write_json
 from app.budget.kube import KubeActions
 from app.budget.metrics import BudgetMetrics
 from app.budget.watcher import Watcher
 from app.errors import UserError
+from app.files import atomic_write_json
 
 T = 1_700_000_000.0
 NS, JOB = "ml", "demo"

@@ -9,10 +9,11 @@ import pytest
 
 from app.budget import BudgetExhausted, check_not_exhausted
 from app.budget.config import BudgetConfig
-from app.budget.files import atomic_write_json
 from app.budget.ledger import Ledger, LedgerError, load_ledger, save_ledger
-from app.budget.watcher import Watcher, ledger_path_for
+from app.budget.view import ledger_path_for
+from app.budget.watcher import Watcher
 from app.errors import UserError
+from app.files import atomic_write_json
 
 T = 1_700_000_000.0
 

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from app.budget.ledger import Ledger, load_ledger, save_ledger
-from app.budget.watcher import ledger_path_for
+from app.budget.view import ledger_path_for
 from tests.conftest import REPO, cli_env, pretrain
 from tests.test_budget_inprocess import free_port, wait_for
 

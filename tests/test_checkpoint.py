@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
-from app import checkpoint as ckpt
 from app.config import ModelConfig
 from app.errors import UserError
-from app.model import build_model
+from app.trainer import checkpoint as ckpt
+from app.trainer.model import build_model
 from tests.conftest import FAST, pretrain
 
 

@@ -14,11 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from app import checkpoint as ckpt
 from app.cli import main as cli_main
 from app.config import config_from_dict
-from app.export import config_hash, effective_rows, load_final
-from app.model import build_model
+from app.files import sha256_file
+from app.tools.export import config_hash, effective_rows, load_final
+from app.trainer import checkpoint as ckpt
+from app.trainer.model import build_model
 from tests.conftest import FAST, pretrain
 from tests.prom_helpers import sets
 
@@ -80,7 +81,7 @@ def test_manifest(exported):
     assert m["stop"]["cause"] == "planned"
     assert m["checkpoint"]["latest_step"] == STEPS
     for name, digest in m["sha256"].items():
-        assert ckpt.sha256_file(out / name) == digest
+        assert sha256_file(out / name) == digest
     assert set(m["files"]) == {p.name for p in out.iterdir()}
 
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from app import checkpoint as ckpt
 from app.config import ModelConfig, OptimConfig
 from app.errors import ConfigError
-from app.model import build_model
-from app.optim import build_optimizer
-from app.parallel import load_state, model_state_dict, optimizer_state_dict
+from app.trainer import checkpoint as ckpt
+from app.trainer.model import build_model
+from app.trainer.optim import build_optimizer
+from app.trainer.parallel import load_state, model_state_dict, optimizer_state_dict
 from tests.conftest import FAST, REPO, cli_env, losses_by_step, pretrain, torchrun
 
 MICRO = 8 * 64  # FAST: micro-batch 8 x seq 64 tokens
@@ -130,7 +130,7 @@ def test_fp8_is_refused_on_cpu_in_one_line(tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "train.fp8" in lines[0] and "CPU" in lines[0]
-    from app.fp8 import check_fp8_device
+    from app.trainer.fp8 import check_fp8_device
 
     with pytest.raises(ConfigError, match="compute capability"):
         check_fp8_device(torch.device("cpu"))
@@ -139,8 +139,8 @@ def test_fp8_is_refused_on_cpu_in_one_line(tmp_path):
 META_WORKER = """
 import torch, torch.distributed as dist
 from app.config import load_config
-from app.optim import build_optimizer
-from app.parallel import build_parallel_model, init_distributed, model_state_dict, unwrap
+from app.trainer.optim import build_optimizer
+from app.trainer.parallel import build_parallel_model, init_distributed, model_state_dict, unwrap
 
 env = init_distributed("cpu")
 cfg = load_config(overrides=["model.vocab_size=256", "model.n_layer=2", "model.d_model=64", "model.n_head=4",

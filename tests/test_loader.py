@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from app.data.loader import TokenWindows, TrainLoader, val_batches
-from app.data.prepare import Manifest, ShardInfo
-from app.data.shards import write_shard
+from app.data.manifest import Manifest
+from app.data.shards import ShardInfo, write_shard
 
 
 @pytest.fixture

@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from app import memory
 from app.cli import main as cli_main
 from app.config import ModelConfig, OptimConfig, load_config
-from app.model import build_model, count_parameters
-from app.optim import build_optimizer
+from app.trainer import memory
+from app.trainer.model import build_model, count_parameters
+from app.trainer.optim import build_optimizer
 
 GB = memory.GB
 
@@ -24,7 +24,7 @@ def measure(cfg: ModelConfig, micro_batch: int, checkpointing: bool) -> dict:
     torch.manual_seed(0)
     model = build_model(cfg)
     if checkpointing:
-        from app.parallel import apply_activation_checkpointing
+        from app.trainer.parallel import apply_activation_checkpointing
 
         apply_activation_checkpointing(model)
     opt = build_optimizer(model, OptimConfig(), torch.device("cpu"))

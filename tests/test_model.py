@@ -8,8 +8,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from app.config import ModelConfig, load_config, preset_names
-from app.metrics import flops_per_token
-from app.model import build_model, count_parameters
+from app.trainer.metrics import flops_per_token
+from app.trainer.model import build_model, count_parameters
 
 
 def small(**kw) -> ModelConfig:

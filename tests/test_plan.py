@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from app import plan as P
 from app.errors import UserError
+from app.tools import plan as P
 
 
 def test_compute_optimal_spends_the_compute_and_minimises_the_loss():

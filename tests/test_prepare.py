@@ -15,7 +15,10 @@ import pytest
 
 from app.data.corpus import documents as embedded_documents
 from app.data.corpus import embedded_dataset
-from app.data.prepare import STATE, Manifest, PrepareConfig, is_val_document, prepare
+from app.data.manifest import Manifest, is_val_document
+from app.data.prepare import prepare
+from app.data.resume import STATE
+from app.data.settings import PrepareConfig
 from app.data.shards import HEADER_BYTES, open_shard, read_header
 from app.data.tokenizer import load_tokenizer, train_bpe
 from app.errors import UserError

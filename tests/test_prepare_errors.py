@@ -19,7 +19,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from app.data.prepare import LOCK, STATE, Manifest, PrepareConfig, prepare
+from app.data.manifest import Manifest
+from app.data.prepare import LOCK, prepare
+from app.data.resume import STATE
+from app.data.settings import PrepareConfig
 from app.data.shards import read_header
 from app.data.tokenizer import CharTokenizer, train_bpe
 

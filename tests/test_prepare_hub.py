@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from app.data.prepare import Manifest
+from app.data.manifest import Manifest
 from app.data.shards import open_shard
 from app.data.tokenizer import load_tokenizer, train_bpe
 

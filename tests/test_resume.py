@@ -108,7 +108,7 @@ def test_second_sigterm_during_save_corrupts_nothing(tmp_path):
     time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 143
-    from app.checkpoint import resolve_latest
+    from app.trainer.checkpoint import resolve_latest
 
     info = resolve_latest(run, warn=lambda m: pytest.fail(m))
     assert info is not None and info.step >= 3

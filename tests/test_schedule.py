@@ -7,9 +7,9 @@ import math
 import pytest
 
 from app.config import OptimConfig, ScheduleConfig
-from app.model import build_model
-from app.optim import param_groups
-from app.schedule import DecayPlan, budget_decay_steps, lr_at
+from app.trainer.model import build_model
+from app.trainer.optim import param_groups
+from app.trainer.schedule import DecayPlan, budget_decay_steps, lr_at
 from tests.conftest import FAST, pretrain, train_rows
 
 OPT = OptimConfig(lr=1.0, min_lr=0.1)

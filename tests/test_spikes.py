@@ -14,7 +14,7 @@ import urllib.request
 import torch
 from safetensors.torch import load_file
 
-from app.spikes import SpikeDetector, spike_batch
+from app.trainer.spikes import SpikeDetector, spike_batch
 from tests.conftest import FAST, REPO, cli_env, train_rows
 from tests.prom_helpers import free_port, sets
 

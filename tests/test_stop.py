@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from app.checkpoint import list_checkpoints
+from app.trainer.checkpoint import list_checkpoints
 from tests.conftest import FAST, REPO, cli_env, pretrain, spawn_train, train_rows, wait_for_step
 
 

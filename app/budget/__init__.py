@@ -10,18 +10,17 @@ The trainer's entry points:
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from app.budget.config import BudgetConfig, check_budget_config
 from app.budget.ledger import load_ledger
 from app.budget.metrics import BudgetMetrics
 from app.budget.pricing import detect_cuda_gpu_type, no_price_error, static_rate
-from app.budget.watcher import View, Watcher, ledger_path_for, state_path_for
+from app.budget.view import View, ledger_path_for, read_budget_state
+from app.budget.watcher import Watcher
 from app.errors import UserError
 
 __all__ = [
@@ -151,12 +150,3 @@ def start_in_process(cfg: BudgetConfig, run_dir: Path, stop_file: Path, world_si
         watcher.ledger_path,
     )
     return WatcherHandle(watcher)
-
-
-def read_budget_state(run_dir: Path) -> dict[str, Any] | None:
-    """RUN_DIR/budget/state.json as a dict, or None when absent or unreadable."""
-    try:
-        data = json.loads(state_path_for(Path(run_dir)).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None

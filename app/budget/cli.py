@@ -21,14 +21,16 @@ import yaml
 
 from app.budget import BudgetExhausted, check_not_exhausted
 from app.budget.config import BudgetConfig, check_budget_config
-from app.budget.files import atomic_write_json, read_status
+from app.budget.files import read_status
 from app.budget.ledger import load_ledger
 from app.budget.metrics import BudgetMetrics
 from app.budget.policy import PolicyInput, decide
 from app.budget.pricing import no_price_error, static_rate
 from app.budget.sources import make_source
-from app.budget.watcher import Watcher, ledger_path_for
+from app.budget.view import ledger_path_for
+from app.budget.watcher import Watcher
 from app.errors import UserError
+from app.files import atomic_write_json
 
 log = logging.getLogger("pretrain.budget")
 
@@ -364,14 +366,9 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m app.budget.cli` runs the watcher without the top-level CLI."""
-    parser = argparse.ArgumentParser(prog="pretrain watch", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    from app.command import main_for
+
+    return main_for("pretrain watch", __doc__.splitlines()[0], add_arguments, run, argv)
 
 
 if __name__ == "__main__":

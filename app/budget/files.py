@@ -1,47 +1,14 @@
-"""The files the watcher shares with the trainer: atomic JSON writes, status.json in, the stop file out.
-
-Atomic means temp file + fsync + rename in the same directory: a reader (or a crash) sees the old or the
-new content, never half of it.
-"""
+"""The files the watcher shares with the trainer: status.json in, the stop file out (atomic writes)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-
-def atomic_write_json(path: Path, data: Any, durable: bool = True) -> None:
-    """Write JSON atomically; durable also fsyncs the file and the directory (the ledger needs it)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(data, sort_keys=True, allow_nan=False) + "\n")  # C encoder: no indent
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    if durable:
-        try:
-            dfd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except OSError:
-            pass  # some filesystems cannot fsync a directory; the rename is still atomic
+from app.files import atomic_write_json
 
 
 def _num(data: dict, key: str) -> float:

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.budget.files import atomic_write_json
 from app.errors import UserError
+from app.files import atomic_write_json
 
 LEDGER_VERSION = 1
 MAX_SESSIONS = 200

@@ -4,14 +4,11 @@ trainer's exporter when both run in one process (in-process mode)."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from app.budget.policy import STATES
-
-if TYPE_CHECKING:
-    from app.budget.watcher import View
+from app.budget.view import View
 
 
 class BudgetMetrics:

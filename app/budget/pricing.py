@@ -2,7 +2,7 @@
 
 Prices are approximate on-demand USD per GPU-hour from public GPU-cloud list prices (2025); they drift
 and differ per provider, so `--price-per-gpu-hour` or a price table file (`budget.price_table`) wins.
-Peaks are dense bf16 TFLOP/s per GPU (no sparsity); app.metrics.PEAK_TFLOPS is preferred when it has the
+Peaks are dense bf16 TFLOP/s per GPU (no sparsity); app.trainer.metrics.PEAK_TFLOPS is preferred when it has the
 type, so the trainer's MFU and the planner agree.
 """
 
@@ -133,10 +133,10 @@ def price_per_gpu_hour(gpu_type: str, override: float = 0.0, table_path: str = "
 
 
 def peak_tflops(gpu_type: str) -> float:
-    """Dense bf16 TFLOP/s per GPU from app.metrics.PEAK_TFLOPS when it knows the type, else this table."""
+    """Dense bf16 TFLOP/s per GPU from app.trainer.metrics.PEAK_TFLOPS when it knows the type, else this table."""
     key = normalize(gpu_type)
     try:
-        from app.metrics import PEAK_TFLOPS  # the trainer's table, when it exists
+        from app.trainer.metrics import PEAK_TFLOPS  # the trainer's table, when it exists
 
         for name in (gpu_type, key, key.upper()):
             if name in PEAK_TFLOPS:

@@ -11,60 +11,24 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from app.budget.config import BudgetConfig
-from app.budget.files import atomic_write_json, clear_stale_budget_stop, read_status, write_stop_file
+from app.budget.files import clear_stale_budget_stop, read_status, write_stop_file
 from app.budget.kube import KubeActions
 from app.budget.ledger import Ledger, LedgerLock, Session, StopRecord, load_ledger, save_ledger
 from app.budget.metrics import BudgetMetrics
 from app.budget.policy import Decision, PolicyInput, decide
 from app.budget.sources import Reading, Source, make_source
+from app.budget.view import View, ledger_path_for
 from app.errors import UserError
+from app.files import atomic_write_json
 
 log = logging.getLogger("pretrain.budget")
 
 RESERVE_POLLS = 2.0  # a session killed without closing is charged this many polls of spend
 FALLBACK_LOG_SECONDS = 600.0  # repeat a persisting source failure in the log this often
-
-
-def ledger_path_for(run_dir: Path) -> Path:
-    return Path(run_dir) / "budget" / "ledger.json"
-
-
-def state_path_for(run_dir: Path) -> Path:
-    return Path(run_dir) / "budget" / "state.json"
-
-
-@dataclass(frozen=True)
-class View:
-    """The watcher's latest view: RUN_DIR/budget/state.json (contract fields first) and the metrics."""
-
-    spent_usd: float
-    cap_usd: float
-    rate_usd_per_hour: float
-    projected_total_usd: float
-    remaining_usd: float
-    seconds_to_cap: float | None
-    state: str
-    source: str
-    source_healthy: bool
-    updated_unix: float
-    # extras, beyond the contract
-    seconds_to_stop: float | None
-    decay: bool
-    decay_seconds: float | None
-    horizon_seconds: float
-    stop_mode: str
-    step_seconds: float
-    checkpoint_seconds: float
-    source_error: str
-    source_updated_unix: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class Watcher:

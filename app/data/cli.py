@@ -121,7 +121,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    from app.data.prepare import PrepareConfig
+    from app.data.settings import PrepareConfig
 
     if args.vocab_size is not None and args.tokenizer != "bpe":
         raise UserError("--vocab-size applies only when training a BPE tokenizer (--tokenizer bpe)")
@@ -160,19 +160,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line and exit 2, like every other bad input
-        raise UserError(f"{self.prog}: {message} (see --help)")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="pretrain prepare", description=DESCRIPTION)
-    add_arguments(parser)
-    try:
-        return run(parser.parse_args(argv))
-    except UserError as e:
-        print(f"pretrain prepare: error: {e}", file=sys.stderr)
-        return e.exit_code
+    from app.command import main_for
+
+    return main_for("pretrain prepare", DESCRIPTION, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from app.data.sources import SourceFile, file_format
+from app.data.inputs import SourceFile, file_format
 from app.errors import UserError
 
 DATASET_PREFIX = "hf://datasets/"

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from app.data.prepare import Manifest
+from app.config import DataConfig, ModelConfig
+from app.data.manifest import Manifest
 from app.data.shards import open_shard
 from app.errors import UserError
 
@@ -127,3 +128,27 @@ def val_batches(
     mine = chosen[rank::world_size]
     for i in range(0, len(mine), micro_batch_size):
         yield windows.batch(mine[i : i + micro_batch_size])
+
+
+def resolve_data_dir(data: DataConfig, log) -> Path:
+    """The data dir to train on: the embedded corpus (built on first use) or a `pretrain prepare` output."""
+    if data.dataset == "embedded":
+        from app.data.corpus import embedded_dataset
+
+        return embedded_dataset(data.tokenizer, data.vocab_size, data.val_fraction, data.cache_dir, log=log)
+    path = Path(data.dataset)
+    if not path.is_dir():
+        raise UserError(f"data.dataset={path} is not a directory; run `pretrain prepare --out {path}` first")
+    return path
+
+
+def fit_vocab(model: ModelConfig, manifest: Manifest, data_dir: Path) -> None:
+    """The model's vocab comes from the data unless set; shards with bigger ids are refused."""
+    vocab = manifest.vocab_size
+    if model.vocab_size == 0:
+        model.vocab_size = vocab
+    elif vocab > model.vocab_size:
+        raise UserError(
+            f"the tokenizer of {data_dir} has {vocab} tokens but model.vocab_size={model.vocab_size}; "
+            f"set model.vocab_size >= {vocab} or prepare the data with a matching tokenizer"
+        )

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from app.errors import UserError
+from app.files import fsync_dir
 
 MAGIC = b"PRETRAIN"
 VERSION = 1
@@ -38,14 +39,6 @@ def shard_name(split: str, index: int) -> str:
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
     """uint16 when every token id fits, else uint32."""
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _header(itemsize: int, count: int) -> bytes:
@@ -83,7 +76,7 @@ class ShardWriter:
         os.fsync(self._f.fileno())
         self._f.close()
         os.replace(self.tmp, self.path)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         return self.count, self._hash.hexdigest()
 
     def abort(self) -> None:

@@ -27,8 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app import checkpoint as ckpt
 from app.errors import UserError
+from app.files import sha256_file
+from app.trainer import checkpoint as ckpt
 
 MANIFEST_VERSION = 1
 CSV_COLUMNS = ("step", "name", "value")
@@ -372,7 +373,7 @@ def spend_summary(run_dir: Path, meta: dict) -> dict[str, Any]:
 
 
 def _sha256(path: Path) -> str:
-    return ckpt.sha256_file(path)
+    return sha256_file(path)
 
 
 def export(run_dir: Path, out: Path) -> Path:

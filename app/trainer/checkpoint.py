@@ -17,7 +17,6 @@ of checkpoints or the new one complete; leftover temp dirs are removed at the ne
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 import platform
@@ -33,6 +32,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from app.errors import UserError
+from app.files import fsync_dir, fsync_file, sha256_file
+from app.files import write_json_durable as write_json
 
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
@@ -47,37 +48,6 @@ def step_dir_name(step: int) -> str:
 
 def checkpoints_root(run_dir: Path) -> Path:
     return Path(run_dir) / CKPT_DIR
-
-
-# ---------------------------------------------------------------- file helpers
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json(path: Path, data: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------- state <-> tensors + JSON
@@ -233,7 +203,7 @@ class CheckpointWriter:
                 shutil.copyfile(extra, tmp / Path(extra).name)
             files = {}
             for p in sorted(tmp.iterdir()):
-                _fsync_file(p)
+                fsync_file(p)
                 files[p.name] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
                 nbytes += p.stat().st_size
             meta = {

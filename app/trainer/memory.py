@@ -1,7 +1,7 @@
 """Memory per GPU before anything is allocated: weights, gradients, optimizer state and activations
 for DDP and for FSDP at a world size, and the `train.parallel=auto` decision built on it.
 
-The counts follow this repo's model and trainer exactly (app/model.py, AdamW, fp32 master weights):
+The counts follow this repo's model and trainer exactly (app/trainer/model.py, AdamW, fp32 master weights):
 
     weights      fp32 master weights                      DDP 4P      FSDP 4P/N
     grads        fp32 gradients (DDP grads are bucket views) DDP 4P    FSDP 4P/N

@@ -149,19 +149,19 @@ def build_parallel_model(
     Deterministic: with the same torch seed, DDP and FSDP (built unsharded, then sharded) start from the
     same weights. `meta_init` (default: FSDP on CUDA, or weights above 4 GiB) builds on the meta device,
     shards, then materializes only the local shards."""
-    from app.model import build_model
+    from app.trainer.model import build_model
 
     fsdp = mode == "fsdp" and env.distributed
     if mode == "fsdp" and not env.distributed:
         log("train.parallel=fsdp with one process: nothing to shard, training unsharded")
     if meta_init is None:
-        from app.memory import param_split
+        from app.trainer.memory import param_split
 
         meta_init = fsdp and (device.type == "cuda" or 4 * param_split(cfg.model).total > META_INIT_CPU_BYTES)
     meta_init = meta_init and fsdp
     model = build_model(cfg.model, "meta" if meta_init else device)
     if cfg.train.fp8:
-        from app.fp8 import convert_to_fp8
+        from app.trainer.fp8 import convert_to_fp8
 
         convert_to_fp8(model, device, log)
     if cfg.train.activation_checkpointing:

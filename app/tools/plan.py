@@ -99,7 +99,7 @@ def _model_params(cfg) -> float:
     try:
         import torch
 
-        from app import model as model_mod
+        from app.trainer import model as model_mod
 
         m = cfg.model
         if not m.vocab_size:
@@ -197,15 +197,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
+    from app.command import main_for
 
-    parser = argparse.ArgumentParser(prog="pretrain plan", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    try:
-        return run(parser.parse_args(argv))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return main_for("pretrain plan", __doc__.splitlines()[0], add_arguments, run, argv)
 
 
 if __name__ == "__main__":

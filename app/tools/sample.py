@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
-from app import checkpoint as ckpt
 from app.config import config_from_dict
 from app.data.tokenizer import load_tokenizer
 from app.errors import UserError
-from app.model import build_model
+from app.trainer import checkpoint as ckpt
+from app.trainer.model import build_model
 
 
 def load_for_inference(spec: str, device: str = "cpu"):
@@ -43,3 +45,40 @@ def sample(
         y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k or None, generator=g)
         out.append(prompt + tok.decode(y[0, len(ids) :].tolist()))
     return out
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="RUN_DIR|CKPT_DIR",
+        help="a run dir (its newest valid checkpoint) or a checkpoints/step_NNNNNN dir",
+    )
+    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=200, metavar="N", help="tokens to generate (default 200)"
+    )
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (default 0.8)")
+    p.add_argument(
+        "--top-k", type=int, default=50, help="sample among the k likeliest tokens (default 50; 0 = all)"
+    )
+    p.add_argument("--num-samples", type=int, default=1, metavar="N", help="independent samples (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+
+
+def run(args: argparse.Namespace) -> int:
+    for text in sample(
+        args.checkpoint,
+        args.prompt,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        args.num_samples,
+        args.seed,
+    ):
+        print(text)
+        print("-" * 40)
+    return 0

@@ -1,0 +1,55 @@
+"""The budget files in a run dir and the watcher's view of them (RUN_DIR/budget/state.json): what the
+metrics, the CLI and the trainer read."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+def ledger_path_for(run_dir: Path) -> Path:
+    return Path(run_dir) / "budget" / "ledger.json"
+
+
+def state_path_for(run_dir: Path) -> Path:
+    return Path(run_dir) / "budget" / "state.json"
+
+
+@dataclass(frozen=True)
+class View:
+    """The watcher's latest view: RUN_DIR/budget/state.json (contract fields first) and the metrics."""
+
+    spent_usd: float
+    cap_usd: float
+    rate_usd_per_hour: float
+    projected_total_usd: float
+    remaining_usd: float
+    seconds_to_cap: float | None
+    state: str
+    source: str
+    source_healthy: bool
+    updated_unix: float
+    # extras, beyond the contract
+    seconds_to_stop: float | None
+    decay: bool
+    decay_seconds: float | None
+    horizon_seconds: float
+    stop_mode: str
+    step_seconds: float
+    checkpoint_seconds: float
+    source_error: str
+    source_updated_unix: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def read_budget_state(run_dir: Path) -> dict[str, Any] | None:
+    """RUN_DIR/budget/state.json as a dict, or None when absent or unreadable."""
+    try:
+        data = json.loads(state_path_for(run_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -1,0 +1,78 @@
+"""manifest.json: a data dir's table of contents (tokenizer, shards, split rule). The trainer reads
+only it and the shards."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from app.data.shards import ShardInfo
+from app.errors import UserError
+from app.files import atomic_write_json
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 2
+SPLITS = ("train", "val")
+
+
+def from_dict(cls, data: dict):
+    """Build a dataclass from JSON, ignoring keys a newer version may have added."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class Manifest:
+    tokenizer: dict
+    dtype: str
+    shard_tokens: int
+    train: list[ShardInfo] = field(default_factory=list)
+    val: list[ShardInfo] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+    version: int = MANIFEST_VERSION
+    documents: int = 0
+    val_fraction: float = 0.0
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer["vocab_size"])
+
+    def split(self, name: str) -> list[ShardInfo]:
+        return self.train if name == "train" else self.val
+
+    def tokens(self, name: str) -> int:
+        return sum(s.tokens for s in self.split(name))
+
+    def bytes_per_token(self, name: str) -> float:
+        shards = self.split(name)
+        tokens = sum(s.tokens for s in shards)
+        return sum(s.bytes for s in shards) / tokens if tokens else 0.0
+
+    def save(self, directory: Path) -> None:
+        atomic_write_json(Path(directory) / MANIFEST, asdict(self), indent=1)
+
+    @classmethod
+    def load(cls, directory: Path) -> Manifest:
+        path = Path(directory) / MANIFEST
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise UserError(
+                f"{directory} has no {MANIFEST}; create it with `pretrain prepare --out {directory}`"
+            ) from None
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"cannot read {path}: {e}") from None
+        data["train"] = [from_dict(ShardInfo, s) for s in data.get("train", [])]
+        data["val"] = [from_dict(ShardInfo, s) for s in data.get("val", [])]
+        return from_dict(cls, data)
+
+
+def is_val_document(index: int, val_fraction: float) -> bool:
+    """Deterministic document-level split: every round(1/f)-th document goes to validation."""
+    return index % val_period(val_fraction) == val_period(val_fraction) - 1
+
+
+def val_period(val_fraction: float) -> int:
+    return max(2, round(1 / val_fraction))

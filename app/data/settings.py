@@ -1,0 +1,134 @@
+"""What `pretrain prepare` takes (PrepareConfig), its checks, and how many workers it may use."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from app.data.shards import dtype_for_vocab
+from app.data.tokenizer import MIN_BPE_VOCAB
+from app.errors import UserError
+
+PIPELINE_VERSION = 1  # bump when the same settings would produce different shards
+
+
+@dataclass
+class PrepareConfig:
+    """Everything `pretrain prepare` takes; see app/data/cli.py for what each option means."""
+
+    inputs: list[str]
+    out_dir: Path
+    text_column: str = "text"
+    tokenizer: str = (
+        "bpe"  # bpe | char (trained on a sample) | PATH to tokenizer.json or a data dir | hf://REPO
+    )
+    vocab_size: int = 32768
+    sample_bytes: int = 256 << 20
+    char_alphabet: str = ""
+    val_fraction: float = 0.01
+    shard_tokens: int = 50_000_000
+    dtype: str = "auto"
+    workers: int = 0  # 0 = every core this process may use
+    txt_split: str = "file"
+    doc_chars: int = 4000
+    includes: list[str] = field(default_factory=list)  # extra include globs for hf:// inputs
+    revision: str | None = None
+    cache_dir: str | None = None
+    verify: str = "sha256"  # how a re-run checks kept shards: sha256 | size
+    progress: str = "auto"  # auto (bar on a terminal, else log lines) | bar | log | none
+    log_every: float = 30.0
+
+    @property
+    def trains_tokenizer(self) -> bool:
+        return self.tokenizer in ("bpe", "char")
+
+    def settings(self) -> dict:
+        """What determines the shards' content; a re-run with different settings refuses to mix them."""
+        s: dict = {
+            "pipeline": PIPELINE_VERSION,
+            "text_column": self.text_column,
+            "val_fraction": self.val_fraction,
+            "shard_tokens": self.shard_tokens,
+            "dtype": self.dtype,
+            "txt_split": self.txt_split,
+        }
+        if self.txt_split == "paragraph":
+            s["doc_chars"] = self.doc_chars
+        if self.tokenizer == "bpe":
+            s["tokenizer"] = {
+                "train": "bpe",
+                "vocab_size": self.vocab_size,
+                "sample_bytes": self.sample_bytes,
+            }
+        elif self.tokenizer == "char":
+            s["tokenizer"] = {
+                "train": "char",
+                "alphabet": self.char_alphabet,
+                "sample_bytes": 0 if self.char_alphabet else self.sample_bytes,
+            }
+        else:
+            s["tokenizer"] = {"load": True}
+        return s
+
+
+def check_config(cfg: PrepareConfig) -> None:
+    if not cfg.inputs:
+        raise UserError("no input: pass --input PATH or --input hf://datasets/OWNER/NAME")
+    if not 0 < cfg.val_fraction < 0.5:
+        raise UserError(f"--val-fraction must be in (0, 0.5), got {cfg.val_fraction}")
+    if cfg.shard_tokens < 1:
+        raise UserError(f"--shard-tokens must be >= 1, got {cfg.shard_tokens}")
+    if cfg.dtype not in ("auto", "uint16", "uint32"):
+        raise UserError(f"--dtype must be auto, uint16 or uint32, got {cfg.dtype}")
+    if cfg.tokenizer == "bpe":
+        if cfg.vocab_size < MIN_BPE_VOCAB:
+            raise UserError(
+                f"--vocab-size {cfg.vocab_size} is too small for a byte-level BPE; use >= {MIN_BPE_VOCAB}"
+            )
+        check_dtype(cfg.vocab_size, cfg.dtype)
+    if cfg.txt_split not in ("file", "line", "paragraph"):
+        raise UserError(f"--txt-split must be file, line or paragraph, got {cfg.txt_split}")
+    if cfg.verify not in ("sha256", "size"):
+        raise UserError(f"--verify must be sha256 or size, got {cfg.verify}")
+    if cfg.sample_bytes < 1:
+        raise UserError(f"--tokenizer-sample-bytes must be >= 1, got {cfg.sample_bytes}")
+
+
+def check_dtype(vocab_size: int, dtype: str) -> np.dtype:
+    if dtype == "uint16" and vocab_size > 2**16:
+        raise UserError(
+            f"a vocabulary of {vocab_size} tokens does not fit --dtype uint16 (at most 65536); "
+            "use --dtype uint32 or auto"
+        )
+    if vocab_size > 2**32:
+        raise UserError(f"a vocabulary of {vocab_size} tokens does not fit uint32 token ids")
+    return np.dtype(dtype) if dtype != "auto" else dtype_for_vocab(vocab_size)
+
+
+def default_workers() -> int:
+    """Cores this process may use: CPU affinity, capped by a cgroup CPU quota (a Kubernetes CPU limit)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    return max(1, min(cores, quota)) if quota else cores
+
+
+def _cgroup_cpu_quota() -> int:
+    """ceil(quota / period) from cgroup v2 `cpu.max` or v1 `cpu.cfs_quota_us`; 0 when unlimited or unknown."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        return 0 if quota == "max" else math.ceil(int(quota) / int(period))
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+        period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+        return math.ceil(quota / period) if quota > 0 and period > 0 else 0
+    except (OSError, ValueError):
+        return 0

@@ -1,0 +1,70 @@
+"""Durable file writes shared by every part: atomic JSON, fsync of files and directories, sha256.
+
+Atomic means temp file + fsync + rename in the same directory: a reader (or a crash) sees the old or
+the new content, never half of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in `path` durable; some filesystems cannot, the rename stays atomic."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_json(path: Path, data: Any, durable: bool = True, indent: int | None = None) -> None:
+    """Write JSON atomically; durable also fsyncs the file and the directory (ledgers, manifests)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(data, sort_keys=indent is None, indent=indent, allow_nan=False) + "\n")
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+def write_json_durable(path: Path, data: Any) -> None:
+    """Write and fsync in place: for files inside a temp dir that is renamed into place as a whole."""
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

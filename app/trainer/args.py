@@ -1,0 +1,109 @@
+"""`pretrain train` flags (also `python -m app.train` under torchrun), the config they resolve to, and
+`--print-config`."""
+
+from __future__ import annotations
+
+import argparse
+
+from app.config import Config, load_config, preset_names
+
+DESCRIPTION = "train a model (locally, or under torchrun / Kubernetes)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", help=f"config preset: {', '.join(preset_names())} (default: tiny)")
+    p.add_argument(
+        "--config", metavar="FILE.yaml", help="YAML file of config keys (applied after the preset)"
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key, dotted (e.g. --set model.n_layer=8); repeatable",
+    )
+    p.add_argument(
+        "--out",
+        default="runs/tiny",
+        metavar="RUN_DIR",
+        help="run directory: checkpoints/, metrics.jsonl, status.json, budget/ (default: runs/tiny)",
+    )
+    p.add_argument(
+        "--max-steps", type=int, metavar="N", help="planned end after N optimizer steps (train.max_steps)"
+    )
+    p.add_argument(
+        "--resume",
+        default="auto",
+        metavar="auto|never|PATH",
+        help="auto: continue from the newest valid checkpoint in RUN_DIR (default); never: start "
+        "fresh; PATH: a run dir or a checkpoints/step_NNNNNN dir",
+    )
+    p.add_argument(
+        "--stop-file",
+        metavar="PATH",
+        help='poll this JSON file each step; {"mode": "graceful"|"immediate"} stops the run '
+        "(default: RUN_DIR/stop.json)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus /metrics on this port (metrics.port; 0 = off)",
+    )
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config and parameter counts, then exit",
+    )
+    p.add_argument(
+        "--budget-cap-usd",
+        type=float,
+        metavar="X",
+        help="stop gracefully before spend reaches X dollars (budget.cap_usd)",
+    )
+    p.add_argument(
+        "--price-per-gpu-hour",
+        type=float,
+        metavar="P",
+        help="price of one GPU-hour in dollars for static spend tracking (budget.price_per_gpu_hour)",
+    )
+    p.add_argument("--gpus", type=int, metavar="N", help="GPUs billed (budget.gpus; default: the world size)")
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    cfg = load_config(
+        args.preset,
+        args.config,
+        args.overrides,
+        {
+            "train.max_steps": args.max_steps,
+            "metrics.port": args.metrics_port,
+            "budget.cap_usd": args.budget_cap_usd,
+            "budget.price_per_gpu_hour": args.price_per_gpu_hour,
+            "budget.gpus": args.gpus,
+        },
+    )
+    if cfg.metrics.port and cfg.budget.cap_usd and not cfg.budget.metrics_port:
+        cfg.budget.metrics_port = cfg.metrics.port + 1  # the in-process watcher's own /metrics
+    return cfg
+
+
+def print_config(cfg: Config) -> int:
+    import yaml
+
+    from app.trainer.memory import planned_world_size, print_lines
+    from app.trainer.metrics import flops_per_token
+    from app.trainer.model import count_parameters
+
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
+    if not cfg.model.vocab_size:  # from the data; embedded BPE gets data.vocab_size
+        cfg.model.vocab_size = cfg.data.vocab_size if cfg.data.tokenizer == "bpe" else 128
+        note = f" (vocab from the data; counted with {cfg.model.vocab_size})"
+    else:
+        note = ""
+    counts = count_parameters(cfg.model)
+    print(f"# parameters: {counts.total:,} total, {counts.non_embedding:,} non-embedding{note}")
+    print(f"# training FLOPs per token: {flops_per_token(cfg.model):,.0f}")
+    print("\n".join(print_lines(cfg, planned_world_size(cfg))))
+    return 0

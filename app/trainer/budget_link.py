@@ -1,0 +1,65 @@
+"""The training loop's one door to the budget (app.budget): the loop asks three questions and never
+touches the budget's files itself.
+
+- at start: is the budget already spent? (`BudgetExhausted`, every rank reads the ledger so all agree);
+  rank 0 also hosts the watcher thread unless a sidecar watches;
+- at a checkpoint: what has been spent so far? (recorded in meta.json);
+- every few seconds on rank 0: should the WSD decay start now? (from the watcher's projection; the
+  answer goes through the stop agreement so every rank starts the decay at the same step).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from app.config import Config
+from app.trainer.schedule import budget_decay_steps
+
+READ_EVERY_SECONDS = 5.0
+
+
+class BudgetLink:
+    def __init__(self, cfg: Config, run_dir: Path, stop_file: Path, is_rank0: bool, world_size: int) -> None:
+        self.cfg, self.run_dir, self.rank0 = cfg, Path(run_dir), is_rank0
+        self.enabled = cfg.budget.cap_usd > 0
+        self.watcher = None
+        self.last_read = 0.0
+        if not self.enabled:
+            return
+        from app.budget import check_not_exhausted, start_in_process
+
+        check_not_exhausted(cfg.budget, self.run_dir)  # raises BudgetExhausted
+        if is_rank0 and cfg.budget.in_process:
+            self.watcher = start_in_process(cfg.budget, self.run_dir, stop_file, world_size)
+
+    def _state(self) -> dict | None:
+        from app.budget import read_budget_state
+
+        return read_budget_state(self.run_dir)
+
+    def spent_usd(self, previous: float | None) -> float | None:
+        state = self._state() if self.enabled else None
+        return state.get("spent_usd") if state else previous
+
+    def decay_proposal(self, step: int, step_seconds: float, decaying: bool) -> int:
+        """Rank 0 proposes the budget-driven WSD decay (its length in steps) from the watcher's projection."""
+        cfg = self.cfg
+        if not (self.rank0 and self.enabled and cfg.schedule.name == "wsd" and not decaying):
+            return 0
+        now = time.monotonic()
+        if now - self.last_read < READ_EVERY_SECONDS:
+            return 0
+        self.last_read = now
+        state = self._state()
+        if not state or state.get("seconds_to_stop") is None:
+            return 0
+        # seconds_to_stop: when the watcher's graceful stop fires (checkpoint and margin already reserved)
+        return budget_decay_steps(
+            step, float(state["seconds_to_stop"]), step_seconds, 0.0, cfg.budget.decay_fraction
+        )
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
+            self.watcher = None

@@ -1,0 +1,50 @@
+"""RUN_DIR/status.json: the trainer's heartbeat, read by the budget watcher (sidecar or thread) for its
+projection (step and checkpoint times) and to know when the run is done. Global rank 0 writes it."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from app.files import atomic_write_json
+
+EVERY_SECONDS = 5.0
+
+
+class Heartbeat:
+    def __init__(self, run_dir: Path, enabled: bool = True) -> None:
+        self.path = Path(run_dir) / "status.json"
+        self.enabled = enabled
+        self.last = 0.0
+
+    def due(self) -> bool:
+        return self.enabled and time.monotonic() - self.last >= EVERY_SECONDS
+
+    def write(
+        self,
+        state: str,
+        step: int = 0,
+        tokens: int = 0,
+        step_seconds: float = 0.0,
+        checkpoint_seconds: float = 0.0,
+        last_checkpoint_step: int = 0,
+    ) -> None:
+        """state: running | saving | stopping | done | preempted | failed."""
+        if not self.enabled:
+            return
+        self.last = time.monotonic()
+        atomic_write_json(
+            self.path,
+            {
+                "step": step,
+                "tokens": tokens,
+                "step_seconds": step_seconds,
+                "checkpoint_seconds": checkpoint_seconds,
+                "last_checkpoint_step": max(last_checkpoint_step, 0),
+                "state": state,
+                "pid": os.getpid(),
+                "updated_unix": time.time(),
+            },
+            durable=False,  # a heartbeat: rename keeps it whole, losing one on a crash is fine
+        )

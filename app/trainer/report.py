@@ -1,0 +1,168 @@
+"""Where the loop's numbers go: the console (a tqdm bar on a terminal, else plain lines), the JSONL log
+(RUN_DIR/metrics.jsonl, global rank 0) and the Prometheus exporter. The loop hands over plain records;
+this file decides who sees what, so a new sink (an experiment tracker) is added here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from app.config import Config
+from app.trainer.metrics import JsonlLog, TrainerMetrics
+from app.trainer.parallel import DistEnv
+
+
+class Reporter:
+    def __init__(self, cfg: Config, env: DistEnv, run_dir: Path, with_mfu: bool) -> None:
+        self.cfg, self.env, self.rank0 = cfg, env, env.is_rank0
+        self.progress = None
+        self.metrics: TrainerMetrics | None = None
+        self.jsonl: JsonlLog | None = None
+        if cfg.metrics.port and env.is_local_rank0:
+            self.metrics = TrainerMetrics(
+                cfg.metrics.port, env.node, serve_global=self.rank0, with_mfu=with_mfu, addr=cfg.metrics.addr
+            )
+        if self.rank0:
+            self.jsonl = JsonlLog(Path(run_dir) / "metrics.jsonl")
+
+    @property
+    def global_metrics(self) -> TrainerMetrics | None:
+        """The exporter of global rank 0 (the one with every gauge), else None."""
+        return self.metrics if self.rank0 else None
+
+    # ------------------------------------------------------------ console
+
+    def log(self, msg: str) -> None:
+        if self.rank0:
+            if self.progress is not None:
+                self.progress.write(msg)
+            else:
+                print(msg, flush=True)
+
+    def open_progress(self, total: int, initial: int) -> None:
+        if self.rank0 and self.cfg.metrics.progress and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.progress = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+    def close_progress(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
+
+    # ------------------------------------------------------------ records
+
+    def event(self, kind: str, step: int, **fields) -> None:
+        if self.jsonl:
+            self.jsonl.write(kind, step, **fields)
+
+    def resumed(self, tokens: int, checkpoint_step: int, checkpoint_unix: float) -> None:
+        """A restarted process continues the run's counters from its checkpoint."""
+        g = self.global_metrics
+        if g is None:
+            return
+        g.tokens.inc(tokens)
+        if checkpoint_step >= 0:
+            g.ckpt_step.set(checkpoint_step)
+            g.ckpt_time.set(checkpoint_unix)
+
+    def info(self, labels: dict[str, str]) -> None:
+        if self.global_metrics:
+            self.global_metrics.info.info(labels)
+
+    def step_done(self, step: int, tokens_per_step: int) -> None:
+        """Every step, cheap: what the stalled-training alert and the token counter need."""
+        if self.progress is not None:
+            self.progress.update(1)
+        g = self.global_metrics
+        if g is not None:
+            g.step.set(step)
+            g.tokens.inc(tokens_per_step)
+            g.last_step_time.set(time.time())
+
+    def train(
+        self, step: int, tokens: int, m: dict, tps: float, mfu: float | None, planned_end_unix: float
+    ) -> None:
+        loops = m["loop_losses"]
+        refinement = (loops[0] - loops[-1]) / loops[0] if loops else None
+        row = {
+            "loss": m["loss"],
+            "lr": m["lr"],
+            "grad_norm": m["grad_norm"],
+            "tokens": tokens,
+            "tokens_per_second": tps,
+            "step_seconds": m["step_seconds"],
+            "data_wait_seconds": m["data_wait_seconds"],
+        }
+        if mfu is not None:
+            row["mfu"] = mfu
+        if loops:
+            row["loop_losses"] = loops
+            row["refinement"] = refinement
+        if m["spike"]:
+            row["spike"] = True
+        if m["injected"]:
+            row["injected_spike"] = True
+        self.event("train", step, **row)
+        if self.metrics:
+            self.metrics.node_tps.set(tps * self.env.local_world_size / self.env.world_size)
+        g = self.global_metrics
+        if g is not None:
+            g.train_loss.set(m["loss"])
+            g.lr.set(m["lr"])
+            g.grad_norm.set(m["grad_norm"])
+            g.tps.set(tps)
+            if mfu is not None:
+                g.mfu.set(mfu)
+            g.step_seconds.set(m["step_seconds"])
+            g.data_wait.set(m["data_wait_seconds"])
+            g.planned_end.set(planned_end_unix)
+            g.spike.set(1 if m["spike"] else 0)
+            if m["spike"]:
+                g.spikes.inc()
+            for i, v in enumerate(loops):
+                g.loop_loss.labels(loop=str(i)).set(v)
+            if loops:
+                g.refinement.set(refinement)
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                g.gpu_mem.set(torch.cuda.max_memory_allocated())
+        if self.progress is not None:
+            post = {"loss": f"{m['loss']:.3f}", "tok/s": f"{tps:,.0f}"}
+            if mfu is not None:
+                post["mfu"] = f"{mfu:.1%}"
+            self.progress.set_postfix(post, refresh=False)
+        else:
+            self.log(
+                f"step {step}/{self.cfg.train.max_steps} loss {m['loss']:.4f} lr {m['lr']:.2e} {tps:,.0f} tok/s"
+            )
+
+    def eval(self, step: int, val: float, bpb: float) -> None:
+        self.log(f"step {step}: val loss {val:.4f}, {bpb:.3f} bits/byte")
+        self.event("eval", step, val_loss=val, val_bpb=bpb)
+        if self.global_metrics:
+            self.global_metrics.val_loss.set(val)
+            self.global_metrics.val_bpb.set(bpb)
+
+    def checkpoint(self, step: int, path: Path, seconds: float, nbytes: int, reason: str) -> None:
+        self.log(f"checkpoint step {step} -> {path} ({nbytes / 1e6:.1f} MB in {seconds:.2f}s, {reason})")
+        self.event("checkpoint", step, path=str(path), seconds=seconds, bytes=nbytes, reason=reason)
+        g = self.global_metrics
+        if g is not None:
+            g.ckpt_seconds.set(seconds)
+            g.ckpt_step.set(step)
+            g.ckpt_time.set(time.time())
+
+    def stop_state(self, code: int) -> None:
+        if self.global_metrics:
+            self.global_metrics.stop_state.set(code)
+
+    def close(self) -> None:
+        self.close_progress()
+        if self.metrics:
+            self.metrics.close()
+        if self.jsonl:
+            self.jsonl.close()
