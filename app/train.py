@@ -45,6 +45,7 @@ from app.trainer.spikes import SpikeDetector, spike_batch
 from app.trainer.stopping import (
     EarlyStopping,
     PlannedEnd,
+    SignalFlag,
     StopAgreement,
     StopCause,
     StopDecision,
@@ -79,9 +80,16 @@ class TrainerState:
 
 class Trainer:
     def __init__(
-        self, cfg: Config, args: RunArgs, env: DistEnv, device: torch.device, budget: BudgetLink
+        self,
+        cfg: Config,
+        args: RunArgs,
+        env: DistEnv,
+        device: torch.device,
+        budget: BudgetLink,
+        signals: SignalFlag,
     ) -> None:
         self.cfg, self.args, self.env, self.device, self.budget = cfg, args, env, device, budget
+        self.signals = signals
         self.run_dir = Path(args.out)
         self.rank0 = env.is_rank0
         self.state = TrainerState()
@@ -153,6 +161,7 @@ class Trainer:
             self.early,
             self.rank0,
             torch.device("cpu") if self.device.type == "cpu" else self.device,
+            self.signals,
         )
         self.report = Reporter(cfg, env, self.run_dir, with_mfu=bool(self.peak))
         self.report.resumed(self.state.tokens, self.last_saved_step, self.resumed_saved_unix)
@@ -175,6 +184,11 @@ class Trainer:
         elif spec != "never":
             info = ckpt.resolve(spec, self.cfg.checkpoint.verify, warn=self.log)
         if info is None:
+            return
+        if (
+            info.step == 0
+        ):  # written by older versions; nothing learned yet, and its optimizer state is not real
+            self.log(f"ignoring {info.path}: a step-0 checkpoint holds nothing a fresh start does not")
             return
         ckpt.check_compatible(model, ckpt.load_model_shapes(info), info.path)  # every rank, header only
         # Rank 0 reads the full tensors; load_state broadcasts and re-shards them for this mode and world size.
@@ -337,7 +351,11 @@ class Trainer:
         )
 
     def save(self, reason: str) -> None:
+        """Collective. Step 0 is never saved: nothing has been learned, and a restart from the seed is the
+        same run (exact resume needs no checkpoint for it)."""
         st = self.state
+        if st.step == 0:
+            return
         st.loader = self.loader.state_dict()
         st.early_stopping = self.early.state_dict()
         st.spikes = self.spikes.state_dict()
@@ -382,9 +400,6 @@ class Trainer:
 
     def run(self) -> int:
         cfg, st = self.cfg, self.state
-        self.stopper.signals.install()
-        if st.step == 0 and cfg.train.eval_every:
-            self.evaluate()
         self.report.open_progress(cfg.train.max_steps, st.step)
         self.beat("running")
         start = time.monotonic()
@@ -403,6 +418,8 @@ class Trainer:
             )
             if decision.cause != StopCause.NONE:
                 break
+            if st.step == 0 and cfg.train.eval_every and self.last_eval_step != 0:
+                self.evaluate()  # after the first agreement: a stop during setup skips it
             if decay and not st.budget_decay:
                 st.budget_decay = {"start_step": st.step, "steps": decay}
                 self.log(f"budget: starting the LR decay now, {decay} steps before the cap")
@@ -464,13 +481,15 @@ class Trainer:
         return decision.exit_code
 
     def close(self) -> None:
-        if hasattr(self, "stopper"):
-            self.stopper.signals.uninstall()
         if self.report is not None:
             self.report.close()
 
 
 def train(cfg: Config, args: RunArgs) -> int:
+    # Signals are recorded from the start: a SIGTERM during setup (model build, resume, the data build) is
+    # taken at the first stop agreement, by every rank at the same step, instead of killing one rank.
+    signals = SignalFlag()
+    signals.install()
     env = init_distributed("cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu")
     trainer = None
     budget = None
@@ -485,7 +504,7 @@ def train(cfg: Config, args: RunArgs) -> int:
                 Path(args.out).mkdir(parents=True, exist_ok=True)
                 Heartbeat(Path(args.out)).write("done")  # tells a sidecar watcher we are done
             return 0
-        trainer = Trainer(cfg, args, env, device, budget)
+        trainer = Trainer(cfg, args, env, device, budget, signals)
         trainer.setup()
         return trainer.run()
     finally:
@@ -493,6 +512,7 @@ def train(cfg: Config, args: RunArgs) -> int:
             trainer.close()
         if budget is not None:
             budget.close()
+        signals.uninstall()
         shutdown_distributed()
 
 

@@ -168,11 +168,12 @@ class StopAgreement:
         early: EarlyStopping,
         is_rank0: bool,
         device: torch.device,
+        signals: SignalFlag | None = None,
     ) -> None:
         self.stop_file = stop_file if is_rank0 else None  # in Kubernetes only the master pod has it
         self.started_unix = PROCESS_START
         self.planned, self.early = planned, early
-        self.signals = SignalFlag()
+        self.signals = signals or SignalFlag()
         self.device = device
         self._buf = torch.zeros(3, dtype=torch.int64, device=device)
         self._reasons: dict[int, str] = {}
