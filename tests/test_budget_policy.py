@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from app.budget.policy import PolicyInput, decide
+from app.budget.policy import PolicyInput, decide, graceful_point_seconds, horizon_seconds
 from app.budget.simulate import SimParams, simulate, summary
 
 
@@ -154,3 +154,59 @@ def test_a_kill_during_the_graceful_checkpoint_still_refuses_the_restart(tmp_pat
     r = simulate(5, tmp_path, p)
     assert r.end == "graceful-killed" and r.restart_refused
     assert r.true_spent_usd <= p.cap_usd
+
+
+@pytest.mark.parametrize(
+    ("poll", "margin", "step", "ckpt"),
+    [(10, 2, 0.5, 1.0), (10, 0, 0.1, 0.1), (60, 0, 1, 30), (5, 60, 1, 20), (1, 0, 30, 120)],
+)
+def test_the_graceful_window_is_at_least_one_poll(poll, margin, step, ckpt):
+    """Between "a graceful stop is asked" (projection >= cap) and "no room for one" (spent + r*G >= cap)
+    lies H - G of spend time; a poll that lands nowhere inside it skips the graceful stop."""
+    timing = dict(poll_seconds=poll, margin_seconds=margin, step_seconds=step, checkpoint_seconds=ckpt)
+    i = inp(**timing)
+    assert horizon_seconds(i) - graceful_point_seconds(i) >= poll + margin
+    # walk a run poll by poll towards the cap at $36/h: the first stop asked is always graceful
+    spent, first = 100.0 - 0.01 * (horizon_seconds(i) + 3 * poll), ""
+    while not first:
+        first = decide(inp(spent_usd=spent, **timing)).stop
+        spent += 0.01 * poll
+    assert first == "graceful"
+
+
+def test_a_poll_longer_than_step_checkpoint_and_margin_still_stops_on_a_checkpoint(tmp_path):
+    """The reported case: poll 10 s, margin 2 s, a $0.06 cap at $3.60/h, half-second steps. With the
+    old horizon (poll + step + checkpoint + margin = 13.5 s) a poll jumped over the 3.5 s window and the
+    run ended with an immediate stop, its 90 steps lost."""
+    p = SimParams(
+        seed=7,
+        rate_usd_per_hour=3.6,
+        cap_usd=0.06,
+        step_seconds=0.5,
+        checkpoint_seconds=1.0,
+        checkpoint_every_seconds=600.0,
+        startup_seconds=5.0,
+        poll_seconds=10.0,
+        margin_seconds=2.0,
+        step_jitter=0.0,
+        checkpoint_jitter=0.0,
+    )
+    r = simulate(7, tmp_path, p)
+    assert (r.end, r.lost_steps, r.checkpoints) == ("graceful", 0, 1)
+    assert r.true_spent_usd <= p.cap_usd and r.restart_refused
+
+
+def test_random_poll_margin_step_and_checkpoint_times_stop_on_a_checkpoint():
+    """40 jobs with random timing settings (the benchmark runs 300): every budget stop ends on a
+    checkpoint, unless the cap does not even pay for the start-up, one step and one checkpoint."""
+    logging.disable(logging.WARNING)
+    try:
+        root = Path(_sim_dir())
+        results = [simulate(s, root, SimParams.random_timing(s)) for s in range(40)]
+    finally:
+        logging.disable(logging.NOTSET)
+    checked = [r for r in results if r.params.affords_step_and_checkpoint()]
+    assert len(checked) >= 30
+    lost = [(r.params.seed, r.end, r.lost_steps) for r in checked if r.lost_steps]
+    assert not lost, f"budget stops that threw away trained steps: {lost}"
+    assert all(r.restart_refused for r in results)

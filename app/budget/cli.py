@@ -279,8 +279,8 @@ def dry_run(
         return _dur((at - spent) / per_s if per_s > 0 else None)
 
     out.append(
-        f"  policy    at ${r:.2f}/h, horizon {dec.horizon_seconds:.1f} s = poll {cfg.poll_seconds:g} + step {step:.1f}"
-        f" + checkpoint {ckpt:.1f} + margin {cfg.margin_seconds:g}"
+        f"  policy    at ${r:.2f}/h, horizon {dec.horizon_seconds:.1f} s = max(poll {cfg.poll_seconds:g}, step "
+        f"{step:.1f} + checkpoint {ckpt:.1f}) + poll {cfg.poll_seconds:g} + margin {cfg.margin_seconds:g}"
     )
     out.append(f"    alert             at ${alert_at:.4f}  {when(alert_at)}")
     out.append(f"    LR decay (WSD)    at ${max(decay_at, 0):.4f}  {when(decay_at)}")

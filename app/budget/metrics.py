@@ -22,7 +22,7 @@ class BudgetMetrics:
         )
         self.projected = Gauge(
             "pretrain_budget_projected_total_usd",
-            "Spend projected at the next safe stopping point: poll + step + checkpoint + margin (USD)",
+            "Spend projected at the next safe stopping point: max(poll, step + checkpoint) + poll + margin (USD)",
             registry=r,
         )
         self.remaining = Gauge("pretrain_budget_remaining_usd", "Cap minus spent (USD)", registry=r)

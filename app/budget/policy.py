@@ -2,14 +2,18 @@
 
 Pure arithmetic, no I/O, so the same rules run in the watcher and in the simulated-clock tests.
 
-Horizon H = poll + step + checkpoint + margin: the watcher looks again only after `poll`, the trainer sees
-the stop file after finishing its current `step`, then writes a `checkpoint` (timed from the last save);
-`margin` absorbs jitter. Rules, with r the rate in USD/s:
+The graceful point G = max(poll, step + checkpoint): the trainer sees the stop file after finishing its
+current `step`, then writes a `checkpoint` (timed from the last save), and the watcher cannot look again
+sooner than `poll`; with less than G of spend left a graceful stop no longer fits. The horizon
+H = G + poll + margin reaches one whole poll (plus `margin`, for jitter) beyond that point, so the graceful
+window (H - G of spend) is never narrower than one poll and no poll can jump over it. (Before, H was
+poll + step + checkpoint + margin: with step + checkpoint + margin < poll a poll could skip from "ok" to
+"no room" and the run ended with an immediate stop and no checkpoint.) Rules, with r the rate in USD/s:
 
 - graceful stop when spent + r*H >= cap (the spend projected at the next safe stopping point);
 - immediate stop when spent >= cap, or when not even a graceful stop fits any more
-  (spent + r*max(poll, step + checkpoint) >= cap), or, with a graceful stop under way, when the cap
-  would be crossed before the next poll (spent + r*poll >= cap);
+  (spent + r*G >= cap), or, with a graceful stop under way, when the cap would be crossed before the
+  next poll (spent + r*poll >= cap);
 - alert when spent >= alert_fraction*cap or spent >= alert_usd (when set).
 """
 
@@ -51,8 +55,14 @@ class Decision:
     decay: bool  # the trainer should be decaying its LR now
 
 
+def graceful_point_seconds(inp: PolicyInput) -> float:
+    """G: the least spend time a graceful stop needs (a step and a checkpoint, and one poll to notice)."""
+    return max(inp.poll_seconds, inp.step_seconds + inp.checkpoint_seconds)
+
+
 def horizon_seconds(inp: PolicyInput) -> float:
-    return inp.poll_seconds + inp.step_seconds + inp.checkpoint_seconds + inp.margin_seconds
+    """H = G + poll + margin: at least one poll beyond the graceful point, whatever the settings."""
+    return graceful_point_seconds(inp) + inp.poll_seconds + inp.margin_seconds
 
 
 def decide(inp: PolicyInput) -> Decision:
@@ -69,7 +79,7 @@ def decide(inp: PolicyInput) -> Decision:
 
     stop, reason = "", ""
     if inp.stopping != "immediate":
-        graceful_cost = r * max(inp.poll_seconds, inp.step_seconds + inp.checkpoint_seconds)
+        graceful_cost = r * graceful_point_seconds(inp)
         if spent >= cap:
             stop, reason = "immediate", f"cap reached: ${spent:.4f} spent of the ${cap:.4f} cap"
         elif inp.stopping == "graceful" and spent + r * inp.poll_seconds >= cap:

@@ -93,6 +93,39 @@ class SimParams:
             downtime_seconds=rng.uniform(60, 3600),
         )
 
+    @classmethod
+    def random_timing(cls, seed: int) -> SimParams:
+        """A job that stresses the graceful window: random poll (1-120 s), margin (0-30 s), step
+        (0.05-30 s) and checkpoint (0.5-120 s) times, and a cap from below one step plus one checkpoint
+        up to a few hours; static rate, no preemptions (the window, not recovery, is under test)."""
+        rng = random.Random(seed)
+        step = math.exp(rng.uniform(math.log(0.05), math.log(30.0)))
+        ckpt = math.exp(rng.uniform(math.log(0.5), math.log(120.0)))
+        startup = rng.uniform(1.0, 60.0)
+        rate = rng.uniform(0.5, 50.0)
+        work = math.exp(rng.uniform(math.log(0.3 * (step + ckpt)), math.log(4 * 3600.0)))
+        return cls(
+            seed=seed,
+            rate_usd_per_hour=rate,
+            cap_usd=rate * (startup + work) / 3600,
+            step_seconds=step,
+            checkpoint_seconds=ckpt,
+            checkpoint_every_seconds=rng.uniform(60.0, 1800.0),
+            startup_seconds=startup,
+            poll_seconds=rng.uniform(1.0, 120.0),
+            margin_seconds=rng.uniform(0.0, 30.0),
+        )
+
+    def affords_step_and_checkpoint(self) -> bool:
+        """The cap pays for the start-up, one (slowest) step and one (slowest) checkpoint: below that no
+        budget stop can end on a checkpoint, whatever the policy does."""
+        need = (
+            self.startup_seconds
+            + self.step_seconds * (1 + self.step_jitter)
+            + self.checkpoint_seconds * (1 + self.checkpoint_jitter)
+        )
+        return self.cap_usd >= self.rate_usd_per_hour * need / 3600
+
 
 @dataclass
 class SimResult:
@@ -104,6 +137,7 @@ class SimResult:
     restart_refused: bool  # a restart after the end exits at once
     fallbacks: int
     checkpoints: int
+    lost_steps: int = 0  # steps trained after the last checkpoint when the job ended (work thrown away)
 
     @property
     def fraction(self) -> float:
@@ -242,6 +276,7 @@ class SimJob:
         self.ckpt_last = 0.0
         self.history: list[tuple[float, float, bool]] = []  # (t, true spent, pod up) for the billing poller
         self.fallbacks = 0
+        self.lost_steps = 0
 
     # ------------------------------------------------------------ true spend
 
@@ -361,6 +396,7 @@ class SimJob:
             self.fallbacks += watcher.fallbacks
             self.up = False
             self.history.append((self.t, self.true_spent, False))
+            self.lost_steps = trainer.steps_since_ckpt
             if reason != "kill":
                 watcher.close(self.t)  # the sidecar exits with the pod and flushes
             if reason == "kill" and trainer.exiting == "graceful":
@@ -379,6 +415,7 @@ class SimJob:
             restart_refused=restart_refused,
             fallbacks=self.fallbacks,
             checkpoints=self.checkpoints,
+            lost_steps=self.lost_steps,
         )
 
 
