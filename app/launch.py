@@ -100,4 +100,6 @@ def main(argv: list) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from app.restarts import gated  # retry budget + data verdict (app/restarts.py)
+
+    sys.exit(gated(main, sys.argv[1:]))

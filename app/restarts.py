@@ -1,0 +1,259 @@
+"""The launcher's gate: a retry budget kept in the run dir, and the data verdict of the wait step.
+
+Why: under the PyTorchJob `ExitCode` restart policy the Kubeflow training-operator (v1) retries every exit
+code >= 128 by deleting and recreating the pod, so no container ever restarts and `runPolicy.backoffLimit`,
+which counts container restarts, never trips (kubeflow/trainer#2045, "PytorchJob restartPolicy: ExitCode
+does not honor backoffLimit for retryable errors"). A crash that repeats with a code >= 128 (OOM kill
+137, segfault 139, NCCL abort 134) would loop until the budget cap, or forever without one. The chart
+therefore counts for itself, on the checkpoint volume that outlives the pods:
+
+    RUN_DIR/restarts/node-<R>.json      one file per node rank (no two pods write the same file)
+
+- An attempt is one run of the launcher. It is recorded when it starts and when it ends.
+- A *failure* is an end with a code >= 128 other than 143 (SIGTERM) and 130 (SIGINT), or no recorded
+  end at all (the pod vanished: SIGKILL, node loss). SIGTERM/SIGINT are requests to stop (preemption,
+  drain, delete, Kueue eviction) and never count; codes 1-127 are permanent anyway (the job fails).
+- *Progress* is a newer checkpoint (checkpoints/step_N) than the attempt started with; a failure that
+  made progress does not count, and any progress resets the count.
+- When the count exceeds `max_restarts` (the chart's `trainer.maxRestarts`), the launcher ends with
+  EXIT_RETRIES_SPENT (3, permanent under `ExitCode`), with one line saying why on stderr and in the
+  pod's termination message (`kubectl describe pod`), so the operator marks the job Failed.
+- A new Helm release revision (`helm upgrade`, env PRETRAIN_RESTARTS_EPOCH) starts a new count: the
+  documented way to retry after fixing the cause. Without Helm, delete RUN_DIR/restarts/.
+
+The wait-for-data initContainer cannot fail the job itself: the operator reads the exit code of the
+`pytorch` container only, and one that never ran reads as 0xbeef (48879, "retryable"). So the wait step
+writes its verdict to a file on the pod's emptyDir and exits 0, and the launcher ends with
+EXIT_DATA_NOT_READY (4, permanent) and the verdict's reason (app/data/wait.py).
+
+Configured by environment (set by the chart; without PRETRAIN_RUN_DIR the gate does nothing):
+PRETRAIN_RUN_DIR, PRETRAIN_MAX_RESTARTS, PRETRAIN_RESTARTS_EPOCH, PRETRAIN_DATA_VERDICT,
+PET_NODE_RANK (set by the training-operator), PRETRAIN_TERMINATION_LOG (default /dev/termination-log).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from app.files import atomic_write_json
+
+EXIT_RETRIES_SPENT = 3
+EXIT_DATA_NOT_READY = 4
+EXIT_NOT_WRITABLE = 2
+STOP_CODES = (130, 143)  # SIGINT, SIGTERM: asked to stop, not a failure
+KEEP_ATTEMPTS = 50
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def latest_checkpoint_step(run_dir: Path) -> int:
+    """The newest complete checkpoint's step, 0 when there is none. A checkpoint dir appears by an atomic
+    rename of a finished temp dir (app/trainer/checkpoint.py), so its name alone is proof enough here."""
+    best = 0
+    try:
+        entries = list((Path(run_dir) / "checkpoints").iterdir())
+    except OSError:
+        return 0
+    for p in entries:
+        m = STEP_DIR.match(p.name)
+        if m and (p / "meta.json").exists():
+            best = max(best, int(m.group(1)))
+    return best
+
+
+def termination_message(text: str) -> None:
+    """The pod's termination message (shown by `kubectl describe pod` and in the pod status), if the
+    kubelet provided the file; elsewhere nothing."""
+    path = Path(os.environ.get("PRETRAIN_TERMINATION_LOG", "/dev/termination-log"))
+    with contextlib.suppress(OSError):
+        if path.is_file():
+            path.write_text(text[:4000] + "\n")
+
+
+def is_failure(code: int | None) -> bool:
+    return code is None or (code >= 128 and code not in STOP_CODES)
+
+
+class RetryBudget:
+    def __init__(self, run_dir: Path, max_restarts: int, node_rank: int = 0, epoch: str = "") -> None:
+        self.run_dir = Path(run_dir)
+        self.max_restarts = max_restarts
+        self.epoch = epoch
+        self.path = self.run_dir / "restarts" / f"node-{node_rank}.json"
+        self.state: dict[str, Any] = {}
+
+    @classmethod
+    def from_env(cls) -> RetryBudget | None:
+        run_dir = os.environ.get("PRETRAIN_RUN_DIR", "")
+        if not run_dir:
+            return None
+        return cls(
+            Path(run_dir),
+            int(os.environ.get("PRETRAIN_MAX_RESTARTS", "5")),
+            int(os.environ.get("PET_NODE_RANK", "0") or 0),
+            os.environ.get("PRETRAIN_RESTARTS_EPOCH", ""),
+        )
+
+    def _load(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            data = None
+        if not isinstance(data, dict) or not isinstance(data.get("attempts"), list):
+            data = {"epoch": self.epoch, "failures": 0, "checkpoint_step": 0, "attempts": []}
+        return data
+
+    def _save(self) -> None:
+        self.state["attempts"] = self.state["attempts"][-KEEP_ATTEMPTS:]
+        atomic_write_json(self.path, self.state, durable=True)
+
+    def _count(self, attempt: dict[str, Any], step_now: int) -> None:
+        """Apply the rule to an attempt that has ended (its exit_code set, or None for no record)."""
+        st = self.state
+        progressed = step_now > int(attempt.get("checkpoint_step", 0))
+        attempt["counted"] = is_failure(attempt.get("exit_code")) and not progressed
+        if progressed or attempt.get("exit_code") == 0:
+            st["failures"] = 0
+        if attempt["counted"]:
+            st["failures"] = int(st.get("failures", 0)) + 1
+        st["checkpoint_step"] = step_now
+
+    def _refusal(self) -> str:
+        st = self.state
+        codes = [
+            "none recorded" if a.get("exit_code") is None else str(a["exit_code"])
+            for a in st["attempts"]
+            if a.get("counted")
+        ][-st["failures"] :]
+        return (
+            f"launch: {st['failures']} failed attempts in a row without a new checkpoint (exit codes "
+            f"{', '.join(codes)}; newest checkpoint step {st['checkpoint_step']}) exceed "
+            f"trainer.maxRestarts={self.max_restarts}: exit {EXIT_RETRIES_SPENT} (permanent) so the "
+            f"PyTorchJob fails instead of restarting forever (ExitCode retries every code >= 128, "
+            f"kubeflow/trainer#2045). Fix the cause (`kubectl logs --previous`), then `helm upgrade` "
+            f"(a new revision restarts the count) or delete {self.path.parent}"
+        )
+
+    def begin(self) -> str:
+        """Record the start of an attempt; returns the refusal line when the budget is spent, else ""."""
+        self.state = self._load()
+        st = self.state
+        step = latest_checkpoint_step(self.run_dir)
+        if st.get("epoch", "") != self.epoch:  # a new release revision: a new count
+            st.update(epoch=self.epoch, failures=0)
+        last = st["attempts"][-1] if st["attempts"] else None
+        if last is not None and "end_unix" not in last:  # the previous attempt left no record
+            last.update(end_unix=0.0, exit_code=None)
+            self._count(last, step)
+        elif step > int(st.get("checkpoint_step", 0)):
+            st.update(failures=0, checkpoint_step=step)
+        refusal = self._refusal() if st["failures"] > self.max_restarts else ""
+        st["attempts"].append(
+            {
+                "start_unix": time.time(),
+                "checkpoint_step": step,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                **(
+                    {"refused": True, "end_unix": time.time(), "exit_code": EXIT_RETRIES_SPENT}
+                    if refusal
+                    else {}
+                ),
+            }
+        )
+        self._save()
+        return refusal
+
+    def end(self, code: int) -> tuple[int, str]:
+        """Record the end; returns the exit code to use (EXIT_RETRIES_SPENT once the budget is spent)
+        and the line saying why ("" when the code is kept)."""
+        st = self.state
+        attempt = st["attempts"][-1]
+        attempt.update(end_unix=time.time(), exit_code=code)
+        self._count(attempt, latest_checkpoint_step(self.run_dir))
+        line = ""
+        if attempt["counted"] and st["failures"] > self.max_restarts:
+            line = self._refusal()
+            attempt["replaced_by"] = EXIT_RETRIES_SPENT
+            code = EXIT_RETRIES_SPENT
+        elif attempt["counted"]:
+            print(
+                f"launch: exit {attempt['exit_code']} without a new checkpoint: failure "
+                f"{st['failures']} of {self.max_restarts + 1} allowed in a row ({self.path})",
+                file=sys.stderr,
+                flush=True,
+            )
+        self._save()
+        return code, line
+
+
+def data_verdict() -> dict[str, Any] | None:
+    """The wait-for-data step's verdict (PRETRAIN_DATA_VERDICT), when it gave up on the data."""
+    path = os.environ.get("PRETRAIN_DATA_VERDICT", "")
+    if not path:
+        return None
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("reason") else None
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+    termination_message(line)
+
+
+def before_launch() -> tuple[RetryBudget | None, int | None]:
+    """(the budget to close after the run, an exit code to end with at once, or None to launch)."""
+    verdict = data_verdict()
+    if verdict:
+        _say(f"launch: no training data: {verdict['reason']} -> exit {EXIT_DATA_NOT_READY} (permanent)")
+        return None, EXIT_DATA_NOT_READY
+    budget = RetryBudget.from_env()
+    if budget is None:
+        return None, None
+    try:
+        refusal = budget.begin()
+    except OSError as e:
+        _say(
+            f"launch: cannot write {budget.path.parent} as uid {os.getuid()} gid {os.getgid()} "
+            f"({e.strerror}): the checkpoint volume is not writable by the trainer. With the chart keep "
+            f"volumePermissions.enabled=true (a root init step hands /ckpt to uid 1000), or make the "
+            f"volume's root owned by (or group-writable for) gid {os.getgid()}; fsGroup is not applied "
+            f"to ReadWriteMany volumes whose CSI driver has fsGroupPolicy ReadWriteOnceWithFSType "
+            f"-> exit {EXIT_NOT_WRITABLE}"
+        )
+        return None, EXIT_NOT_WRITABLE
+    if refusal:
+        _say(refusal)
+        return None, EXIT_RETRIES_SPENT
+    return budget, None
+
+
+def after_launch(budget: RetryBudget | None, code: int) -> int:
+    if budget is None:
+        return code
+    try:
+        new, line = budget.end(code)
+    except OSError as e:  # the volume went away under us: keep the worker's code
+        print(f"launch: cannot record the attempt in {budget.path}: {e.strerror}", file=sys.stderr)
+        return code
+    if line:
+        _say(line)
+    return new
+
+
+def gated(main, argv: list) -> int:
+    """main(argv) between before_launch and after_launch: the launcher's entry point in a pod."""
+    budget, code = before_launch()
+    if code is not None:
+        return code
+    return after_launch(budget, main(argv))
