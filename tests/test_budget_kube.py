@@ -27,12 +27,16 @@ NS, JOB = "ml", "demo"
 pytestmark = pytest.mark.filterwarnings("ignore:HTTPResponse.getheader:DeprecationWarning")
 JOB_PATH = f"/apis/kubeflow.org/v1/namespaces/{NS}/pytorchjobs/{JOB}"
 EVENTS_PATH = f"/api/v1/namespaces/{NS}/events"
+WORKLOADS_PATH = f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{NS}/workloads"
 
 
 class FakeApiServer:
     def __init__(self):
         self.requests: list[dict] = []
         self.deny_events = False
+        self.job_labels: dict = {}
+        self.workloads: list[dict] = []  # Kueue Workloads in the namespace
+        self.workload_uid_label = True  # Kueue versions before the job-uid label: owner references only
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -67,8 +71,22 @@ class FakeApiServer:
         job = {
             "apiVersion": "kubeflow.org/v1",
             "kind": "PyTorchJob",
-            "metadata": {"name": JOB, "namespace": NS, "uid": "uid-42"},
+            "metadata": {"name": JOB, "namespace": NS, "uid": "uid-42", "labels": self.job_labels},
         }
+        path, _, query = req["path"].partition("?")
+        if req["method"] == "GET" and path == WORKLOADS_PATH:
+            items = self.workloads
+            if "labelSelector=" in query:
+                want = (
+                    query.split("labelSelector=", 1)[1].split("&")[0].replace("%2F", "/").replace("%3D", "=")
+                )
+                key, _, value = want.partition("=")
+                items = [
+                    w for w in items if self.workload_uid_label and w["metadata"]["labels"].get(key) == value
+                ]
+            return 200, {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "WorkloadList", "items": items}
+        if req["method"] == "PATCH" and path.startswith(WORKLOADS_PATH + "/"):
+            return 200, {"metadata": {"name": path.rsplit("/", 1)[1]}}
         if req["method"] == "GET" and req["path"] == JOB_PATH:
             return 200, job
         if req["method"] == "PATCH" and req["path"] == JOB_PATH:
@@ -129,10 +147,41 @@ def test_event_on_the_pytorchjob(api):
 
 def test_suspend_is_a_merge_patch_of_run_policy(api):
     assert actions(api).suspend()
-    (patch,) = api.requests
+    get, patch = api.requests  # the job's labels first: a job under Kueue is not suspended this way
+    assert (get["method"], get["path"]) == ("GET", JOB_PATH)
     assert (patch["method"], patch["path"]) == ("PATCH", JOB_PATH)
     assert patch["content_type"] == "application/merge-patch+json"
     assert patch["body"] == {"spec": {"runPolicy": {"suspend": True}}}
+
+
+def _workload(name: str, owner_uid: str) -> dict:
+    return {
+        "metadata": {
+            "name": name,
+            "labels": {"kueue.x-k8s.io/job-uid": owner_uid},
+            "ownerReferences": [{"kind": "PyTorchJob", "name": "x", "uid": owner_uid}],
+        }
+    }
+
+
+@pytest.mark.parametrize("uid_label", [True, False], ids=["job-uid-label", "owner-reference"])
+def test_under_kueue_the_last_resort_deactivates_the_workload(api, uid_label):
+    """Kueue unsuspends an admitted job, so a job with a queue-name label gets its Workload deactivated
+    (spec.active: false), which Kueue honours: it evicts the workload and keeps the job suspended."""
+    api.job_labels = {"kueue.x-k8s.io/queue-name": "gpu-queue"}
+    api.workloads = [
+        _workload("pytorchjob-other-1a2b3", "uid-7"),
+        _workload("pytorchjob-demo-9f8e7", "uid-42"),
+    ]
+    api.workload_uid_label = uid_label
+    assert actions(api).suspend()
+    patches = api.calls("PATCH")
+    assert [p["path"] for p in patches] == [f"{WORKLOADS_PATH}/pytorchjob-demo-9f8e7"]
+    assert patches[0]["body"] == {"spec": {"active": False}}
+    assert patches[0]["content_type"] == "application/merge-patch+json"
+    assert not [r for r in api.requests if r["method"] == "PATCH" and r["path"] == JOB_PATH]
+    api.workloads = []
+    assert actions(api).suspend() is False  # no Workload found: logged, not raised
 
 
 def test_api_errors_are_logged_not_raised(api, caplog):

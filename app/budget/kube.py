@@ -1,12 +1,18 @@
 """Optional Kubernetes actions: Events on the PyTorchJob for alerts and stops, and, as the last resort when
 the trainer ignores an immediate stop, suspending the PyTorchJob (spec.runPolicy.suspend: true).
 
+Under Kueue (the job carries the label kueue.x-k8s.io/queue-name) a suspend would not hold: Kueue owns
+`suspend` of the jobs it manages and unsuspends a job whose Workload is still admitted. There the last
+resort deactivates the job's Workload instead (spec.active: false): Kueue evicts it, suspends the job and
+keeps it so until someone reactivates it.
+
 Only inside a cluster (KUBERNETES_SERVICE_HOST set) or with budget.kube=on. A failed API call is logged and
 never stops the watcher: the stop file is the primary path, these are extras.
 
 RBAC (namespaced Role for the pod's service account):
   - apiGroups [""], resources [events], verbs [create]
   - apiGroups [kubeflow.org], resources [pytorchjobs], verbs [get, patch]
+  - under Kueue: apiGroups [kueue.x-k8s.io], resources [workloads], verbs [list, patch]
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ from app.errors import UserError
 log = logging.getLogger("pretrain.budget")
 
 GROUP, VERSION, PLURAL, KIND = "kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"
+KUEUE_GROUP, KUEUE_VERSION, WORKLOADS = "kueue.x-k8s.io", "v1beta1", "workloads"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 COMPONENT = "pretrain-budget-watcher"
 TIMEOUT = 5.0
@@ -40,14 +49,23 @@ def _namespace(cfg: BudgetConfig) -> str:
 
 
 class KubeActions:
-    def __init__(self, namespace: str, job_name: str, api_client: Any):
+    def __init__(
+        self,
+        namespace: str,
+        job_name: str,
+        api_client: Any,
+        component: str = COMPONENT,
+        prefix: str = "budget",
+    ):
         from kubernetes import client
 
         self.namespace = namespace
         self.job_name = job_name
+        self.component = component
+        self.prefix = prefix  # Events are named <job>-<prefix>-<random>
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
-        self._uid: str | None = None
+        self._job: dict | None = None
 
     @classmethod
     def from_config(cls, cfg: BudgetConfig) -> KubeActions | None:
@@ -79,13 +97,16 @@ class KubeActions:
             return None
         return cls(_namespace(cfg), job, client.ApiClient())
 
-    def _job_uid(self) -> str:
-        if self._uid is None:
+    def _job_meta(self) -> dict:
+        if self._job is None:
             job = self.custom.get_namespaced_custom_object(
                 GROUP, VERSION, self.namespace, PLURAL, self.job_name, _request_timeout=TIMEOUT
             )
-            self._uid = str(job.get("metadata", {}).get("uid", ""))
-        return self._uid
+            self._job = dict(job.get("metadata", {}))
+        return self._job
+
+    def _job_uid(self) -> str:
+        return str(self._job_meta().get("uid", ""))
 
     def event(self, reason: str, message: str, warning: bool = True) -> bool:
         """A core/v1 Event on the PyTorchJob (shows in `kubectl describe pytorchjob`)."""
@@ -109,14 +130,17 @@ class KubeActions:
             body = {
                 "apiVersion": "v1",
                 "kind": "Event",
-                "metadata": {"generateName": f"{self.job_name}-budget-", "namespace": self.namespace},
+                "metadata": {
+                    "generateName": f"{self.job_name}-{self.prefix}-",
+                    "namespace": self.namespace,
+                },
                 "involvedObject": involved,
                 "reason": reason,
                 "message": message[:1024],
                 "type": "Warning" if warning else "Normal",
-                "source": {"component": COMPONENT},
-                "reportingComponent": COMPONENT,
-                "reportingInstance": os.environ.get("HOSTNAME", COMPONENT),
+                "source": {"component": self.component},
+                "reportingComponent": self.component,
+                "reportingInstance": os.environ.get("HOSTNAME", self.component),
                 "firstTimestamp": now,
                 "lastTimestamp": now,
                 "count": 1,
@@ -128,7 +152,15 @@ class KubeActions:
             return False
 
     def suspend(self) -> bool:
-        """spec.runPolicy.suspend=true (merge patch): the operator deletes the pods and keeps the job."""
+        """spec.runPolicy.suspend=true (merge patch): the operator deletes the pods and keeps the job.
+        Under Kueue: deactivate the job's Workload instead (see the module docstring)."""
+        try:
+            labels = self._job_meta().get("labels") or {}
+        except Exception as e:  # cannot read the job: try the plain suspend
+            log.warning("budget: cannot read PyTorchJob %s/%s: %s", self.namespace, self.job_name, _short(e))
+            labels = {}
+        if labels.get(QUEUE_LABEL):
+            return self._deactivate_workload()
         try:
             self.custom.patch_namespaced_custom_object(
                 GROUP,
@@ -143,6 +175,48 @@ class KubeActions:
             return True
         except Exception as e:
             log.error("budget: cannot suspend PyTorchJob %s/%s: %s", self.namespace, self.job_name, _short(e))
+            return False
+
+    def _deactivate_workload(self) -> bool:
+        """spec.active=false on the Kueue Workload owned by this job (found by Kueue's job-uid label, or
+        by its owner reference on Kueue versions without that label)."""
+        uid = self._job_uid()
+        try:
+            found = self.custom.list_namespaced_custom_object(
+                KUEUE_GROUP,
+                KUEUE_VERSION,
+                self.namespace,
+                WORKLOADS,
+                label_selector=f"{JOB_UID_LABEL}={uid}",
+                _request_timeout=TIMEOUT,
+            ).get("items", [])
+            if not found:
+                every = self.custom.list_namespaced_custom_object(
+                    KUEUE_GROUP, KUEUE_VERSION, self.namespace, WORKLOADS, _request_timeout=TIMEOUT
+                ).get("items", [])
+                found = [
+                    w
+                    for w in every
+                    if any(o.get("uid") == uid for o in w.get("metadata", {}).get("ownerReferences", []))
+                ]
+            if not found:
+                log.error("budget: no Kueue Workload owned by PyTorchJob %s (uid %s)", self.job_name, uid)
+                return False
+            name = found[0]["metadata"]["name"]
+            self.custom.patch_namespaced_custom_object(
+                KUEUE_GROUP,
+                KUEUE_VERSION,
+                self.namespace,
+                WORKLOADS,
+                name,
+                {"spec": {"active": False}},
+                _request_timeout=TIMEOUT,
+                _content_type="application/merge-patch+json",
+            )
+            log.error("budget: deactivated Kueue Workload %s of PyTorchJob %s", name, self.job_name)
+            return True
+        except Exception as e:
+            log.error("budget: cannot deactivate the Kueue Workload of %s: %s", self.job_name, _short(e))
             return False
 
 
