@@ -32,6 +32,10 @@ COMMANDS = {
     "train": ("app.train", "train a model (locally, or under torchrun / Kubernetes)"),
     "prepare": ("app.data.cli", "tokenize raw text (HF Hub or local files) into training shards"),
     "watch": ("app.budget.cli", "watch spend against a budget cap; stop the trainer before it is crossed"),
+    "wait-data": (
+        "app.data.wait",
+        "wait for the prepare Job's output; give up on a failed or missing prepare",
+    ),
     "plan": ("app.tools.plan", "what model, tokens and hours a budget buys (Chinchilla)"),
     "sample": ("app.tools.sample", "generate text from a checkpoint"),
     "export": ("app.tools.export", "export a run: manifest, metrics CSV, plots, final weights"),

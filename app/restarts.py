@@ -43,10 +43,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from app.data.wait import EXIT_DATA_NOT_READY
 from app.files import atomic_write_json
 
 EXIT_RETRIES_SPENT = 3
-EXIT_DATA_NOT_READY = 4
 EXIT_NOT_WRITABLE = 2
 STOP_CODES = (130, 143)  # SIGINT, SIGTERM: asked to stop, not a failure
 KEEP_ATTEMPTS = 50
