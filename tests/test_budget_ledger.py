@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import datetime, timezone
 
 import pytest
 
@@ -163,3 +164,71 @@ def test_an_unwritable_run_dir_is_a_user_error(tmp_path):
     (tmp_path / "file").write_text("not a dir")
     with pytest.raises(UserError, match="cannot create"):
         watcher(tmp_path / "file" / "run", cfg(), T)
+
+
+def _beat(run, now: float, state: str = "running") -> None:
+    atomic_write_json(run / "status.json", {"step": 1, "state": state, "updated_unix": now})
+
+
+def test_a_run_that_never_trains_is_billed_only_its_idle_allowance(tmp_path, caplog):
+    """A failed prepare: the pods wait, the trainer never starts. $36/h with a 600 s allowance: 2 h of
+    waiting cost $6 of the cap, the other $66 are recorded as unbilled; no stop is asked for."""
+    run = tmp_path / "run"
+    w = watcher(run, cfg(idle_allowance_seconds=600.0), T)
+    for t in range(60, 7201, 60):
+        view = w.tick(T + t)
+    assert view.spent_usd == pytest.approx(6.0) and view.state == "ok" and not (run / "stop.json").exists()
+    w.close(T + 7200)
+    led = load_ledger(ledger_path_for(run))
+    assert led.spent_usd == pytest.approx(6.0) and led.trained_unix == 0
+    assert led.unbilled_usd == pytest.approx(66.0) and led.unbilled_seconds == pytest.approx(6600.0)
+    assert led.idle_seconds == pytest.approx(7200.0)
+    assert caplog.text.count("further waiting is not charged") == 1
+    # the data arrives in a new pod: the first heartbeat starts the billing for good
+    w = watcher(run, cfg(idle_allowance_seconds=600.0), T + 8000)
+    w.tick(T + 8060)
+    _beat(run, T + 8100)
+    w.tick(T + 8160)
+    w.close(T + 8200)
+    led = load_ledger(ledger_path_for(run))
+    assert led.trained_unix == T + 8160 and led.unbilled_usd == pytest.approx(66.0 + 0.6)
+    assert led.spent_usd == pytest.approx(6.0 + 1.4)
+    # later waits (a restart after training began) are ordinary spend
+    w = watcher(run, cfg(idle_allowance_seconds=600.0), T + 9000)
+    w.tick(T + 10000)
+    w.close(T + 10000)
+    assert load_ledger(ledger_path_for(run)).spent_usd == pytest.approx(7.4 + 10.0)
+
+
+def test_unbilled_idle_spend_with_a_billing_file(tmp_path):
+    """A billing source reports the job's whole spend, idle part included: the ledger keeps its own
+    unbilled part apart, so training is charged what it costs, not the idle hours again."""
+    run = tmp_path / "run"
+    bill = tmp_path / "billing.json"
+
+    def billed(t: float) -> None:  # the billing system: $36/h from T on, updated now
+        stamp = datetime.fromtimestamp(T + t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        bill.write_text(
+            json.dumps(
+                {
+                    "spent_usd": t * 0.01,
+                    "rate_usd_per_hr": 36.0,
+                    "hours_elapsed": t / 3600,
+                    "projected_total_usd": 0.0,
+                    "last_update_utc": stamp,
+                }
+            )
+        )
+
+    c = cfg(source="file", source_path=str(bill), idle_allowance_seconds=300.0, stale_seconds=600.0)
+    w = watcher(run, c, T)
+    for t in range(60, 3601, 60):
+        billed(t)
+        w.tick(T + t)
+    assert w.ledger.spent_usd == pytest.approx(3.0) and w.ledger.unbilled_usd == pytest.approx(33.0)
+    _beat(run, T + 3601)
+    for t in range(3660, 4201, 60):
+        billed(t)
+        w.tick(T + t)
+    assert w.ledger.spent_usd == pytest.approx(3.0 + 6.0)
+    w.close(T + 4200)

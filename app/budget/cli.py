@@ -81,6 +81,12 @@ FIELD_FLAGS = {
         float,
         "suspend the PyTorchJob when the trainer still runs this long after an immediate stop",
     ),
+    "idle_allowance_seconds": (
+        "--idle-allowance-seconds",
+        float,
+        "time charged to the cap before the trainer first reports training (a data wait, a crash loop); "
+        "the rest is recorded as unbilled in the ledger",
+    ),
 }
 
 

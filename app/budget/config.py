@@ -33,6 +33,9 @@ class BudgetConfig:
     job_name: str = ""  # PyTorchJob name for Events/suspend; "" = $PRETRAIN_JOB_NAME
     namespace: str = ""  # its namespace; "" = $POD_NAMESPACE or the service account's namespace
     suspend_grace_seconds: float = 120.0  # after an immediate stop, suspend the job if the trainer still runs
+    # Until the trainer first reports training (a data wait, a crash loop before step 1), only this much time
+    # is charged to the cap; the rest is recorded in the ledger as unbilled_usd, not spent from the budget.
+    idle_allowance_seconds: float = 1800.0
 
 
 def check_budget_config(cfg: BudgetConfig) -> None:
@@ -42,7 +45,14 @@ def check_budget_config(cfg: BudgetConfig) -> None:
         if not cond:
             raise UserError(msg)
 
-    for key in ("cap_usd", "price_per_gpu_hour", "alert_usd", "margin_seconds", "suspend_grace_seconds"):
+    for key in (
+        "cap_usd",
+        "price_per_gpu_hour",
+        "alert_usd",
+        "margin_seconds",
+        "suspend_grace_seconds",
+        "idle_allowance_seconds",
+    ):
         val = getattr(cfg, key)
         need(math.isfinite(val) and val >= 0, f"budget.{key} must be a finite number >= 0, got {val}")
     need(cfg.gpus >= 0, f"budget.gpus must be >= 0, got {cfg.gpus}")

@@ -4,6 +4,9 @@ It lives on the checkpoint volume next to the checkpoints, so spend accumulates 
 preemptions. Each watcher session appends itself; time between sessions is not charged. A session that
 dies without closing (SIGKILL, node loss) is charged `reserved_usd` (the spend of two polls ahead,
 written at every tick) when the next session opens: a crash can over-count a little, never under-count.
+Before the trainer first reports training, only `budget.idle_allowance_seconds` are charged; the rest
+of that wait is kept apart in `unbilled_usd` / `unbilled_seconds`, so a failed prepare or a crash loop
+before step 1 does not eat the budget meant for training.
 """
 
 from __future__ import annotations
@@ -65,6 +68,10 @@ class Ledger:
     checkpoint_seconds: float = 0.0
     alerted_cap_usd: float = 0.0  # the cap an alert was already raised for (no repeats on restart)
     crashes: int = 0  # sessions that ended without closing
+    trained_unix: float = 0.0  # when the trainer first reported training (0 = not yet)
+    idle_seconds: float = 0.0  # time before that, over all sessions
+    unbilled_seconds: float = 0.0  # the part of it beyond budget.idle_allowance_seconds: not charged
+    unbilled_usd: float = 0.0  # what that part cost, recorded but not counted against the cap
     stop: StopRecord | None = None
     sessions: list[Session] = field(default_factory=list)
     version: int = LEDGER_VERSION

@@ -28,6 +28,7 @@ from app.files import atomic_write_json
 log = logging.getLogger("pretrain.budget")
 
 RESERVE_POLLS = 2.0  # a session killed without closing is charged this many polls of spend
+TRAINING_STATES = ("running", "saving", "stopping", "preempted")  # status.json states of a started trainer
 FALLBACK_LOG_SECONDS = 600.0  # repeat a persisting source failure in the log this often
 
 
@@ -87,6 +88,7 @@ class Watcher:
             now if (self.ledger.stop and self.ledger.stop.mode == "immediate") else None
         )
         self._suspend_done = False
+        self._said_unbilled = False
         self._stopped_at_open = self.ledger.stop is not None
         self._closed = False
         self.fallbacks = 0
@@ -172,7 +174,9 @@ class Watcher:
             if reading.rate_usd_per_hour > 0:
                 self._good_rate = reading.rate_usd_per_hour
             rate = reading.rate_usd_per_hour or self.static_rate
-            estimate = reading.spent_usd + rate * max(0.0, now - reading.updated_unix) / 3600
+            estimate = (
+                reading.spent_usd - led.unbilled_usd + rate * max(0.0, now - reading.updated_unix) / 3600
+            )
             return max(led.spent_usd, estimate), rate
         rate = max(self.static_rate, self._good_rate)
         if not self._fallback:
@@ -193,7 +197,7 @@ class Watcher:
         self._fallback, self._last_error = True, kind
         spent = led.spent_usd + rate * dt / 3600
         if reading.spent_usd is not None:  # a stale figure is still a lower bound
-            spent = max(spent, reading.spent_usd)
+            spent = max(spent, reading.spent_usd - led.unbilled_usd)
         return spent, rate
 
     def tick(self, now: float) -> View:
@@ -207,7 +211,16 @@ class Watcher:
                 led.step_seconds = status.step_seconds
             if status.checkpoint_seconds > 0:
                 led.checkpoint_seconds = status.checkpoint_seconds
+        if (
+            not led.trained_unix
+            and status
+            and status.state in TRAINING_STATES
+            and status.updated_unix >= self.session_start - 1
+        ):
+            led.trained_unix = now
         spent, rate = self._charge(reading, dt, now)
+        if not led.trained_unix:
+            spent = self._idle(spent, dt, now)
         if led.sessions:
             led.sessions[-1].spent_usd += spent - led.spent_usd
         led.spent_usd = spent
@@ -260,6 +273,30 @@ class Watcher:
         self._escalate(now, status)
         self.view = view
         return view
+
+    def _idle(self, spent: float, dt: float, now: float) -> float:
+        """The trainer has never reported training: charge the wait up to the idle allowance, keep the rest
+        apart (ledger unbilled_usd), and say so once a session."""
+        led, cfg = self.ledger, self.cfg
+        billable = min(dt, max(0.0, cfg.idle_allowance_seconds - led.idle_seconds))
+        led.idle_seconds += dt
+        if dt <= 0 or billable >= dt:
+            return spent
+        unbilled = max(0.0, spent - led.spent_usd) * (dt - billable) / dt
+        led.unbilled_usd += unbilled
+        led.unbilled_seconds += dt - billable
+        if not self._said_unbilled:
+            self._said_unbilled = True
+            msg = (
+                f"budget: the trainer has not started training after {led.idle_seconds / 60:.0f} min "
+                f"(budget.idle_allowance_seconds={cfg.idle_allowance_seconds:g}); further waiting is not "
+                f"charged to the ${cfg.cap_usd:.2f} cap but recorded in the ledger as unbilled_usd "
+                f"(${led.unbilled_usd:.4f} so far): look at the wait-for-data and trainer logs"
+            )
+            log.warning("%s", msg)
+            if self.kube:
+                self.kube.event("BudgetIdleNotBilled", msg)
+        return spent - unbilled
 
     # ------------------------------------------------------------ actions
 
