@@ -52,7 +52,8 @@ chart: helm  ## helm lint --strict and render the chart with default values
 	$(HELM) lint --strict helm
 	$(HELM) template pretrain helm > /dev/null
 
-k8s: helm  ## re-render the plain manifests in k8s/ from the chart
+k8s: helm  ## re-render the plain manifests in k8s/ (and helm/presets.yaml from app/presets) from the chart
+	$(PY) scripts/chart_presets.py
 	$(PY) scripts/render_k8s.py --helm $(HELM)
 
 image:  ## build the container image (needs a Docker engine)

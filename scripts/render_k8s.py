@@ -60,7 +60,8 @@ def find_helm(explicit: str | None) -> str:
 
 def render(helm: str, chart: Path = CHART) -> dict[str, str]:
     """file name -> content of every object of `helm template` with the default values."""
-    cmd = [helm, "template", RELEASE, str(chart), "--namespace", NAMESPACE]
+    # No `helm test` hook pods: kubectl would create them as ordinary pods.
+    cmd = [helm, "template", RELEASE, str(chart), "--namespace", NAMESPACE, "--skip-tests"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     files: dict[str, str] = {}
     for chunk in re.split(r"^---\s*$", out, flags=re.M):

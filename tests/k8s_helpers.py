@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -36,6 +37,7 @@ CORE_KINDS = {
     "RoleBinding",
     "Service",
     "Pod",
+    "PodDisruptionBudget",
 }
 
 
@@ -206,3 +208,281 @@ def container(spec: dict[str, Any], name: str, init: bool = False) -> dict[str, 
 
 def env_map(c: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
+
+
+# ------------------------------------------------------------- pods, QoS, Pod Security Standards
+
+
+def pod_specs(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(where, pod spec) of every pod the objects would create: PyTorchJob replicas, Jobs, Pods."""
+    out = []
+    for d in docs:
+        name = f"{d['kind']}/{d['metadata']['name']}"
+        if d["kind"] == "PyTorchJob":
+            for rtype, spec in d["spec"]["pytorchReplicaSpecs"].items():
+                out.append((f"{name} {rtype}", spec["template"]["spec"]))
+        elif d["kind"] == "Job":
+            out.append((name, d["spec"]["template"]["spec"]))
+        elif d["kind"] == "Pod":
+            out.append((name, d["spec"]))
+    return out
+
+
+def pod_templates(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(where, pod metadata) matching pod_specs."""
+    out = []
+    for d in docs:
+        name = f"{d['kind']}/{d['metadata']['name']}"
+        if d["kind"] == "PyTorchJob":
+            for rtype, spec in d["spec"]["pytorchReplicaSpecs"].items():
+                out.append((f"{name} {rtype}", spec["template"]["metadata"]))
+        elif d["kind"] == "Job":
+            out.append((name, d["spec"]["template"]["metadata"]))
+        elif d["kind"] == "Pod":
+            out.append((name, d["metadata"]))
+    return out
+
+
+_SUFFIX = {
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "m": 1e-3,
+    "k": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+}
+
+
+def quantity(q: Any) -> float:
+    m = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(q))
+    assert m, f"not a quantity: {q!r}"
+    return float(m.group(1)) * _SUFFIX.get(m.group(2), 1.0)
+
+
+def qos_class(spec: dict[str, Any]) -> str:
+    """The pod's QoS class by the kubelet's rules, init containers (sidecars too) included."""
+    containers = spec.get("containers", []) + spec.get("initContainers", [])
+    guaranteed, empty = True, True
+    for c in containers:
+        res = c.get("resources") or {}
+        limits, requests = res.get("limits") or {}, res.get("requests") or {}
+        for r in ("cpu", "memory"):
+            if r in limits or r in requests:
+                empty = False
+            if r not in limits or quantity(requests.get(r, limits[r])) != quantity(limits[r]):
+                guaranteed = False
+    return "BestEffort" if empty else "Guaranteed" if guaranteed else "Burstable"
+
+
+BASELINE_CAPS = {
+    "AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD", "NET_BIND_SERVICE",
+    "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT",
+}  # fmt: skip
+RESTRICTED_VOLUMES = {
+    "configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret",
+}  # fmt: skip
+
+
+def psa_violations(spec: dict[str, Any], level: str) -> list[str]:
+    """What the Pod Security Standard `level` (baseline or restricted) refuses in a pod spec (the checks
+    that can apply to this chart's pods)."""
+    bad: list[str] = []
+    psc = spec.get("securityContext") or {}
+    containers = spec.get("containers", []) + spec.get("initContainers", [])
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(key):
+            bad.append(key)
+    for v in spec.get("volumes", []):
+        if "hostPath" in v:
+            bad.append(f"hostPath volume {v['name']}")
+        if level == "restricted" and not set(v) - {"name"} <= RESTRICTED_VOLUMES:
+            bad.append(f"volume {v['name']} of type {sorted(set(v) - {'name'})}")
+    for c in containers:
+        sc = c.get("securityContext") or {}
+        caps = sc.get("capabilities") or {}
+        added = set(caps.get("add") or [])
+        if sc.get("privileged"):
+            bad.append(f"{c['name']}: privileged")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            bad.append(f"{c['name']}: hostPort")
+        if added - BASELINE_CAPS:
+            bad.append(f"{c['name']}: capabilities {sorted(added - BASELINE_CAPS)} beyond baseline")
+        seccomp = (sc.get("seccompProfile") or psc.get("seccompProfile") or {}).get("type")
+        if seccomp == "Unconfined":
+            bad.append(f"{c['name']}: seccomp Unconfined")
+        if level != "restricted":
+            continue
+        if sc.get("allowPrivilegeEscalation") is not False:
+            bad.append(f"{c['name']}: allowPrivilegeEscalation not false")
+        if not sc.get("runAsNonRoot", psc.get("runAsNonRoot")):
+            bad.append(f"{c['name']}: runAsNonRoot not true")
+        if sc.get("runAsUser", psc.get("runAsUser")) == 0:
+            bad.append(f"{c['name']}: runAsUser 0")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            bad.append(f"{c['name']}: seccompProfile {seccomp!r}")
+        if "ALL" not in (caps.get("drop") or []):
+            bad.append(f"{c['name']}: capabilities do not drop ALL")
+        if added - {"NET_BIND_SERVICE"}:
+            bad.append(f"{c['name']}: adds capabilities {sorted(added)}")
+    return bad
+
+
+# ------------------------------------------------------------- a fake API server for `lookup`
+
+
+class FakeCluster:
+    """Enough of a Kubernetes API on 127.0.0.1 for `helm template --dry-run=server` (discovery, and GET of
+    the objects in `objects`, keyed by API path): what the chart's `lookup` sees on a real upgrade."""
+
+    GROUPS = {
+        "v1": ["configmaps", "serviceaccounts", "persistentvolumeclaims", "services", "pods", "events"],
+        "rbac.authorization.k8s.io/v1": ["roles", "rolebindings"],
+        "batch/v1": ["jobs"],
+        "policy/v1": ["poddisruptionbudgets"],
+        "kubeflow.org/v1": ["pytorchjobs"],
+        "monitoring.coreos.com/v1": ["podmonitors", "servicemonitors", "prometheusrules"],
+    }
+    KINDS = {
+        "configmaps": "ConfigMap", "serviceaccounts": "ServiceAccount", "persistentvolumeclaims":
+        "PersistentVolumeClaim", "services": "Service", "pods": "Pod", "events": "Event", "roles": "Role",
+        "rolebindings": "RoleBinding", "jobs": "Job", "poddisruptionbudgets": "PodDisruptionBudget",
+        "pytorchjobs": "PyTorchJob", "podmonitors": "PodMonitor", "servicemonitors": "ServiceMonitor",
+        "prometheusrules": "PrometheusRule",
+    }  # fmt: skip
+
+    def __init__(self, tmp: Path):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.objects: dict[str, dict] = {}
+        self.requests: list[str] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                path = self.path.split("?")[0]
+                fake.requests.append(path)
+                status, body = fake.answer(path)
+                payload = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.kubeconfig = tmp / "kubeconfig"
+        self.kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [
+                        {"name": "c", "cluster": {"server": f"http://127.0.0.1:{self.server.server_port}"}}
+                    ],
+                    "users": [{"name": "u", "user": {"token": "test"}}],
+                    "contexts": [
+                        {"name": "c", "context": {"cluster": "c", "user": "u", "namespace": "default"}}
+                    ],
+                    "current-context": "c",
+                }
+            )
+        )
+
+    def answer(self, path: str) -> tuple[int, dict]:
+        if path in self.objects:
+            return 200, self.objects[path]
+        if path == "/version":
+            return 200, {"major": "1", "minor": "30", "gitVersion": "v1.30.0"}
+        if path == "/api":
+            return 200, {"kind": "APIVersions", "versions": ["v1"]}
+        if path == "/apis":
+            groups = [
+                {"name": gv.split("/")[0], "versions": [{"groupVersion": gv, "version": gv.split("/")[1]}],
+                 "preferredVersion": {"groupVersion": gv, "version": gv.split("/")[1]}}
+                for gv in self.GROUPS if "/" in gv
+            ]  # fmt: skip
+            return 200, {"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}
+        gv = path.removeprefix("/apis/").removeprefix("/api/") if path != "/api/v1" else "v1"
+        if gv in self.GROUPS:
+            resources = [
+                {"name": r, "singularName": self.KINDS[r].lower(), "namespaced": True, "kind": self.KINDS[r],
+                 "verbs": ["get", "list", "create", "update", "patch", "delete"]}
+                for r in self.GROUPS[gv]
+            ]  # fmt: skip
+            return 200, {
+                "kind": "APIResourceList",
+                "apiVersion": "v1",
+                "groupVersion": gv,
+                "resources": resources,
+            }
+        return 404, {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "status": "Failure",
+            "reason": "NotFound",
+            "code": 404,
+        }
+
+    def render(self, values: dict[str, Any] | None = None) -> subprocess.CompletedProcess:
+        """`helm template --dry-run=server` against this API: templates' `lookup` calls reach it."""
+        cmd = [helm_binary(), "template", "pretrain", str(CHART), "--namespace", "default"]
+        cmd += ["--dry-run=server", "--disable-openapi-validation", "--kubeconfig", str(self.kubeconfig)]
+        return subprocess.run(cmd + _set_args(values), capture_output=True, text=True, timeout=120)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# ------------------------------------------------------------- the containers' programs, run locally
+
+
+def sh_script(c: dict, root: Path) -> str:
+    """The container's `sh -c` script with /data and /run/pretrain moved under root."""
+    assert c["command"][:2] == ["sh", "-c"]
+    return c["command"][2].replace("/data/", f"{root}/data/").replace("/run/pretrain", f"{root}/run")
+
+
+def local_path(arg: str, root: Path) -> str:
+    return (
+        arg.replace("/data/", f"{root}/data/")
+        .replace("/run/pretrain", f"{root}/run")
+        .replace("/ckpt", f"{root}/ckpt")
+    )
+
+
+class PreparePod:
+    """The rendered prepare container's script, run for real with a stand-in `pretrain` that exits $FAIL."""
+
+    def __init__(self, docs: list, root: Path):
+        self.c = one(docs, "Job")["spec"]["template"]["spec"]["containers"][0]
+        self.root = root
+        (root / "data").mkdir(exist_ok=True)
+        fake_bin = root / "bin"
+        fake_bin.mkdir(exist_ok=True)
+        self.calls = root / "calls.txt"
+        (fake_bin / "pretrain").write_text(f'#!/bin/sh\necho "$@" >> {self.calls}\nexit "${{FAIL:-0}}"\n')
+        (fake_bin / "pretrain").chmod(0o755)
+        self.env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"}
+        self.env.update({e["name"]: e["value"] for e in self.c["env"] if "value" in e})
+
+    def run(self, **extra) -> subprocess.CompletedProcess:
+        cmd = ["sh", "-c", sh_script(self.c, self.root), *self.c["command"][3:], *self.c["args"]]
+        return subprocess.run(cmd, env={**self.env, **extra}, capture_output=True, text=True, timeout=30)
+
+
+def wait_step(docs: list, root: Path, rtype: str = "Master", **extra) -> subprocess.CompletedProcess:
+    """The rendered wait-for-data container, run for real (`pretrain wait-data`, paths under root)."""
+    c = container(pod_spec(one(docs, "PyTorchJob"), rtype), "wait-for-data", init=True)
+    assert c["command"] == ["pretrain"]
+    env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
+    cmd = [sys.executable, "-m", "app.cli", *(local_path(a, root) for a in c["args"])]
+    return subprocess.run(cmd, env={**env, **extra}, capture_output=True, text=True, timeout=60)

@@ -27,10 +27,12 @@ VARIANTS = {
     "monitors": {
         "metrics.podMonitor.enabled": True,
         "metrics.podMonitor.labels": {"release": "kube-prometheus-stack"},
-        "metrics.serviceMonitor.enabled": True,
-        "metrics.serviceMonitor.labels": {"release": "kube-prometheus-stack"},
         "metrics.prometheusRule.enabled": True,
         "metrics.grafanaDashboards.enabled": True,
+    },
+    "service-monitor": {
+        "metrics.serviceMonitor.enabled": True,
+        "metrics.serviceMonitor.labels": {"release": "kube-prometheus-stack"},
     },
     "existing-claims": {
         "storage.data.existingClaim": "team-data",
@@ -61,8 +63,8 @@ def test_helm_binary_is_real(helm_bin):
 
 @pytest.mark.parametrize(
     "values",
-    [[], ["--set", "gpus=64"], ["--set", "metrics.podMonitor.enabled=true", "--set", "budget.capUSD=0"]],
-    ids=["defaults", "gpus64", "monitor-nocap"],
+    [[], ["--set", "gpus=32"], ["--set", "metrics.podMonitor.enabled=true", "--set", "budget.capUSD=0"]],
+    ids=["defaults", "gpus32", "monitor-nocap"],
 )
 def test_helm_lint_strict(helm_bin, values):
     proc = h.helm("lint", "--strict", str(h.CHART), *values, check=False)
@@ -71,7 +73,7 @@ def test_helm_lint_strict(helm_bin, values):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("gpus", [1, 8, 16, 64])
+@pytest.mark.parametrize("gpus", [1, 8, 16, 32])
 def test_render_matrix(helm_bin, gpus, variant):
     values = {"gpus": gpus, **VARIANTS[variant]}
     docs = h.render(values)
@@ -134,10 +136,12 @@ def test_render_matrix(helm_bin, gpus, variant):
             assert "HF_TOKEN" not in env
         init = {c["name"]: c for c in pod.get("initContainers", [])}
         assert "wait-for-data" in init
+        # volumes handed to uid 1000 first (RWX default), then the guard, then the data wait
+        order = ["volume-permissions", "budget-watcher", "wait-for-data"]
+        assert list(init) == [n for n in order if n in init] and list(init)[0] == "volume-permissions"
         if rtype == "Master":
             watcher = init["budget-watcher"]
             assert watcher["restartPolicy"] == "Always"  # native sidecar: the pod ends with the trainer
-            assert list(init)[0] == "budget-watcher"
             wargs = watcher["args"]
             assert wargs[0] == "watch" and watcher["command"] == ["pretrain"]
             assert wargs[wargs.index("--stop-file") + 1] == STOP_FILE
@@ -169,14 +173,19 @@ def test_render_matrix(helm_bin, gpus, variant):
         assert "kueue.x-k8s.io/queue-name" not in labels
     pvcs = h.by_kind(docs, "PersistentVolumeClaim")
     assert len(pvcs) == (0 if variant == "existing-claims" else 2)
+    if variant in ("monitors", "service-monitor"):
+        kind = "PodMonitor" if variant == "monitors" else "ServiceMonitor"
+        mon = h.one(docs, kind)
+        assert not h.by_kind(docs, "ServiceMonitor" if kind == "PodMonitor" else "PodMonitor")
+        assert mon["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        # one job label for the trainer and the watcher series: the alert rules join on (namespace, job)
+        assert mon["spec"]["jobLabel"] == "app.kubernetes.io/instance"
     if variant == "monitors":
         pm = h.one(docs, "PodMonitor")
-        sm = h.one(docs, "ServiceMonitor")
-        for mon in (pm, sm):
-            assert mon["metadata"]["labels"]["release"] == "kube-prometheus-stack"
-            # one job label for the trainer and the watcher series: the alert rules join on (namespace, job)
-            assert mon["spec"]["jobLabel"] == "app.kubernetes.io/instance"
         assert [e["port"] for e in pm["spec"]["podMetricsEndpoints"]] == ["metrics", "budget-metrics"]
+        assert not h.by_kind(docs, "Service")
+    elif variant == "service-monitor":
+        sm = h.one(docs, "ServiceMonitor")
         services = {s["metadata"]["name"]: s for s in h.by_kind(docs, "Service")}
         assert services["pretrain-metrics"]["spec"]["ports"][0]["port"] == 9400
         assert services["pretrain-budget"]["spec"]["ports"][0]["port"] == 9401
@@ -203,7 +212,7 @@ def test_hf_token_never_plain(helm_bin):
     ("values", "nodes", "nproc"),
     [
         ({"gpus": 4}, 1, 4),
-        ({"gpus": 12, "gpusPerNode": 4}, 3, 4),
+        ({"gpus": 12, "gpusPerNode": 4, "config": {"preset": "tiny"}}, 3, 4),  # tiny: no global batch
         ({"gpus": 2, "gpusPerNode": 1}, 2, 1),
     ],
 )
@@ -224,6 +233,7 @@ def test_topology(helm_bin, values, nodes, nproc):
     [
         ({"gpus": 0}, r"/gpus.*minimum"),
         ({"gpus": 12}, r"gpus=12 is not a multiple of gpusPerNode=8.*gpus=8 or gpus=16"),
+        ({"gpus": 24}, r"gpus=24: the x1-50m preset's global batch .* splits over 1, 2, 4, 8, 16, 32 GPUs"),
         ({"gpus": 20, "gpusPerNode": 8}, r"gpus=20 is not a multiple of gpusPerNode=8"),
         ({"budget.capUSD": -1}, r"/budget/capUSD.*minimum"),
         ({"gpusPerNode": 0}, r"/gpusPerNode.*minimum"),
@@ -232,7 +242,29 @@ def test_topology(helm_bin, values, nodes, nproc):
         ({"storage.data.accessModes": ["ReadWriteSometimes"]}, r"/storage/data/accessModes"),
         ({"gpu": 8}, r"additional properties 'gpu' not allowed"),
         ({"budget.cap": 10}, r"additional properties 'cap' not allowed"),
-        ({"prepare.valFraction": 1.5}, r"/prepare/valFraction"),
+        ({"prepare.valFraction": 1.5}, r"prepare.valFraction=1.5 must be between 0 and 1"),
+        ({"prepare.valFraction": "1.5"}, r"prepare.valFraction=1.5 must be between 0 and 1"),
+        ({"budget.capUSD": "lots"}, r"/budget/capUSD"),
+        ({"budget.pricePerGpuHour": "-2.49"}, r"/budget/pricePerGpuHour"),
+        (
+            {"metrics.podMonitor.enabled": True, "metrics.serviceMonitor.enabled": True},
+            r"both true: Prometheus would scrape every pod twice",
+        ),
+        (
+            {"gpus": 16, "storage.data.accessModes": ["ReadWriteOnce"]},
+            r"cannot be mounted by more than one node",
+        ),
+        (
+            {"storage.data.accessModes": ["ReadWriteOnce"], "prepare.nodeSelector": {"pool": "cpu"}},
+            r"mount the data volume on two nodes",
+        ),
+        (
+            {"serviceAccount.create": False},
+            r"Role would be bound to the namespace's `default` ServiceAccount",
+        ),
+        ({"fullnameOverride": "1st-run"}, r"must start with a letter .*DNS-1035"),
+        ({"trainer.qos": "BestEffort"}, r"/trainer/qos"),
+        ({"volumePermissions.enabled": "sometimes"}, r"/volumePermissions/enabled"),
     ],
     ids=lambda v: json.dumps(v) if isinstance(v, dict) else "msg",
 )
@@ -246,10 +278,15 @@ def test_watcher_off_without_cap(helm_bin):
     h.validate_all(docs)
     job = h.one(docs, "PyTorchJob")
     pod = h.pod_spec(job, "Master")
-    assert [c["name"] for c in pod["initContainers"]] == ["wait-for-data"]
+    assert [c["name"] for c in pod["initContainers"]] == ["volume-permissions", "wait-for-data"]
     assert pod["automountServiceAccountToken"] is False
-    assert not h.by_kind(docs, "Role") and not h.by_kind(docs, "RoleBinding")
+    # the wait step alone still reads the prepare Job and posts Events: no patch of the PyTorchJob
+    rules = {r["resources"][0]: r["verbs"] for r in h.one(docs, "Role")["rules"]}
+    assert rules == {"events": ["create", "patch"], "pytorchjobs": ["get"], "jobs": ["get"]}
     assert [s["metadata"]["name"] for s in h.by_kind(docs, "Service")] == ["pretrain-metrics"]
+    off = h.render({"budget.capUSD": 0, "prepare.wait.useKubernetesApi": False})
+    assert not h.by_kind(off, "Role") and not h.by_kind(off, "RoleBinding")
+    assert "kube-api-access" not in json.dumps(h.one(off, "PyTorchJob"))
 
 
 def test_rbac_least_privilege(helm_bin):
@@ -260,9 +297,24 @@ def test_rbac_least_privilege(helm_bin):
     job_rule = rules[("kubeflow.org",), ("pytorchjobs",)]
     assert job_rule["verbs"] == ["get", "patch"]
     assert job_rule["resourceNames"] == ["pretrain"]
+    prepare = h.one(docs, "Job")["metadata"]["name"]
+    assert rules[("batch",), ("jobs",)] == {
+        "apiGroups": ["batch"],
+        "resources": ["jobs"],
+        "resourceNames": [prepare],
+        "verbs": ["get"],
+    }
+    assert ("kueue.x-k8s.io",) not in {k[0] for k in rules}
     for r in role["rules"]:
         assert "*" not in r["verbs"] + r["resources"] + r["apiGroups"]
         assert set(r["verbs"]) <= {"get", "create", "patch"}
+    # under Kueue the watcher's last resort deactivates the Workload, whose name only Kueue knows
+    kueue = {tuple(r["apiGroups"]): r for r in h.one(h.render({"job.kueueQueueName": "q"}), "Role")["rules"]}
+    assert kueue[("kueue.x-k8s.io",)] == {
+        "apiGroups": ["kueue.x-k8s.io"],
+        "resources": ["workloads"],
+        "verbs": ["list", "patch"],
+    }
     binding = h.one(docs, "RoleBinding")
     sa = h.one(docs, "ServiceAccount")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
@@ -324,7 +376,7 @@ def test_prepare_job_on_cpu_pool(helm_bin):
     fp = h.env_map(c)["PREPARE_FINGERPRINT"]
     for rtype in ("Master",):
         wait = h.container(h.pod_spec(h.one(docs, "PyTorchJob"), rtype), "wait-for-data", init=True)
-        assert h.env_map(wait)["PREPARE_FINGERPRINT"] == fp
+        assert wait["args"][wait["args"].index("--fingerprint") + 1] == fp
     other = h.env_map(
         h.one(h.render({"prepare.input": "/data/raw"}), "Job")["spec"]["template"]["spec"]["containers"][0]
     )
@@ -336,8 +388,10 @@ def test_prepare_disabled(helm_bin):
     h.validate_all(docs)
     assert not h.by_kind(docs, "Job")
     pod = h.pod_spec(h.one(docs, "PyTorchJob"), "Master")
-    assert [c["name"] for c in pod["initContainers"]] == ["budget-watcher"]
-    assert not any(a.startswith("data.dataset=") for a in h.container(pod, "pytorch")["args"])
+    assert [c["name"] for c in pod["initContainers"]] == ["volume-permissions", "budget-watcher"]
+    trainer = h.container(pod, "pytorch")
+    assert not any(a.startswith("data.dataset=") for a in trainer["args"])
+    assert "PRETRAIN_DATA_VERDICT" not in h.env_map(trainer)
 
 
 def test_job_disabled_keeps_volumes_and_prepare(helm_bin):
@@ -349,61 +403,39 @@ def test_job_disabled_keeps_volumes_and_prepare(helm_bin):
 # ------------------------------------------------------------- the shell scripts, run for real
 
 
-def _script(c: dict, root: Path) -> str:
-    """The container's `sh -c` script with /data and /run/pretrain moved under root."""
-    assert c["command"][:2] == ["sh", "-c"]
-    return c["command"][2].replace("/data/", f"{root}/data/").replace("/run/pretrain", f"{root}/run")
-
-
-def test_prepare_and_wait_scripts(helm_bin, tmp_path):
+def test_prepare_and_wait_steps(helm_bin, tmp_path):
     docs = h.render({"prepare.wait.pollSeconds": 1, "prepare.wait.timeoutSeconds": 2})
-    prep = h.one(docs, "Job")["spec"]["template"]["spec"]["containers"][0]
-    wait = h.container(h.pod_spec(h.one(docs, "PyTorchJob"), "Master"), "wait-for-data", init=True)
-    (tmp_path / "data").mkdir()
+    prep = h.PreparePod(docs, tmp_path)
     (tmp_path / "run").mkdir()
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    calls = tmp_path / "calls.txt"
-    (fake_bin / "pretrain").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n[ -z "$FAIL" ] || exit 2\n')
-    (fake_bin / "pretrain").chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"}
-    env.update({e["name"]: e["value"] for e in prep["env"] if "value" in e})
-    wenv = {**os.environ, **{e["name"]: e["value"] for e in wait["env"]}}
     marker = tmp_path / "data" / "fineweb-edu-10bt" / "_READY"
 
-    def run_prepare(**extra):
-        cmd = ["sh", "-c", _script(prep, tmp_path), *prep["command"][3:], *prep["args"]]
-        return subprocess.run(cmd, env={**env, **extra}, capture_output=True, text=True, timeout=30)
-
-    def run_wait():
-        return subprocess.run(
-            ["sh", "-c", _script(wait, tmp_path)], env=wenv, capture_output=True, text=True, timeout=30
-        )
-
-    # nothing prepared: the trainer waits, then gives up after the timeout
+    # nothing prepared: the trainer waits, then gives up after the timeout, leaving a verdict
     t0 = time.monotonic()
-    proc = run_wait()
-    assert proc.returncode == 1 and "no " in proc.stderr and time.monotonic() - t0 >= 2
-    # a failed prepare leaves no marker
-    assert run_prepare(FAIL="1").returncode == 2 and not marker.exists()
-    proc = run_prepare()
+    proc = h.wait_step(docs, tmp_path)
+    assert proc.returncode == 0 and time.monotonic() - t0 >= 2, proc.stderr
+    verdict = json.loads((tmp_path / "run" / "data-verdict.json").read_text())
+    assert verdict["code"] == 4 and "prepare.wait.timeoutSeconds=2" in verdict["reason"]
+    (tmp_path / "run" / "data-verdict.json").unlink()
+    proc = prep.run()
     assert proc.returncode == 0, proc.stderr
-    assert marker.read_text().strip() == env["PREPARE_FINGERPRINT"]
+    assert marker.read_text().strip() == prep.env["PREPARE_FINGERPRINT"]
     assert (
-        calls.read_text()
+        prep.calls.read_text()
         .splitlines()[-1]
         .startswith("prepare --input hf://datasets/HuggingFaceFW/fineweb-edu")
     )
     # idempotent: the same fingerprint skips the work
-    n = len(calls.read_text().splitlines())
-    assert "nothing to do" in run_prepare().stdout and len(calls.read_text().splitlines()) == n
-    assert run_wait().returncode == 0
+    n = len(prep.calls.read_text().splitlines())
+    assert "nothing to do" in prep.run().stdout and len(prep.calls.read_text().splitlines()) == n
+    proc = h.wait_step(docs, tmp_path)
+    assert proc.returncode == 0 and "is ready" in proc.stdout
+    assert not (tmp_path / "run" / "data-verdict.json").exists()
     # a marker of other arguments is not ready; a stop file releases the wait so the trainer can exit 0
     marker.write_text("0123456789abcdef\n")
-    assert run_wait().returncode == 1
     (tmp_path / "run" / "stop.json").write_text("{}")
-    proc = run_wait()
+    proc = h.wait_step(docs, tmp_path)
     assert proc.returncode == 0 and "stop file" in proc.stdout
+    assert not (tmp_path / "run" / "data-verdict.json").exists()
 
 
 def test_notes(helm_bin, tmp_path):

@@ -151,3 +151,233 @@ Topology: validates gpus / gpusPerNode and returns "<nodes> <nprocPerNode>".
       key: {{ .Values.hfToken.key }}
 {{- end }}
 {{- end }}
+
+
+{{/* A number given as a number or as a numeric string (`--set x=2.49` makes a string): as float64. */}}
+{{- define "pretrain.float" -}}
+{{- . | toString | float64 -}}
+{{- end }}
+
+{{/* Name of the prepare Job: per hash of its pod template, so a `helm upgrade` that changes the template
+(image, arguments, resources) creates a new Job (Helm deletes the old one) instead of failing on the
+immutable spec.template of the existing one. <= 63 characters. */}}
+{{- define "pretrain.prepareJobName" -}}
+{{- $hash := include "pretrain.prepareTemplate" . | sha256sum | trunc 8 -}}
+{{- printf "%s-prepare-%s" (include "pretrain.fullname" . | trunc 46 | trimSuffix "-") $hash -}}
+{{- end }}
+
+{{/* "auto" volume permissions: on when a volume may be ReadWriteMany (an existing claim, or RWX). */}}
+{{- define "pretrain.volumePermissions" -}}
+{{- $v := .Values.volumePermissions.enabled -}}
+{{- if kindIs "bool" $v -}}
+{{- if $v }}true{{ end -}}
+{{- else -}}
+{{- range $s := list .Values.storage.data .Values.storage.checkpoints -}}
+{{- if or $s.existingClaim (has "ReadWriteMany" $s.accessModes) }}true{{ end -}}
+{{- end -}}
+{{- end -}}
+{{- end }}
+
+{{/* The root init step that hands the given mount points to runAsUser:runAsGroup (not recursive). It never
+fails the pod (an initContainer failure reads as the retryable 0xbeef to the operator): it says what it
+could not do, and the launcher or the prepare script then fails with one line. */}}
+{{- define "pretrain.volumePermissionsContainer" -}}
+{{- $v := .ctx.Values -}}
+{{- $uid := int (default 1000 $v.podSecurityContext.runAsUser) -}}
+{{- $gid := int (default $uid (default $v.podSecurityContext.runAsGroup $v.podSecurityContext.fsGroup)) -}}
+- name: volume-permissions
+  image: {{ include "pretrain.image" .ctx }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  command:
+    - sh
+    - -c
+    - |
+      for d in "$@"; do
+        if mkdir -p "$d" && chown "$OWNER" "$d" && chmod u+rwx,g+rwxs "$d"; then
+          echo "volume-permissions: $d -> $OWNER, mode $(stat -c %a "$d")"
+        else
+          echo "volume-permissions: cannot hand $d to $OWNER (an NFS export with root_squash?); give the volume's root to uid ${OWNER%%:*} on the server, or use an access point / StorageClass with that uid and gid" >&2
+        fi
+      done
+    - volume-permissions
+  args:
+    {{- range .dirs }}
+    - {{ . | quote }}
+    {{- end }}
+  env:
+    - name: OWNER
+      value: {{ printf "%d:%d" $uid $gid | quote }}
+  resources:
+    {{- include "pretrain.smallResources" (dict "ctx" .ctx "requests" (dict "cpu" "10m" "memory" "16Mi") "limits" (dict "memory" "64Mi")) | nindent 4 }}
+  securityContext:
+    # Root only to chown the mount points; no other privilege.
+    runAsUser: 0
+    runAsGroup: 0
+    runAsNonRoot: false
+    allowPrivilegeEscalation: false
+    capabilities:
+      drop: ["ALL"]
+      add: ["CHOWN", "FOWNER", "DAC_OVERRIDE"]
+  volumeMounts:
+    {{- toYaml .mounts | nindent 4 }}
+{{- end }}
+
+{{/* Resources of a small helper container: as given, or with limits = requests (cpu and memory, the larger
+one where both are set) under trainer.qos=Guaranteed, which every container of a pod must meet. */}}
+{{- define "pretrain.smallResources" -}}
+{{- $out := dict "requests" (deepCopy .requests) "limits" (deepCopy (default dict .limits)) -}}
+{{- if eq .ctx.Values.trainer.qos "Guaranteed" -}}
+{{- $out = include "pretrain.guaranteed" $out | fromYaml -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end }}
+
+{{/* limits = requests for cpu and memory: the limit where one is set, else the request. */}}
+{{- define "pretrain.guaranteed" -}}
+{{- $req := default dict .requests -}}
+{{- $lim := default dict .limits -}}
+{{- range $k := list "cpu" "memory" -}}
+{{- $val := default (index $req $k | default "") (index $lim $k | default "") -}}
+{{- if $val -}}
+{{- $_ := set $req $k $val -}}
+{{- $_ := set $lim $k $val -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml (dict "requests" $req "limits" $lim) -}}
+{{- end }}
+
+{{/* Resources of the trainer container: trainer.resources when given, else trainer.resourcesPerGpu x GPUs
+per pod; plus the GPUs and trainer.network.fabricResources in requests and limits; trainer.qos. */}}
+{{- define "pretrain.trainerResources" -}}
+{{- $v := .ctx.Values -}}
+{{- $n := int .nproc -}}
+{{- $res := dict -}}
+{{- if $v.trainer.resources -}}
+{{- $res = deepCopy $v.trainer.resources -}}
+{{- else -}}
+{{- $per := $v.trainer.resourcesPerGpu -}}
+{{- $milli := int (mulf (include "pretrain.float" $per.cpu | float64) 1000.0 (float64 $n)) -}}
+{{- $cpu := eq (mod $milli 1000) 0 | ternary (printf "%d" (div $milli 1000)) (printf "%dm" $milli) -}}
+{{- $req := dict "cpu" $cpu "memory" (printf "%dGi" (mul (int $per.memoryGiB) $n)) -}}
+{{- $lim := dict -}}
+{{- if $per.memoryLimitGiB }}{{ $_ := set $lim "memory" (printf "%dGi" (mul (int $per.memoryLimitGiB) $n)) }}{{ end -}}
+{{- $res = dict "requests" $req "limits" $lim -}}
+{{- end -}}
+{{- if eq $v.trainer.qos "Guaranteed" -}}
+{{- $res = include "pretrain.guaranteed" $res | fromYaml -}}
+{{- end -}}
+{{- $limits := default dict $res.limits -}}
+{{- $requests := default dict $res.requests -}}
+{{- $_ := set $limits $v.gpuResource $n -}}
+{{- $_ := set $requests $v.gpuResource $n -}}
+{{- range $k, $q := $v.trainer.network.fabricResources -}}
+{{- $_ := set $limits $k $q -}}
+{{- $_ := set $requests $k $q -}}
+{{- end -}}
+{{- $_ := set $res "limits" $limits -}}
+{{- $_ := set $res "requests" $requests -}}
+{{- toYaml $res -}}
+{{- end }}
+
+{{/* The preset's batch must split over the GPUs (the trainer's rule: train.batch_tokens a multiple of
+micro_batch_size x seq_len x world size); checked here, before any pod is scheduled. The preset table is
+generated from app/presets by scripts/chart_presets.py. Presets the table does not know are left to the
+trainer. */}}
+{{- define "pretrain.checkBatch" -}}
+{{- $table := .Files.Get "presets.yaml" | fromYaml -}}
+{{- $cfg := .Values.config -}}
+{{- $preset := default $table.default $cfg.preset -}}
+{{- $sets := dict -}}
+{{- $args := .Values.extraTrainArgs -}}
+{{- range $i, $a := $args -}}
+{{- if and (eq $a "--set") (lt (add1 $i) (len $args)) -}}
+{{- $kv := splitn "=" 2 (index $args (add1 $i)) -}}
+{{- $_ := set $sets (trim $kv._0) (trim (default "" $kv._1)) -}}
+{{- else if and (eq $a "--preset") (lt (add1 $i) (len $args)) -}}
+{{- $preset = index $args (add1 $i) -}}
+{{- end -}}
+{{- end -}}
+{{- $base := index $table.presets $preset -}}
+{{- if $base -}}
+{{- $train := default dict $cfg.train -}}
+{{- $model := default dict $cfg.model -}}
+{{- $batch := int (index $sets "train.batch_tokens" | default (dig "batch_tokens" $base.batch_tokens $train)) -}}
+{{- $micro := int (index $sets "train.micro_batch_size" | default (dig "micro_batch_size" $base.micro_batch_size $train)) -}}
+{{- $seq := int (index $sets "model.seq_len" | default (dig "seq_len" $base.seq_len $model)) -}}
+{{- $gpus := int .Values.gpus -}}
+{{- $per := mul $micro $seq -}}
+{{- if and (gt $batch 0) (gt $per 0) (ne (mod $batch (mul $per $gpus)) 0) -}}
+{{- $ok := list -}}
+{{- range $n := untilStep 1 513 1 -}}
+{{- if eq (mod $batch (mul $per $n)) 0 }}{{ $ok = append $ok (toString $n) }}{{ end -}}
+{{- end -}}
+{{- fail (printf "gpus=%d: the %s preset's global batch (train.batch_tokens=%d) does not split into micro_batch_size %d x seq_len %d x %d GPUs, so the trainer would exit 2 after the pods were scheduled; it splits over %s GPUs. Use one of those, or set config.train.batch_tokens to a multiple of %d (or another config.train.micro_batch_size)" $gpus $preset $batch $micro $seq $gpus (join ", " $ok) (mul $per $gpus)) -}}
+{{- end -}}
+{{- end -}}
+{{- end }}
+
+{{/* Every render-time refusal, in one place (called from configmap.yaml, which always renders). */}}
+{{- define "pretrain.validate" -}}
+{{- $_ := include "pretrain.topology" . -}}
+{{- $v := .Values -}}
+{{- $name := include "pretrain.fullname" . -}}
+{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $name) -}}
+{{- fail (printf "the object name %q must start with a letter (the training-operator checks PyTorchJob names as DNS-1035 labels): use a release name that starts with a letter, or set fullnameOverride" $name) -}}
+{{- end -}}
+{{- if and $v.job.enabled (gt (int (include "pretrain.nodes" .)) 1) -}}
+{{- range $key, $s := dict "data" $v.storage.data "checkpoints" $v.storage.checkpoints -}}
+{{- if and (not $s.existingClaim) (not (has "ReadWriteMany" $s.accessModes)) -}}
+{{- fail (printf "gpus=%d runs %s pods on different nodes, but storage.%s.accessModes=%v cannot be mounted by more than one node: the Worker pods would stay in ContainerCreating (Multi-Attach error). Use [ReadWriteMany] with a StorageClass that supports it (storage.%s.storageClass), or gpus <= gpusPerNode" (int $v.gpus) (include "pretrain.nodes" $) $key $s.accessModes $key) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $d := $v.storage.data -}}
+{{- if and $v.prepare.enabled $v.job.enabled (not $d.existingClaim) (not (has "ReadWriteMany" $d.accessModes)) (or $v.prepare.nodeSelector $v.prepare.affinity) -}}
+{{- fail (printf "storage.data.accessModes=%v with prepare.nodeSelector/affinity: the prepare pod (CPU pool) and the trainer pod (GPU pool) mount the data volume on two nodes, which a ReadWriteOnce volume cannot do (both hang on Multi-Attach). Use ReadWriteMany for storage.data, or drop prepare.nodeSelector/affinity (the chart then puts the prepare pod on the trainer's node), or prepare first with job.enabled=false" $d.accessModes) -}}
+{{- end -}}
+{{- if and (not $v.serviceAccount.create) (not $v.serviceAccount.name) $v.rbac.create (include "pretrain.rbacNeeded" .) -}}
+{{- fail "serviceAccount.create=false without serviceAccount.name: the watcher's Role would be bound to the namespace's `default` ServiceAccount, which every other pod there uses. Set serviceAccount.name to an existing ServiceAccount, or rbac.create=false (and grant it yourself)" -}}
+{{- end -}}
+{{- if and $v.metrics.podMonitor.enabled $v.metrics.serviceMonitor.enabled -}}
+{{- fail "metrics.podMonitor.enabled and metrics.serviceMonitor.enabled are both true: Prometheus would scrape every pod twice and the alert rules would see every series twice. Enable one" -}}
+{{- end -}}
+{{- $vf := include "pretrain.float" $v.prepare.valFraction | float64 -}}
+{{- if or (le $vf 0.0) (ge $vf 1.0) -}}
+{{- fail (printf "prepare.valFraction=%v must be between 0 and 1 (exclusive)" $v.prepare.valFraction) -}}
+{{- end -}}
+{{- include "pretrain.checkBatch" . -}}
+{{- include "pretrain.upgradeGuard" . -}}
+{{- end }}
+
+{{/* Is a Role needed: the watcher's Kubernetes actions, or the wait step reading the prepare Job. */}}
+{{- define "pretrain.rbacNeeded" -}}
+{{- if .Values.job.enabled -}}
+{{- if and (include "pretrain.watcherEnabled" .) .Values.budget.watcher.kubernetesActions }}true{{ end -}}
+{{- if and .Values.prepare.enabled .Values.prepare.wait.useKubernetesApi }}true{{ end -}}
+{{- end -}}
+{{- end }}
+
+{{/* `helm upgrade` with another shape (gpus, gpusPerNode) over a PyTorchJob that still runs: the operator
+never replaces running pods, so new Workers with the new --nnodes would wait forever beside the old
+Master. Refused with the commands that apply it. (`lookup` is empty in `helm template`.) */}}
+{{- define "pretrain.upgradeGuard" -}}
+{{- if .Values.job.enabled -}}
+{{- $name := include "pretrain.fullname" . -}}
+{{- $old := lookup "kubeflow.org/v1" "PyTorchJob" .Release.Namespace $name -}}
+{{- if $old -}}
+{{- $was := dig "metadata" "annotations" "pretrain/topology" "" $old -}}
+{{- $now := include "pretrain.topologyLabel" . -}}
+{{- $finished := false -}}
+{{- range (dig "status" "conditions" list $old) -}}
+{{- if and (has .type (list "Succeeded" "Failed")) (eq (toString .status) "True") }}{{ $finished = true }}{{ end -}}
+{{- end -}}
+{{- if and $was (ne $was $now) (not $finished) -}}
+{{- fail (printf "this upgrade changes the running PyTorchJob %s from %s to %s (nodes x GPUs): the training-operator never replaces running pods, so new Workers would wait forever beside the old Master. Apply it with `kubectl -n %s delete pytorchjob %s` (the pods checkpoint on SIGTERM), then run this helm upgrade again: the new job resumes from /ckpt/%s" $name $was $now .Release.Namespace $name (include "pretrain.runName" .)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end }}
+
+{{- define "pretrain.topologyLabel" -}}
+{{- printf "%sx%s" (include "pretrain.nodes" .) (include "pretrain.nprocPerNode" .) -}}
+{{- end }}

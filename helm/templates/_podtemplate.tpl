@@ -1,39 +1,48 @@
 {{/*
 Pod template of a PyTorchJob replica. Called with (dict "ctx" $ "replica" "master"|"worker" "nodes" N "nproc" P).
-The Master pod also runs the budget-watcher as a native sidecar (an initContainer with
-restartPolicy: Always): it starts first, shares /run/pretrain with the trainer, and the kubelet stops it
-when the trainer exits, so the pod (and the job) completes with the trainer's exit code.
+Init containers, in order: volume-permissions (root, optional: hands /ckpt to uid 1000), budget-watcher
+(Master only; a native sidecar: an initContainer with restartPolicy: Always that starts first, shares
+/run/pretrain with the trainer and is stopped by the kubelet when the trainer exits, so the pod ends with
+the trainer's exit code), wait-for-data (`pretrain wait-data`: waits for the prepare Job's marker, gives up
+on a failed or missing prepare and leaves a verdict the launcher turns into exit 4).
 */}}
 {{- define "pretrain.podTemplate" -}}
 {{- $ := .ctx }}
 {{- $v := $.Values }}
 {{- $master := eq .replica "master" }}
 {{- $watcher := and $master (include "pretrain.watcherEnabled" $) }}
+{{- $watcherApi := and $watcher $v.budget.watcher.kubernetesActions }}
+{{- $waitApi := and $v.prepare.enabled $v.prepare.wait.useKubernetesApi }}
 {{- $run := include "pretrain.runName" $ }}
-{{- $res := deepCopy $v.trainer.resources }}
-{{- $limits := default dict $res.limits }}
-{{- $requests := default dict $res.requests }}
-{{- $_ := set $limits $v.gpuResource (.nproc | int) }}
-{{- $_ := set $requests $v.gpuResource (.nproc | int) }}
-{{- $_ := set $res "limits" $limits }}
-{{- $_ := set $res "requests" $requests }}
+{{- $perms := include "pretrain.volumePermissions" $ }}
 metadata:
   labels:
     {{- include "pretrain.selectorLabels" $ | nindent 4 }}
     app.kubernetes.io/component: trainer
     pretrain/replica-type: {{ .replica }}
+    {{- with $v.commonLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
     {{- with $v.trainer.podLabels }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
   annotations:
     checksum/config: {{ include (print $.Template.BasePath "/configmap.yaml") $ | sha256sum }}
     kubectl.kubernetes.io/default-container: pytorch
+    {{- if not $v.trainer.safeToEvict }}
+    # A node scale-down would kill the whole gang: the autoscalers leave these pods alone.
+    cluster-autoscaler.kubernetes.io/safe-to-evict: "false"
+    karpenter.sh/do-not-disrupt: "true"
+    {{- end }}
+    {{- with $v.commonAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
     {{- with $v.trainer.podAnnotations }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
 spec:
   serviceAccountName: {{ include "pretrain.serviceAccountName" $ }}
-  # No API token for the trainer; the watcher alone gets one (the kube-api-access volume below).
+  # No API token for the trainer; the watcher and the wait step alone get one (kube-api-access below).
   automountServiceAccountToken: false
   enableServiceLinks: false
   terminationGracePeriodSeconds: {{ $v.trainer.terminationGracePeriodSeconds }}
@@ -63,8 +72,11 @@ spec:
   affinity:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- if or $watcher $v.prepare.enabled }}
+  {{- if or $perms $watcher $v.prepare.enabled }}
   initContainers:
+    {{- if $perms }}
+    {{- include "pretrain.volumePermissionsContainer" (dict "ctx" $ "dirs" (list "/ckpt" (printf "/ckpt/%s" $run)) "mounts" (list (dict "name" "ckpt" "mountPath" "/ckpt"))) | nindent 4 }}
+    {{- end }}
     {{- if $watcher }}
     - name: budget-watcher
       image: {{ include "pretrain.image" $ }}
@@ -72,51 +84,7 @@ spec:
       restartPolicy: Always
       command: ["pretrain"]
       args:
-        - watch
-        - --cap-usd
-        - {{ $v.budget.capUSD | toString | quote }}
-        - --gpus
-        - {{ $v.gpus | int | quote }}
-        {{- with $v.budget.gpuType }}
-        - --gpu-type
-        - {{ . | quote }}
-        {{- end }}
-        {{- if gt (float64 $v.budget.pricePerGpuHour) 0.0 }}
-        - --price-per-gpu-hour
-        - {{ $v.budget.pricePerGpuHour | toString | quote }}
-        {{- end }}
-        - --source
-        - {{ $v.budget.source | quote }}
-        {{- with $v.budget.sourcePath }}
-        - --source-path
-        - {{ . | quote }}
-        {{- end }}
-        {{- with $v.budget.opencostUrl }}
-        - --opencost-url
-        - {{ . | quote }}
-        {{- end }}
-        {{- if eq $v.budget.source "opencost" }}
-        - --opencost-selector
-        - {{ default (printf "label:training.kubeflow.org/job-name:%s" (include "pretrain.fullname" $)) $v.budget.opencostSelector | quote }}
-        {{- end }}
-        - --config
-        - /etc/pretrain/config.yaml
-        - --run-dir
-        - {{ printf "/ckpt/%s" $run | quote }}
-        - --stop-file
-        - /run/pretrain/stop.json
-        - --metrics-port
-        - "9401"
-        # A native sidecar is stopped by the kubelet when the trainer exits; exiting on its own
-        # would only make the kubelet restart it.
-        - --no-exit-when-done
-        - --kube
-        - {{ $v.budget.watcher.kubernetesActions | ternary "auto" "off" | quote }}
-        - --job-name
-        - {{ include "pretrain.fullname" $ | quote }}
-        {{- range $v.budget.watcher.extraArgs }}
-        - {{ . | quote }}
-        {{- end }}
+        {{- include "pretrain.watcherArgs" $ | nindent 8 }}
       env:
         - name: POD_NAMESPACE
           valueFrom:
@@ -134,7 +102,7 @@ spec:
         periodSeconds: 2
         failureThreshold: 60
       resources:
-        {{- toYaml $v.budget.watcher.resources | nindent 8 }}
+        {{- include "pretrain.smallResources" (dict "ctx" $ "requests" $v.budget.watcher.resources.requests "limits" $v.budget.watcher.resources.limits) | nindent 8 }}
       {{- with $v.containerSecurityContext }}
       securityContext:
         {{- toYaml . | nindent 8 }}
@@ -147,7 +115,7 @@ spec:
           mountPath: /ckpt
         - name: run
           mountPath: /run/pretrain
-        {{- if $v.budget.watcher.kubernetesActions }}
+        {{- if $watcherApi }}
         - name: kube-api-access
           mountPath: /var/run/secrets/kubernetes.io/serviceaccount
           readOnly: true
@@ -157,40 +125,34 @@ spec:
     - name: wait-for-data
       image: {{ include "pretrain.image" $ }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
-      command:
-        - sh
-        - -c
-        - |
-          marker="/data/$PREPARE_DIR/_READY"; waited=0
-          until [ "$(cat "$marker" 2>/dev/null)" = "$PREPARE_FINGERPRINT" ]; do
-            if [ -f /run/pretrain/stop.json ]; then
-              echo "wait-for-data: stop file present, starting the trainer so that it stops"; exit 0
-            fi
-            if [ "$WAIT_TIMEOUT" -gt 0 ] && [ "$waited" -ge "$WAIT_TIMEOUT" ]; then
-              echo "wait-for-data: no $marker ($PREPARE_FINGERPRINT) after ${waited}s; check: kubectl logs job/$PREPARE_JOB" >&2
-              exit 1
-            fi
-            echo "wait-for-data: waiting for $marker ($PREPARE_FINGERPRINT) from job/$PREPARE_JOB, ${waited}s"
-            sleep "$WAIT_POLL"; waited=$((waited + WAIT_POLL))
-          done
-          echo "wait-for-data: /data/$PREPARE_DIR is ready"
+      command: ["pretrain"]
+      args:
+        - wait-data
+        - --dir
+        - {{ printf "/data/%s" $v.prepare.outputDir | quote }}
+        - --fingerprint
+        - {{ include "pretrain.prepareFingerprint" $ | quote }}
+        - --job
+        - {{ include "pretrain.prepareJobName" $ | quote }}
+        - --poll
+        - {{ $v.prepare.wait.pollSeconds | int | quote }}
+        - --timeout
+        - {{ $v.prepare.wait.timeoutSeconds | int | quote }}
+        - --stop-file
+        - /run/pretrain/stop.json
+        - --verdict
+        - /run/pretrain/data-verdict.json
+        {{- if and $master $waitApi }}
+        - --event-job
+        - {{ include "pretrain.fullname" $ | quote }}
+        {{- end }}
       env:
-        - name: PREPARE_DIR
-          value: {{ $v.prepare.outputDir | quote }}
-        - name: PREPARE_FINGERPRINT
-          value: {{ include "pretrain.prepareFingerprint" $ | quote }}
-        - name: PREPARE_JOB
-          value: {{ printf "%s-prepare" (include "pretrain.fullname" $) | quote }}
-        - name: WAIT_POLL
-          value: {{ $v.prepare.wait.pollSeconds | int | quote }}
-        - name: WAIT_TIMEOUT
-          value: {{ $v.prepare.wait.timeoutSeconds | int | quote }}
+        - name: POD_NAMESPACE
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.namespace
       resources:
-        requests:
-          cpu: 10m
-          memory: 16Mi
-        limits:
-          memory: 64Mi
+        {{- include "pretrain.smallResources" (dict "ctx" $ "requests" (dict "cpu" "10m" "memory" "64Mi") "limits" (dict "memory" "256Mi")) | nindent 8 }}
       {{- with $v.containerSecurityContext }}
       securityContext:
         {{- toYaml . | nindent 8 }}
@@ -201,13 +163,19 @@ spec:
           readOnly: true
         - name: run
           mountPath: /run/pretrain
+        {{- if $waitApi }}
+        - name: kube-api-access
+          mountPath: /var/run/secrets/kubernetes.io/serviceaccount
+          readOnly: true
+        {{- end }}
     {{- end }}
   {{- end }}
   containers:
     - name: pytorch
       image: {{ include "pretrain.image" $ }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
-      # torchrun, keeping the trainer's exit code for the ExitCode restart policy (see app/launch.py).
+      # torchrun, keeping the trainer's exit code for the ExitCode restart policy, behind the retry budget
+      # and the data verdict (app/launch.py, app/restarts.py).
       command: ["python", "-m", "app.launch"]
       args:
         - --nnodes={{ .nodes }}
@@ -215,38 +183,41 @@ spec:
         - --max-restarts=0
         - -m
         - app.train
-        - --config
-        - /etc/pretrain/config.yaml
-        - --out
-        - {{ printf "/ckpt/%s" $run | quote }}
-        - --stop-file
-        - /run/pretrain/stop.json
-        - --metrics-port
-        - "9400"
-        - --set
-        - budget.in_process=false
-        - --budget-cap-usd
-        - {{ $v.budget.capUSD | toString | quote }}
-        - --gpus
-        - {{ $v.gpus | int | quote }}
-        {{- if gt (float64 $v.budget.pricePerGpuHour) 0.0 }}
-        - --price-per-gpu-hour
-        - {{ $v.budget.pricePerGpuHour | toString | quote }}
-        {{- end }}
-        {{- with $v.budget.gpuType }}
-        - --set
-        - {{ printf "budget.gpu_type=%s" . | quote }}
-        {{- end }}
-        {{- if $v.prepare.enabled }}
-        - --set
-        - {{ printf "data.dataset=/data/%s" $v.prepare.outputDir | quote }}
-        {{- end }}
-        {{- range $v.extraTrainArgs }}
-        - {{ . | quote }}
-        {{- end }}
+        {{- include "pretrain.trainerArgs" $ | nindent 8 }}
       env:
         - name: TORCH_ELASTIC_SHUTDOWN_TIMEOUT
           value: {{ max 30 (sub ($v.trainer.terminationGracePeriodSeconds | int) 30) | quote }}
+        # The launcher's retry budget (app/restarts.py): kubeflow/trainer#2045, restarts under ExitCode
+        # never reach backoffLimit. A new release revision starts a new count.
+        - name: PRETRAIN_RUN_DIR
+          value: {{ printf "/ckpt/%s" $run | quote }}
+        - name: PRETRAIN_MAX_RESTARTS
+          value: {{ $v.trainer.maxRestarts | int | quote }}
+        - name: PRETRAIN_RESTARTS_EPOCH
+          value: {{ $.Release.Revision | quote }}
+        {{- if $v.prepare.enabled }}
+        - name: PRETRAIN_DATA_VERDICT
+          value: /run/pretrain/data-verdict.json
+        {{- end }}
+        {{- with $v.trainer.network.socketIfname }}
+        - name: NCCL_SOCKET_IFNAME
+          value: {{ . | quote }}
+        - name: GLOO_SOCKET_IFNAME
+          value: {{ . | quote }}
+        {{- end }}
+        {{- with $v.trainer.network.ncclDebug }}
+        - name: NCCL_DEBUG
+          value: {{ . | quote }}
+        {{- end }}
+        {{- if eq $v.trainer.network.fabric "efa" }}
+        - name: FI_PROVIDER
+          value: efa
+        - name: FI_EFA_USE_DEVICE_RDMA
+          value: "1"
+        {{- else if eq $v.trainer.network.fabric "infiniband" }}
+        - name: NCCL_IB_DISABLE
+          value: "0"
+        {{- end }}
         {{- with (include "pretrain.hfTokenEnv" $ | trim) }}
         {{- . | nindent 8 }}
         {{- end }}
@@ -265,10 +236,12 @@ spec:
           containerPort: 9400
           protocol: TCP
       resources:
-        {{- toYaml $res | nindent 8 }}
-      {{- with $v.containerSecurityContext }}
+        {{- include "pretrain.trainerResources" (dict "ctx" $ "nproc" .nproc) | nindent 8 }}
+      # The launcher writes why it ended (retry budget spent, no data) here; else the log's tail.
+      terminationMessagePolicy: FallbackToLogsOnError
+      {{- with (include "pretrain.trainerSecurityContext" $) }}
       securityContext:
-        {{- toYaml . | nindent 8 }}
+        {{- . | nindent 8 }}
       {{- end }}
       volumeMounts:
         - name: config
@@ -303,27 +276,132 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: {{ $v.trainer.shmSizeLimit }}
-    {{- if and $watcher $v.budget.watcher.kubernetesActions }}
-    # What automountServiceAccountToken would mount, for the budget-watcher container only.
-    - name: kube-api-access
-      projected:
-        defaultMode: 0444
-        sources:
-          - serviceAccountToken:
-              path: token
-              expirationSeconds: 3607
-          - configMap:
-              name: kube-root-ca.crt
-              items:
-                - key: ca.crt
-                  path: ca.crt
-          - downwardAPI:
-              items:
-                - path: namespace
-                  fieldRef:
-                    fieldPath: metadata.namespace
+    {{- if or $watcherApi $waitApi }}
+    {{- include "pretrain.kubeApiVolume" $ | nindent 4 }}
     {{- end }}
     {{- with $v.trainer.extraVolumes }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
+{{- end }}
+
+{{/* The trainer's security context: containerSecurityContext plus, for this container alone, the
+capabilities of trainer.extraCapabilities (and IPC_LOCK for an RDMA fabric: pinned memory). */}}
+{{- define "pretrain.trainerSecurityContext" -}}
+{{- $v := .Values -}}
+{{- $sc := deepCopy (default dict $v.containerSecurityContext) -}}
+{{- $add := $v.trainer.extraCapabilities -}}
+{{- if has $v.trainer.network.fabric (list "efa" "infiniband") }}{{ $add = append $add "IPC_LOCK" }}{{ end -}}
+{{- if $add -}}
+{{- $caps := default dict $sc.capabilities -}}
+{{- $_ := set $caps "add" (concat (default list $caps.add) $add | uniq) -}}
+{{- $_ := set $sc "capabilities" $caps -}}
+{{- end -}}
+{{- with $sc }}{{ toYaml . }}{{ end -}}
+{{- end }}
+
+{{/* Arguments of `python -m app.train` in every trainer pod (and in the `helm test` pod). */}}
+{{- define "pretrain.trainerArgs" -}}
+{{- $v := .Values -}}
+- --config
+- /etc/pretrain/config.yaml
+- --out
+- {{ printf "/ckpt/%s" (include "pretrain.runName" .) | quote }}
+- --stop-file
+- /run/pretrain/stop.json
+- --metrics-port
+- "9400"
+- --set
+- budget.in_process=false
+- --budget-cap-usd
+- {{ $v.budget.capUSD | toString | quote }}
+- --gpus
+- {{ $v.gpus | int | quote }}
+{{- if gt (include "pretrain.float" $v.budget.pricePerGpuHour | float64) 0.0 }}
+- --price-per-gpu-hour
+- {{ $v.budget.pricePerGpuHour | toString | quote }}
+{{- end }}
+{{- with $v.budget.gpuType }}
+- --set
+- {{ printf "budget.gpu_type=%s" . | quote }}
+{{- end }}
+{{- if $v.prepare.enabled }}
+- --set
+- {{ printf "data.dataset=/data/%s" $v.prepare.outputDir | quote }}
+{{- end }}
+{{- range $v.extraTrainArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Arguments of `pretrain watch`, the budget-watcher sidecar (and the `helm test` pod's dry run). */}}
+{{- define "pretrain.watcherArgs" -}}
+{{- $v := .Values -}}
+- watch
+- --cap-usd
+- {{ $v.budget.capUSD | toString | quote }}
+- --gpus
+- {{ $v.gpus | int | quote }}
+{{- with $v.budget.gpuType }}
+- --gpu-type
+- {{ . | quote }}
+{{- end }}
+{{- if gt (include "pretrain.float" $v.budget.pricePerGpuHour | float64) 0.0 }}
+- --price-per-gpu-hour
+- {{ $v.budget.pricePerGpuHour | toString | quote }}
+{{- end }}
+- --source
+- {{ $v.budget.source | quote }}
+{{- with $v.budget.sourcePath }}
+- --source-path
+- {{ . | quote }}
+{{- end }}
+{{- with $v.budget.opencostUrl }}
+- --opencost-url
+- {{ . | quote }}
+{{- end }}
+{{- if eq $v.budget.source "opencost" }}
+- --opencost-selector
+- {{ default (printf "label:training.kubeflow.org/job-name:%s" (include "pretrain.fullname" .)) $v.budget.opencostSelector | quote }}
+{{- end }}
+- --idle-allowance-seconds
+- {{ $v.budget.idleAllowanceSeconds | int | quote }}
+- --config
+- /etc/pretrain/config.yaml
+- --run-dir
+- {{ printf "/ckpt/%s" (include "pretrain.runName" .) | quote }}
+- --stop-file
+- /run/pretrain/stop.json
+- --metrics-port
+- "9401"
+# A native sidecar is stopped by the kubelet when the trainer exits; exiting on its own would only
+# make the kubelet restart it.
+- --no-exit-when-done
+- --kube
+- {{ $v.budget.watcher.kubernetesActions | ternary "auto" "off" | quote }}
+- --job-name
+- {{ include "pretrain.fullname" . | quote }}
+{{- range $v.budget.watcher.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/* What automountServiceAccountToken would mount, for the containers that use the API only. */}}
+{{- define "pretrain.kubeApiVolume" -}}
+- name: kube-api-access
+  projected:
+    defaultMode: 0444
+    sources:
+      - serviceAccountToken:
+          path: token
+          expirationSeconds: 3607
+      - configMap:
+          name: kube-root-ca.crt
+          items:
+            - key: ca.crt
+              path: ca.crt
+      - downwardAPI:
+          items:
+            - path: namespace
+              fieldRef:
+                fieldPath: metadata.namespace
 {{- end }}
