@@ -24,7 +24,8 @@ examples:
   pretrain watch --cap-usd 1000 --gpu-type h100-sxm --gpus 8 --run-dir /ckpt/run
 
 exit codes: 0 done (planned end, budget stop, early stop); 2 bad input or config;
-            128+N preempted by signal N (retryable); 1 unexpected error.
+            128+N preempted by signal N (retryable); 1 unexpected error;
+            4 wait-data gave up (no training data).
 """
 
 # name -> (module with add_arguments/run, one-line help), in the order `pretrain --help` lists them.
