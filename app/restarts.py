@@ -16,7 +16,7 @@ therefore counts for itself, on the checkpoint volume that outlives the pods:
 - *Progress* is a newer checkpoint (checkpoints/step_N) than the attempt started with; a failure that
   made progress does not count, and any progress resets the count.
 - When the count exceeds `max_restarts` (the chart's `trainer.maxRestarts`), the launcher ends with
-  EXIT_RETRIES_SPENT (3, permanent under `ExitCode`), with one line saying why on stderr and in the
+  EXIT_RETRIES_SPENT (5, permanent under `ExitCode`), with one line saying why on stderr and in the
   pod's termination message (`kubectl describe pod`), so the operator marks the job Failed.
 - A new Helm release revision (`helm upgrade`, env PRETRAIN_RESTARTS_EPOCH) starts a new count: the
   documented way to retry after fixing the cause. Without Helm, delete RUN_DIR/restarts/.
@@ -46,7 +46,7 @@ from typing import Any
 from app.data.wait import EXIT_DATA_NOT_READY
 from app.files import atomic_write_json
 
-EXIT_RETRIES_SPENT = 3
+EXIT_RETRIES_SPENT = 5  # 3 is the trainer's "diverged"
 EXIT_NOT_WRITABLE = 2
 STOP_CODES = (130, 143)  # SIGINT, SIGTERM: asked to stop, not a failure
 KEEP_ATTEMPTS = 50

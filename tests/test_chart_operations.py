@@ -65,7 +65,7 @@ def gate_env(c: dict, root: Path, monkeypatch) -> None:
 
 def test_1_crash_loops_end_after_max_restarts(tmp_path, monkeypatch):
     """Under ExitCode the operator retries codes >= 128 forever (kubeflow/trainer#2045): the chart hands
-    the launcher a retry budget in the run dir, and the rendered settings end a crash loop with exit 3."""
+    the launcher a retry budget in the run dir, and the rendered settings end a crash loop with exit 5."""
     docs = h.render({"trainer.maxRestarts": 1, "job.activeDeadlineSeconds": 86400, "gpus": 16})
     h.validate_all(docs)
     job = h.one(docs, "PyTorchJob")

@@ -2,7 +2,7 @@
 
 Under the PyTorchJob ExitCode policy the training-operator retries codes >= 128 forever
 (kubeflow/trainer#2045); the launcher counts failed attempts without progress in the run dir and
-turns the one past `trainer.maxRestarts` into exit 3, which the operator treats as permanent. The
+turns the one past `trainer.maxRestarts` into exit 5, which the operator treats as permanent. The
 rule is tested in-process around a stand-in for torchrun's main; the wiring with the real
 `python -m app.launch` (torchrun, a worker process) at the end.
 """
@@ -62,7 +62,7 @@ def state(pod: Path, node: int = 0) -> dict:
 
 
 def test_repeated_crashes_end_with_a_permanent_code(pod, capsys):
-    """maxRestarts=2: two OOM kills are retried (137 kept), the third turns into exit 3 with the reason
+    """maxRestarts=2: two OOM kills are retried (137 kept), the third turns into exit 5 with the reason
     on stderr and in the pod's termination message; a pod the operator starts anyway is refused."""
     assert attempt(pod, 137) == (137, True)
     assert "failure 1 of 3 allowed in a row" in capsys.readouterr().err
@@ -177,7 +177,7 @@ def work() -> Path:
 
 
 def test_the_launcher_ends_a_crash_loop(work):
-    """maxRestarts=0: the worker's 139 becomes the launcher's exit 3; the next pod is refused."""
+    """maxRestarts=0: the worker's 139 becomes the launcher's exit 5; the next pod is refused."""
     proc = _launch(work, 139)
     assert proc.returncode == EXIT_RETRIES_SPENT, proc.stderr
     assert "1 failed attempts in a row without a new checkpoint (exit codes 139" in proc.stderr
