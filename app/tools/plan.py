@@ -142,15 +142,20 @@ def nearest_preset(n_params: float, presets: dict[str, float]) -> tuple[str, flo
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-usd", type=float, required=True, help="the dollars to spend on training")
     parser.add_argument("--gpu", required=True, help=f"GPU type: {pricing.known_types()}")
-    parser.add_argument("--gpus", type=int, default=1, help="GPUs trained on (all nodes)")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs trained on, all nodes (default 1)")
     parser.add_argument(
-        "--price-per-gpu-hour", type=float, default=0.0, help="USD per GPU-hour (default: built-in table)"
+        "--price-per-gpu-hour", type=float, help="USD per GPU-hour, > 0 (default: the built-in table)"
     )
     parser.add_argument(
-        "--mfu", type=float, default=DEFAULT_MFU, help="expected model FLOPs utilisation, 0..1"
+        "--mfu",
+        type=float,
+        default=DEFAULT_MFU,
+        help=f"expected model FLOPs utilisation in (0, 1] (default {DEFAULT_MFU})",
     )
     parser.add_argument(
-        "--peak-tflops", type=float, default=0.0, help="dense bf16 TFLOP/s per GPU for an unlisted GPU"
+        "--peak-tflops",
+        type=float,
+        help="dense bf16 TFLOP/s per GPU, > 0, for an unlisted GPU (default: table)",
     )
 
 
@@ -188,8 +193,21 @@ def format_plan(plan: Plan, presets: dict[str, float]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    for flag, value in (
+        ("--price-per-gpu-hour", args.price_per_gpu_hour),
+        ("--peak-tflops", args.peak_tflops),
+    ):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise UserError(
+                f"{flag} must be a number > 0, got {value}; leave it out to use the built-in table"
+            )
     plan = make_plan(
-        args.budget_usd, args.gpu, args.gpus, args.price_per_gpu_hour, args.mfu, args.peak_tflops
+        args.budget_usd,
+        args.gpu,
+        args.gpus,
+        args.price_per_gpu_hour or 0.0,
+        args.mfu,
+        args.peak_tflops or 0.0,
     )
     for line in format_plan(plan, preset_params()):
         print(line)
