@@ -10,9 +10,11 @@ therefore counts for itself, on the checkpoint volume that outlives the pods:
     RUN_DIR/restarts/node-<R>.json      one file per node rank (no two pods write the same file)
 
 - An attempt is one run of the launcher. It is recorded when it starts and when it ends.
-- A *failure* is an end with a code >= 128 other than 143 (SIGTERM) and 130 (SIGINT), or no recorded
-  end at all (the pod vanished: SIGKILL, node loss). SIGTERM/SIGINT are requests to stop (preemption,
-  drain, delete, Kueue eviction) and never count; codes 1-127 are permanent anyway (the job fails).
+- A *failure* is an end with a code >= 128 other than 143 (SIGTERM), 130 (SIGINT) and 142 (the run
+  dir's lease is held by another trainer), or no recorded end at all: the pod vanished (node loss), or
+  the whole container was OOM-killed (cgroup v2 with memory.oom.group, the kubelet's default since
+  Kubernetes 1.28, kills the launcher with the workers). SIGTERM/SIGINT are requests to stop
+  (preemption, drain, delete, Kueue eviction) and never count; codes 1-127 are permanent anyway.
 - *Progress* is a newer checkpoint (checkpoints/step_N) than the attempt started with; a failure that
   made progress does not count, and any progress resets the count.
 - When the count exceeds `max_restarts` (the chart's `trainer.maxRestarts`), the launcher ends with
@@ -48,7 +50,9 @@ from app.files import atomic_write_json
 
 EXIT_RETRIES_SPENT = 5  # 3 is the trainer's "diverged"
 EXIT_NOT_WRITABLE = 2
-STOP_CODES = (130, 143)  # SIGINT, SIGTERM: asked to stop, not a failure
+# Asked to stop, not a failure: SIGINT, SIGTERM, and 142, the trainer that found the run dir's lease held
+# by another one (a terminating pod still writing) and gave up waiting.
+STOP_CODES = (130, 142, 143)
 KEEP_ATTEMPTS = 50
 STEP_DIR = re.compile(r"^step_(\d+)$")
 

@@ -82,11 +82,20 @@ def test_repeated_crashes_end_with_a_permanent_code(pod, capsys):
 
 def test_progress_and_preemption_do_not_count(pod):
     """A crash after a new checkpoint made progress; SIGTERM/SIGINT (143/130) are stop requests."""
-    for step, code in [(100, 139), (200, 139), (0, 143), (0, 130), (0, 143), (300, 134), (400, 137)]:
+    for step, code in [
+        (100, 139),
+        (200, 139),
+        (0, 143),
+        (0, 130),
+        (0, 142),
+        (0, 143),
+        (300, 134),
+        (400, 137),
+    ]:
         assert attempt(pod, code, step) == (code, True)
     st = state(pod)
     assert st["failures"] == 0 and st["checkpoint_step"] == 400
-    assert [a["counted"] for a in st["attempts"]] == [False] * 7
+    assert [a["counted"] for a in st["attempts"]] == [False] * 8
     # progress made by another node (a newer checkpoint seen at start) resets this node's count too
     attempt(pod, 137)
     attempt(pod, 137)
