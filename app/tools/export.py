@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from app.errors import UserError
-from app.files import sha256_file
+from app.files import check_writable_dir, sha256_file
 from app.trainer import checkpoint as ckpt
 
 MANIFEST_VERSION = 1
@@ -397,10 +397,7 @@ def export(run_dir: Path, out: Path) -> Path:
     out = Path(out)
     if out.resolve() == run_dir.resolve():
         raise UserError("--output must differ from RUN_DIR")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create --output {out}: {e.strerror}") from None
+    check_writable_dir(out, "--output")
 
     rows = effective_rows(read_rows(log_path))
     meta = info.meta
