@@ -24,6 +24,7 @@ from app.trainer import checkpoint as ckpt
 from app.trainer.args import DESCRIPTION, add_arguments, config_from_args, print_config
 from app.trainer.budget_link import BudgetLink
 from app.trainer.heartbeat import Heartbeat
+from app.trainer.lease import hold_run_dir, release
 from app.trainer.metrics import detect_gpu_type, flops_per_token, peak_flops
 from app.trainer.model import GPT, count_parameters
 from app.trainer.optim import build_optimizer, set_lr
@@ -493,7 +494,9 @@ def train(cfg: Config, args: RunArgs) -> int:
     env = init_distributed("cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu")
     trainer = None
     budget = None
+    lease = None
     try:
+        lease = hold_run_dir(Path(args.out), cfg.checkpoint, signals, env.is_rank0)  # one writer per run dir
         device = pick_device(cfg, env.local_rank)
         stop_file = args.stop_file or Path(args.out) / "stop.json"
         try:
@@ -512,6 +515,7 @@ def train(cfg: Config, args: RunArgs) -> int:
             trainer.close()
         if budget is not None:
             budget.close()
+        release(lease)
         signals.uninstall()
         shutdown_distributed()
 
