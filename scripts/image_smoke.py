@@ -25,6 +25,7 @@ Environment: PRETRAIN_SMOKE_DIR (default .cache/image-smoke), DEBIAN_MIRROR, TOR
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -339,6 +340,14 @@ class Smoke:
 def main() -> int:
     t0 = time.monotonic()
     SMOKE.mkdir(parents=True, exist_ok=True)
+    lock = open(SMOKE / "lock", "w")  # noqa: SIM115 - held until exit
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        say(
+            f"FAIL: another image-smoke is running on {SMOKE} (its dockerd owns the image store); wait for it"
+        )
+        return 1
     install_tools()
     daemon = Daemon()
     why = daemon.start()

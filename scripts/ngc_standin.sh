@@ -43,7 +43,10 @@ debootstrap --variant=minbase --include=python3,python3-pip,python-is-python3,ca
 echo "ngc-standin: ${SECONDS}s: fetching $TORCH_SPEC wheels"
 python3 -m pip download -q -d "$wheels" --only-binary=:all: --python-version 3.11 --implementation cp \
   --abi cp311 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform linux_x86_64 \
-  "$TORCH_SPEC"
+  "$TORCH_SPEC" > "$work/pip-download.log" 2>&1 || {
+  tail -n 20 "$work/pip-download.log"
+  exit 1
+}
 mkdir -p "$root/tmp/wheels"
 cp "$wheels"/*.whl "$root/tmp/wheels/"
 
@@ -54,9 +57,9 @@ fi
 
 # env -i: the host's PIP_* settings (find-links, index) mean nothing inside the chroot.
 env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 chroot "$root" /bin/bash -euo pipefail -c "
-  update-ca-certificates > /dev/null
+  update-ca-certificates > /dev/null 2>&1
   rm -f /usr/lib/python3*/EXTERNALLY-MANAGED          # NGC's system Python takes pip installs
-  python -m pip install -q --no-index --find-links /tmp/wheels '$TORCH_SPEC'
+  python -m pip install -q --no-warn-script-location --no-index --find-links /tmp/wheels '$TORCH_SPEC'
   mkdir -p /etc/pip
   python -m pip freeze > /etc/pip/constraint.txt
   useradd --uid 1000 --create-home --shell /bin/bash ubuntu
