@@ -6,6 +6,7 @@ No Docker engine runs here; the dependency step's own Python is executed against
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -135,7 +136,9 @@ def test_make_image_takes_base_engine_and_build_flags():
     such as --network host (scripts/image_smoke.py builds this way). Default: the pinned NGC tag."""
 
     def dry(*args: str) -> str:
-        proc = subprocess.run(["make", "-n", "image", *args], cwd=REPO, capture_output=True, text=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}  # under `make test` too
+        cmd = ["make", "--no-print-directory", "-n", "image", *args]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
         return proc.stdout.strip()
 
