@@ -170,6 +170,9 @@ class Smoke:
         env = {**os.environ, "DOCKER": " ".join(self.d.docker), "TORCH_SPEC": TORCH_SPEC}
         proc = subprocess.run(["bash", str(script), tag, str(self.work / "standin")], env=env, timeout=1500)
         assert proc.returncode == 0, f"scripts/ngc_standin.sh exited {proc.returncode}"
+        old = self.docker("images", "--format", "{{.Repository}}:{{.Tag}}", tag.split(":")[0]).stdout.split()
+        for other in set(old) - {tag}:  # earlier versions of the stand-in: 1 GB each
+            self.docker("rmi", other)
         return tag
 
     def build_image(self, base: str) -> None:
