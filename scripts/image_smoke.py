@@ -120,6 +120,9 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(30)
+        netns = self.run / "exec" / "netns" / "default"  # dockerd's bind mount of its own namespace file
+        if os.path.ismount(netns):
+            sh(["umount", str(netns)], timeout=30)
         shutil.rmtree(self.run, ignore_errors=True)
 
 
