@@ -11,8 +11,13 @@ RUN_DIR      ?= runs/tiny
 PYTEST_ARGS  ?=
 HELM         ?= $(shell command -v helm 2>/dev/null || echo $(CURDIR)/bin/helm)
 IMAGE        ?= pretrain:dev
+# `make image` on a machine that cannot pull nvcr.io: BASE_IMAGE=<a local image with torch>,
+# DOCKER="docker -H unix:///path/docker.sock", DOCKER_BUILD_FLAGS="--network host".
+DOCKER       ?= docker
+BASE_IMAGE   ?= $(shell sed -n 's/^ARG BASE_IMAGE=//p' Dockerfile)
+DOCKER_BUILD_FLAGS ?=
 
-.PHONY: setup train test test-slow lint bench helm chart k8s image clean help
+.PHONY: setup train test test-slow lint bench helm chart k8s image image-smoke clean help
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -56,8 +61,11 @@ k8s: helm  ## re-render the plain manifests in k8s/ (and helm/presets.yaml from 
 	$(PY) scripts/chart_presets.py
 	$(PY) scripts/render_k8s.py --helm $(HELM)
 
-image:  ## build the container image (needs a Docker engine)
-	docker build -t $(IMAGE) .
+image:  ## build the container image (needs a Docker engine; BASE_IMAGE, DOCKER, DOCKER_BUILD_FLAGS)
+	$(DOCKER) build $(DOCKER_BUILD_FLAGS) --build-arg BASE_IMAGE=$(BASE_IMAGE) -t $(IMAGE) .
+
+image-smoke:  ## build the image on a local NGC stand-in and check it in containers (root; starts its own dockerd)
+	$(PYTHON) scripts/image_smoke.py
 
 clean:  ## remove the venv, caches and local runs
 	rm -rf $(VENV) runs .cache .pytest_cache .ruff_cache bin

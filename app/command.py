@@ -1,6 +1,8 @@
 """What every `pretrain` subcommand shares: a parser whose errors are one line, and the exit-code rule.
 
 Exit codes: 0 done; 2 bad input, config or data (one line on stderr, no traceback); 130 Ctrl-C.
+A file this user may not write (a root-owned volume, a read-only mount) is bad input too: one line
+naming the path, the uid and the fix, exit 2.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import sys
 from collections.abc import Callable
 
 from app.errors import UserError
+from app.files import NOT_WRITABLE, unwritable_message
 
 
 class Parser(argparse.ArgumentParser):
@@ -28,6 +31,11 @@ def guarded(run: Callable[[], int | None], prefix: str = "error") -> int:
         return e.exit_code
     except KeyboardInterrupt:
         return 130
+    except OSError as e:
+        if e.errno not in NOT_WRITABLE or not e.filename:
+            raise
+        print(f"{prefix}: {unwritable_message(e.filename, '', e.strerror)}", file=sys.stderr, flush=True)
+        return UserError.exit_code
 
 
 def main_for(

@@ -137,6 +137,9 @@ class ScheduleConfig:
 
 @dataclass
 class CheckpointConfig:
+    # run-dir lease (app/trainer/lease.py): a second trainer on the run dir waits this long, then exits 142
+    lease_wait_seconds: float = 600.0
+    lease_stale_seconds: float = 60.0  # a lease whose heartbeat stopped this long ago is taken over
     every_steps: int = 0  # 0 = off
     every_minutes: float = 60.0  # 0 = off
     keep_last: int = 3
@@ -371,6 +374,7 @@ def validate(cfg: Config) -> None:
         ("model.seq_len", m.seq_len),
         ("train.micro_batch_size", t.micro_batch_size),
         ("train.max_steps", t.max_steps),
+        ("checkpoint.lease_stale_seconds", c.lease_stale_seconds),
     ]:
         _check(val > 0, f"{key} must be > 0, got {val}")
     for key, val in [
@@ -384,6 +388,7 @@ def validate(cfg: Config) -> None:
         ("schedule.warmup_steps", s.warmup_steps),
         ("checkpoint.every_steps", c.every_steps),
         ("checkpoint.every_minutes", c.every_minutes),
+        ("checkpoint.lease_wait_seconds", c.lease_wait_seconds),
         ("optim.weight_decay", o.weight_decay),
         ("optim.grad_clip", o.grad_clip),
         ("budget.cap_usd", b.cap_usd),

@@ -1,4 +1,5 @@
-"""Durable file writes shared by every part: atomic JSON, fsync of files and directories, sha256.
+"""Durable file writes shared by every part: atomic JSON, fsync of files and directories, sha256, and the
+check that an output directory can be written (one line naming the uid and the fix, not a traceback).
 
 Atomic means temp file + fsync + rename in the same directory: a reader (or a crash) sees the old or
 the new content, never half of it.
@@ -7,12 +8,18 @@ the new content, never half of it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from app.errors import UserError
+
+# errno values that mean "this user may not write here", as opposed to a bug
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def fsync_file(path: Path) -> None:
@@ -68,3 +75,28 @@ def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def unwritable_message(path: Path | str, what: str, reason: str) -> str:
+    """One line: the path, the uid/gid this process runs as, and the ownership fix for a volume."""
+    uid, gid = os.getuid(), os.getgid()
+    return (
+        f"{what} {path}".strip()
+        + f" is not writable by uid {uid} (gid {gid}): {reason}; give this user write access: "
+        f"in Kubernetes set the pod's securityContext.fsGroup to {gid} (the chart's podSecurityContext "
+        f"does) so the volume is group-writable, or `chown -R {uid}:{gid}` the directory"
+    )
+
+
+def check_writable_dir(path: Path | str, what: str = "--out") -> None:
+    """Create `path` if needed and prove a file can be made in it (a real probe: permission bits do not
+    tell about root-squashed NFS, read-only mounts or ACLs); UserError (exit 2) with the fix if not."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe.", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and Path(e.filename) != path else ""
+        raise UserError(unwritable_message(path, what, f"{e.strerror or e}{where}")) from None

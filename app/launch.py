@@ -19,18 +19,32 @@ This launcher runs torchrun's own `run()` in-process and changes only those two 
   the code of the first worker that failed, the cause (143 when it stopped because a peer on
   another node was preempted, 2 bad config, 1 crash; killed by signal S: 128 + S). torchrun records
   failures in the order it saw them; the workers it terminates afterwards come later and are ignored.
+
+And two things a container needs:
+- One node rendezvous on 127.0.0.1. torchrun otherwise hands the workers this machine's FQDN (c10d,
+  the default for one node) or --master-addr / $PET_MASTER_ADDR (static: the Master's Service name),
+  and where that does not resolve (`docker run --network none`, a pod whose Service has no DNS yet)
+  the workers retry for 300 s and the agent for 900 s. Pass --local-addr to choose otherwise.
+- A SIGTERM while the launcher waits in C++ (a TCPStore connect to a Master that is not up yet) exits
+  128 + 15 within a second. Python runs signal handlers only between bytecodes, so there the handler
+  above would wait for the connect to time out (900 s) and the pod be SIGKILLed after its grace period.
 """
 
+import argparse
 import contextlib
 import os
 import signal
 import sys
+import threading
+import time
 
 import torch.distributed.elastic.multiprocessing.api as elastic_api
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import parse_args, run
+from torch.distributed.run import parse_args, parse_min_max_nnodes, run
 
+LOOPBACK = "127.0.0.1"
 received: list = []
+handled = [0]  # signals the Python handler has run for (the watchdog compares)
 
 
 def children(pid: int) -> list:
@@ -51,6 +65,8 @@ def children(pid: int) -> list:
 
 def forward(signum, _frame) -> None:
     """Signal handler in place of torchrun's (which raises and later SIGKILLs the workers)."""
+    if signum in (signal.SIGTERM, signal.SIGINT):
+        handled[0] += 1
     workers = children(os.getpid())
     if not workers and not received:
         raise elastic_api.SignalException(f"launch: got signal {signum}", sigval=signal.Signals(signum))
@@ -64,6 +80,55 @@ def forward(signum, _frame) -> None:
     for pid in workers:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
+
+
+def rendezvous_locally(args: argparse.Namespace) -> None:
+    """One node: every process is on this machine, so rendezvous on loopback (see the module doc)."""
+    if parse_min_max_nnodes(args.nnodes)[1] != 1:
+        return
+    if not args.local_addr:
+        args.local_addr = LOOPBACK  # the address c10d hands the workers as MASTER_ADDR
+    if args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_addr != LOOPBACK:
+        print(
+            f"launch: one node: rendezvous on {LOOPBACK}, not {args.master_addr}", file=sys.stderr, flush=True
+        )
+        args.master_addr = LOOPBACK
+
+
+def watch_signals_in_c(grace: float = 1.0) -> None:
+    """Exit 128 + N on SIGTERM/SIGINT even while the main thread is stuck in C++. Python's C-level
+    handler writes each signal number to the wakeup fd at once; this thread reads it, and if the
+    Python handler has not run `grace` seconds later, acts for it: no workers yet -> exit now (nothing
+    to save); workers -> pass the signal on, as the handler would."""
+    r, w = os.pipe()  # not inherited by the workers (close-on-exec)
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+
+    def loop() -> None:
+        seen = 0
+        while True:
+            for signum in os.read(r, 64):
+                if signum not in (signal.SIGTERM, signal.SIGINT):
+                    continue
+                seen += 1
+                deadline = time.monotonic() + grace
+                while handled[0] < seen and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if handled[0] >= seen:
+                    continue
+                workers = children(os.getpid())
+                if not workers:
+                    name = signal.Signals(signum).name
+                    msg = f"launch: got {name} while waiting in rendezvous -> exit {128 + signum}"
+                    print(msg, file=sys.stderr, flush=True)
+                    os._exit(128 + signum)
+                handled[0] = seen
+                received.append(signum)
+                for pid in workers:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signum)
+
+    threading.Thread(target=loop, name="launch-signals", daemon=True).start()
 
 
 def worker_exit_code(exitcode: int) -> int:
@@ -82,7 +147,9 @@ def main(argv: list) -> int:
     elastic_api._terminate_process_handler = forward
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
+    watch_signals_in_c()
     args = parse_args(argv)
+    rendezvous_locally(args)
     try:
         run(args)
     except ChildFailedError as e:

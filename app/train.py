@@ -25,6 +25,7 @@ from app.trainer.args import DESCRIPTION, add_arguments, config_from_args, print
 from app.trainer.budget_link import BudgetLink
 from app.trainer.evaluate import sample_text, validation_loss
 from app.trainer.heartbeat import Heartbeat
+from app.trainer.lease import hold_run_dir, release
 from app.trainer.metrics import detect_gpu_type, flops_per_token, peak_flops
 from app.trainer.model import GPT, count_parameters
 from app.trainer.optim import build_optimizer, set_lr
@@ -459,7 +460,9 @@ def train(cfg: Config, args: RunArgs) -> int:
     env = init_distributed("cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu")
     trainer = None
     budget = None
+    lease = None
     try:
+        lease = hold_run_dir(Path(args.out), cfg.checkpoint, signals, env.is_rank0)  # one writer per run dir
         device = pick_device(cfg, env.local_rank)
         if check_fresh_start(args.out, args.resume, args.overwrite):
             if env.is_rank0:
@@ -487,6 +490,7 @@ def train(cfg: Config, args: RunArgs) -> int:
             trainer.close()
         if budget is not None:
             budget.close()
+        release(lease)
         signals.uninstall()
         shutdown_distributed()
 

@@ -162,7 +162,7 @@ def test_a_restarted_sidecar_repeats_the_stop_on_a_fresh_stop_volume(tmp_path):
 
 def test_an_unwritable_run_dir_is_a_user_error(tmp_path):
     (tmp_path / "file").write_text("not a dir")
-    with pytest.raises(UserError, match="cannot create"):
+    with pytest.raises(UserError, match="is not writable by uid"):
         watcher(tmp_path / "file" / "run", cfg(), T)
 
 

@@ -6,6 +6,7 @@ No Docker engine runs here; the dependency step's own Python is executed against
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -128,3 +129,25 @@ def test_dockerignore():
     for src in sources:
         if "*" not in src:
             assert (REPO / src).exists(), src
+
+
+def test_make_image_takes_base_engine_and_build_flags():
+    """`make image` on a machine that cannot pull nvcr.io: another base, another engine socket, flags
+    such as --network host (scripts/image_smoke.py builds this way). Default: the pinned NGC tag."""
+
+    def dry(*args: str) -> str:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}  # under `make test` too
+        cmd = ["make", "--no-print-directory", "-n", "image", *args]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    pinned = next(r.split("=", 1)[1] for w, r in instructions() if w == "ARG" and r.startswith("BASE_IMAGE="))
+    assert dry() == f"docker build  --build-arg BASE_IMAGE={pinned} -t pretrain:dev ."
+    custom = dry(
+        "BASE_IMAGE=local/torch:1", "DOCKER=docker -H unix:///s.sock", "DOCKER_BUILD_FLAGS=--network host"
+    )
+    assert (
+        custom
+        == "docker -H unix:///s.sock build --network host --build-arg BASE_IMAGE=local/torch:1 -t pretrain:dev ."
+    )

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -85,3 +86,66 @@ def test_launcher_preempted_saves_then_exits_143(launcher):
     assert proc.returncode == 143, out
     assert all(Path(f"{ready}saved{r}").exists() for r in (0, 1)), "a worker was killed before its save ended"
     assert "got SIGTERM, passed to workers" in out
+
+
+RENDEZVOUS_CHILD = """
+import os, torch.distributed as dist
+dist.init_process_group("gloo")
+dist.barrier()
+print(f"rank {dist.get_rank()} met at {os.environ['MASTER_ADDR']}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_one_node_rendezvous_is_on_loopback_whatever_the_master_addr(tmp_path):
+    """A single-node pod gets PET_MASTER_ADDR = the Master's Service name, and `docker run --network none`
+    a hostname that does not resolve: either left the workers retrying for minutes. One node needs no
+    name: the launcher rendezvous on 127.0.0.1."""
+    from tests.test_budget_inprocess import free_port
+
+    (tmp_path / "child.py").write_text(RENDEZVOUS_CHILD)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "app.launch", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0"]
+    addr = ["--master-addr=no-such-host.invalid", f"--master-port={free_port()}"]  # static, as the chart
+    proc = subprocess.run(
+        [*cmd, *addr, "child.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(proc.stdout.split("\n"))[-2:] == ["rank 0 met at 127.0.0.1", "rank 1 met at 127.0.0.1"]
+    assert "rendezvous on 127.0.0.1, not no-such-host.invalid" in proc.stderr
+
+
+def test_sigterm_while_waiting_in_rendezvous_exits_143_at_once(tmp_path):
+    """A node of a 2-node job whose Master is not up: the launcher waits in C++ (a TCPStore connect, 900 s
+    timeout), where a Python signal handler cannot run. SIGTERM must still end it with 143 at once, not
+    after the pod's grace period with SIGKILL (137)."""
+    from tests.test_budget_inprocess import free_port
+
+    (tmp_path / "child.py").write_text(RENDEZVOUS_CHILD)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # torchrun then says it starts
+    env["PYTHONPATH"] = str(REPO)
+    cmd = [sys.executable, "-m", "app.launch", "--nnodes=2", "--node-rank=1", "--nproc-per-node=2"]
+    proc = subprocess.Popen(
+        [*cmd, "--master-addr=127.0.0.1", f"--master-port={free_port()}", "child.py"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    deadline = time.monotonic() + 120
+    while not any("OMP_NUM_THREADS" in line for line in lines):  # printed just before the rendezvous
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+        time.sleep(0.1)
+    time.sleep(2)
+    assert proc.poll() is None, "".join(lines)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(30)
+    finally:
+        proc.kill()
+    assert code == 143 and time.monotonic() - t0 < 10, "".join(lines)
+    assert "got SIGTERM while waiting in rendezvous -> exit 143" in "".join(lines)

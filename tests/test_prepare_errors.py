@@ -139,7 +139,7 @@ def cases(p: dict[str, Path], out: Path) -> list[tuple[str, list[str], str]]:
         (
             "out under a file",
             ["--input", str(p["good"]), *tok, "--OUT", str(p["a_file"] / "sub")],
-            "cannot write to output dir",
+            "is not writable by uid",
         ),
         (
             "bad val fraction",
@@ -220,7 +220,7 @@ def test_read_only_output_dir(bad: dict[str, Path], tmp_path: Path) -> None:
         text=True,
         timeout=120,
     )
-    assert r.returncode == 2 and "cannot write to output dir" in r.stderr
+    assert r.returncode == 2 and "is not writable by uid" in r.stderr
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -27,10 +27,10 @@ from app.budget.metrics import BudgetMetrics
 from app.budget.policy import PolicyInput, decide
 from app.budget.pricing import no_price_error, static_rate
 from app.budget.sources import make_source
-from app.budget.view import ledger_path_for
+from app.budget.view import ledger_path_for, state_path_for
 from app.budget.watcher import Watcher
 from app.errors import UserError
-from app.files import atomic_write_json
+from app.files import check_writable_dir
 
 log = logging.getLogger("pretrain.budget")
 
@@ -129,7 +129,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dry-run-budget",
         action="store_true",
-        help="read the source and the ledger once, print the thresholds and when each would fire, then exit",
+        help="read the source and the ledger once, print the thresholds and when each would fire, then exit "
+        "(a preflight: exit 2 if the run dir, the ledger or the stop file cannot be written)",
     )
 
 
@@ -225,22 +226,30 @@ def _dur(seconds: float | None) -> str:
     return f"in {h}h{m:02d}m{s:02d}s" if h else (f"in {m}m{s:02d}s" if m else f"in {s}s")
 
 
+def write_problems(run_dir: Path, ledger_path: Path, stop_file: Path) -> list[str]:
+    """Why the watcher could not write its files (one line each, with the uid and the fix), or []."""
+    dirs = {ledger_path.parent: "the ledger's dir", state_path_for(run_dir).parent: "--run-dir's budget dir"}
+    dirs.setdefault(stop_file.parent, "the stop file's dir")
+    problems = []
+    for path, what in dirs.items():
+        try:
+            check_writable_dir(path, what)
+        except UserError as e:
+            problems.append(str(e))
+    return problems
+
+
 def dry_run(
     cfg: BudgetConfig, run_dir: Path, ledger_path: Path, stop_file: Path, rate: float, price: float
-) -> list[str]:
-    """What the watcher would see and do; writes nothing but a probe file next to the ledger."""
+) -> tuple[list[str], list[str]]:
+    """What the watcher would see and do, and why it could not write its files (a preflight: exit 2 then).
+    Writes nothing but the directories the watcher would create and a probe file in each."""
     now = time.time()
     out = [f"budget dry run: cap ${cfg.cap_usd:.4f}, run dir {run_dir}"]
     led = load_ledger(ledger_path)
     spent = led.effective_spent()
-    try:
-        ledger_path.parent.mkdir(parents=True, exist_ok=True)
-        probe = ledger_path.with_name(".dry-run-probe.json")
-        atomic_write_json(probe, {"probe": now})
-        probe.unlink()
-        writable = "writable"
-    except OSError as e:
-        writable = f"NOT writable ({e.strerror}): the watcher would fail"
+    problems = write_problems(run_dir, ledger_path, stop_file)
+    writable = "writable" if not problems else "NOT writable: the watcher would fail"
     new = (
         "new"
         if not led.sessions
@@ -311,7 +320,7 @@ def dry_run(
         check_not_exhausted(cfg, run_dir)
     except BudgetExhausted as e:
         out.append(f"  trainer   would refuse to start: {e}")
-    return out
+    return out, problems
 
 
 def _setup_logging() -> None:
@@ -327,9 +336,14 @@ def run(args: argparse.Namespace) -> int:
     run_dir, ledger_path, stop_file = _paths(args)
     rate, price = _rate(cfg)
     if args.dry_run_budget:
-        for line in dry_run(cfg, run_dir, ledger_path, stop_file, rate, price):
-            print(line)
+        lines, problems = dry_run(cfg, run_dir, ledger_path, stop_file, rate, price)
+        print("\n".join(lines), flush=True)
+        if problems:
+            raise UserError(problems[0])
         return 0
+    problems = write_problems(run_dir, ledger_path, stop_file)
+    if problems:
+        raise UserError(problems[0])
     from app.budget.kube import KubeActions
 
     metrics = BudgetMetrics()

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from app.errors import UserError
-from app.files import atomic_write_json
+from app.files import atomic_write_json, unwritable_message
 
 LEDGER_VERSION = 1
 MAX_SESSIONS = 200
@@ -179,9 +179,7 @@ class LedgerLock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise UserError(
-                f"cannot create {self.path}: {e.strerror}; the run dir must be writable"
-            ) from None
+            raise UserError(unwritable_message(self.path, "the ledger lock", e.strerror)) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

@@ -46,6 +46,7 @@ from app.data.tokenizer import (
     train_char,
 )
 from app.errors import UserError
+from app.files import unwritable_message
 
 LOCK = ".prepare.lock"
 _TASK_CHARS = 1 << 20  # text per worker task: big enough to amortize IPC, small enough for smooth progress
@@ -75,7 +76,7 @@ class _DirLock:
         except FileExistsError:
             raise UserError(f"output {out} exists and is not a directory") from None
         except OSError as e:
-            raise UserError(f"cannot write to output dir {out}: {e.strerror}") from None
+            raise UserError(unwritable_message(out, "--out", e.strerror)) from None
         try:
             fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from app.errors import UserError
-from app.files import sha256_file
+from app.files import check_writable_dir, sha256_file
 from app.trainer import checkpoint as ckpt
 
 MANIFEST_VERSION = 1
@@ -406,10 +406,7 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
         )
     if out.exists() and not out.is_dir():
         raise UserError(f"--output {out} exists and is not a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create --output {out}: {e.strerror}") from None
+    check_writable_dir(out, "--output")
 
     logged = effective_rows(read_rows(log_path))
     # Rows past the exported step (after the last checkpoint, or of checkpoints that failed verification)
