@@ -95,6 +95,9 @@ def rendezvous_locally(args: argparse.Namespace) -> None:
         args.master_addr = LOOPBACK
 
 
+hard_exit_hooks: list = []  # run, in order, before the os._exit of a signal caught in rendezvous
+
+
 def watch_signals_in_c(grace: float = 1.0) -> None:
     """Exit 128 + N on SIGTERM/SIGINT even while the main thread is stuck in C++. Python's C-level
     handler writes each signal number to the wakeup fd at once; this thread reads it, and if the
@@ -121,7 +124,10 @@ def watch_signals_in_c(grace: float = 1.0) -> None:
                     name = signal.Signals(signum).name
                     msg = f"launch: got {name} while waiting in rendezvous -> exit {128 + signum}"
                     print(msg, file=sys.stderr, flush=True)
-                    os._exit(128 + signum)
+                    code = 128 + signum
+                    for hook in hard_exit_hooks:  # e.g. the retry budget records the attempt
+                        code = hook(code)
+                    os._exit(code)
                 handled[0] = seen
                 received.append(signum)
                 for pid in workers:
@@ -169,4 +175,4 @@ def main(argv: list) -> int:
 if __name__ == "__main__":
     from app.restarts import gated  # retry budget + data verdict (app/restarts.py)
 
-    sys.exit(gated(main, sys.argv[1:]))
+    sys.exit(gated(main, sys.argv[1:], hard_exit_hooks))

@@ -255,9 +255,13 @@ def after_launch(budget: RetryBudget | None, code: int) -> int:
     return new
 
 
-def gated(main, argv: list) -> int:
-    """main(argv) between before_launch and after_launch: the launcher's entry point in a pod."""
+def gated(main, argv: list, on_hard_exit: list | None = None) -> int:
+    """main(argv) between before_launch and after_launch: the launcher's entry point in a pod.
+    `on_hard_exit` (the launcher's list of hooks run before an os._exit, e.g. SIGTERM while stuck in
+    rendezvous) gets the attempt's recording too, so such an exit is not taken for a lost attempt."""
     budget, code = before_launch()
     if code is not None:
         return code
+    if on_hard_exit is not None:
+        on_hard_exit.append(lambda exit_code: after_launch(budget, exit_code))
     return after_launch(budget, main(argv))
