@@ -326,7 +326,8 @@ class Trainer:
         model.eval()
         ids = torch.tensor([tok.encode(prompt) or [tok.eot_id]], device=self.device)
         g = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed + self.state.step)
-        out = model.generate(ids, tokens, generator=g)
+        # FSDP gathers shards in forward's hooks, which the cached decode path bypasses.
+        out = model.generate(ids, tokens, generator=g, use_cache=self.parallel.mode != "fsdp")
         model.train()
         return tok.decode(out[0, ids.size(1) :].tolist())
 
