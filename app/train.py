@@ -472,6 +472,9 @@ class Trainer:
 
 
 def train(cfg: Config, args: RunArgs) -> int:
+    from app.trainer.trackers import check_trackers
+
+    check_trackers(cfg.metrics.trackers)  # a missing extra fails here, before any work, on every rank
     env = init_distributed("cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu")
     trainer = None
     budget = None
