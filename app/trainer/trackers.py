@@ -62,7 +62,7 @@ def numbers(fields: dict[str, Any]) -> dict[str, float]:
     """The numeric fields of a record; lists of numbers become `<key>/<index>`."""
     out: dict[str, float] = {}
     for k, v in fields.items():
-        if isinstance(v, bool) or isinstance(v, int | float):
+        if isinstance(v, int | float):  # bool included
             out[k] = float(v)
         elif isinstance(v, list) and all(isinstance(x, int | float) for x in v):
             out.update({f"{k}/{i}": float(x) for i, x in enumerate(v)})
@@ -234,10 +234,10 @@ class Trackers:
             name = str(fields.get("event", "event"))
             rest = {k: v for k, v in fields.items() if k != "event"}
             self._put(lambda t: t.event(step, name, rest))
-            if name == "stop" and fields.get("exit_code") == 0 and self.last_checkpoint:
-                if self.cfg.metrics.tracker_checkpoint:
-                    path, at = self.last_checkpoint
-                    self._put(lambda t: t.artifact(path, at))
+            final = name == "stop" and fields.get("exit_code") == 0 and self.last_checkpoint
+            if final and self.cfg.metrics.tracker_checkpoint:
+                path, at = self.last_checkpoint
+                self._put(lambda t: t.artifact(path, at))
             return
         if kind == "checkpoint" and "path" in fields:
             self.last_checkpoint = (Path(fields["path"]), step)
