@@ -379,6 +379,7 @@ def validate(cfg: Config) -> None:
         ("budget.cap_usd", b.cap_usd),
         ("budget.price_per_gpu_hour", b.price_per_gpu_hour),
         ("budget.gpus", b.gpus),
+        ("budget.max_price_per_gpu_hour", b.max_price_per_gpu_hour),
         ("metrics.port", cfg.metrics.port),
     ]:
         _check(val >= 0, f"{key} must be >= 0, got {val}")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from app.budget import BudgetExhausted
+from app.budget import BudgetExhausted, PriceAboveMax
 from app.config import Config
 from app.data.loader import TrainLoader, fit_vocab, resolve_data_dir, val_batches
 from app.data.manifest import Manifest
@@ -472,9 +472,6 @@ class Trainer:
 
 
 def train(cfg: Config, args: RunArgs) -> int:
-    from app.trainer.trackers import check_trackers
-
-    check_trackers(cfg.metrics.trackers)  # a missing extra fails here, before any work, on every rank
     env = init_distributed("cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu")
     trainer = None
     budget = None
@@ -483,9 +480,10 @@ def train(cfg: Config, args: RunArgs) -> int:
         stop_file = args.stop_file or Path(args.out) / "stop.json"
         try:
             budget = BudgetLink(cfg, Path(args.out), stop_file, env.is_rank0, env.world_size)
-        except BudgetExhausted as e:
+        except (BudgetExhausted, PriceAboveMax) as e:  # a deliberate end before any work: exit 0
             if env.is_rank0:
-                print(f"budget already spent, nothing to do: {e}", flush=True)
+                spent = isinstance(e, BudgetExhausted)
+                print(f"{'budget already spent, nothing to do' if spent else 'price guard'}: {e}", flush=True)
                 Path(args.out).mkdir(parents=True, exist_ok=True)
                 Heartbeat(Path(args.out)).write("done")  # tells a sidecar watcher we are done
             return 0

@@ -33,6 +33,7 @@ class BudgetConfig:
     job_name: str = ""  # PyTorchJob name for Events/suspend; "" = $PRETRAIN_JOB_NAME
     namespace: str = ""  # its namespace; "" = $POD_NAMESPACE or the service account's namespace
     suspend_grace_seconds: float = 120.0  # after an immediate stop, suspend the job if the trainer still runs
+    max_price_per_gpu_hour: float = 0.0  # launch price guard: do not train above this USD/GPU-hour; 0 = off
 
 
 def check_budget_config(cfg: BudgetConfig) -> None:
@@ -42,7 +43,14 @@ def check_budget_config(cfg: BudgetConfig) -> None:
         if not cond:
             raise UserError(msg)
 
-    for key in ("cap_usd", "price_per_gpu_hour", "alert_usd", "margin_seconds", "suspend_grace_seconds"):
+    for key in (
+        "cap_usd",
+        "price_per_gpu_hour",
+        "alert_usd",
+        "margin_seconds",
+        "suspend_grace_seconds",
+        "max_price_per_gpu_hour",
+    ):
         val = getattr(cfg, key)
         need(math.isfinite(val) and val >= 0, f"budget.{key} must be a finite number >= 0, got {val}")
     need(cfg.gpus >= 0, f"budget.gpus must be >= 0, got {cfg.gpus}")
