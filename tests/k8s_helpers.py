@@ -36,6 +36,7 @@ CORE_KINDS = {
     "RoleBinding",
     "Service",
     "Pod",
+    "Deployment",
 }
 
 
