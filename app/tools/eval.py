@@ -111,6 +111,11 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         raise UserError(f"--limit must be > 0, got {args.limit}")
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if any(t != "core" for t in tasks):
+        import importlib.util
+
+        if importlib.util.find_spec("lm_eval") is None:
+            raise UserError(f"pretrain eval needs the eval extra for lm-eval tasks: {EXTRA_HINT}")
     if args.core_dir:
         from app.tools.core_eval import load_bundle
 

@@ -339,7 +339,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="largest request body accepted; larger gets HTTP 413 (default 1 MiB)",
     )
-    p.add_argument("--log-level", choices=("warning", "info", "debug"), default="warning", help="uvicorn's")
+    p.add_argument(
+        "--log-level",
+        choices=("warning", "info", "debug"),
+        default="warning",
+        help="uvicorn's log level (default warning)",
+    )
 
 
 def bind(host: str, port: int) -> socket.socket:
