@@ -22,12 +22,13 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 WORKDIR /opt/pretrain
 
-# Dependencies first (cached until pyproject.toml changes): the runtime ones and the `kubernetes`
-# client of the watcher, minus torch (the image's) and torchx (a client-side tool).
+# Dependencies first (cached until pyproject.toml changes): the runtime ones, the `kubernetes`
+# client of the watcher and the server of `pretrain serve` (fastapi, uvicorn), minus torch (the
+# image's) and torchx (a client-side tool).
 COPY pyproject.toml ./
 RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/constraints.txt \
  && python -c "import sys; toml = __import__('tomllib') if sys.version_info >= (3, 11) else __import__('pip._vendor.tomli', fromlist=['loads']); \
-p = toml.load(open('pyproject.toml', 'rb'))['project']; deps = p['dependencies'] + p['optional-dependencies']['k8s']; \
+p = toml.load(open('pyproject.toml', 'rb'))['project']; deps = p['dependencies'] + p['optional-dependencies']['k8s'] + p['optional-dependencies']['serve']; \
 print('\\n'.join(d for d in deps if not d.replace(' ', '').lower().startswith(('torch>', 'torch=', 'torch<', 'torch;', 'torchx'))))" \
     > /tmp/requirements.txt \
  && python -m pip install --no-cache-dir -c /tmp/constraints.txt -r /tmp/requirements.txt \

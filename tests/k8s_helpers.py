@@ -38,6 +38,7 @@ CORE_KINDS = {
     "Service",
     "Pod",
     "PodDisruptionBudget",
+    "Deployment",
 }
 
 

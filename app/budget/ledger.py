@@ -74,6 +74,7 @@ class Ledger:
     unbilled_usd: float = 0.0  # what that part cost, recorded but not counted against the cap
     stop: StopRecord | None = None
     sessions: list[Session] = field(default_factory=list)
+    price_guard: dict | None = None  # the launch price guard's latest verdict (app/budget/price_guard.py)
     version: int = LEDGER_VERSION
 
     def effective_spent(self) -> float:
@@ -125,6 +126,8 @@ def ledger_from_json(data: Any, path: Path) -> Ledger:
             spent_usd=_float(stop, "spent_usd", path),
             unix=_float(stop, "unix", path),
         )
+    guard = data.get("price_guard")
+    led.price_guard = guard if isinstance(guard, dict) else None
     sessions = data.get("sessions", [])
     if not isinstance(sessions, list):
         raise _bad(path, "'sessions' must be a list")

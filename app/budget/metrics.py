@@ -68,6 +68,23 @@ class BudgetMetrics:
             "PyTorchJob suspensions after an ignored immediate stop",
             registry=r,
         )
+        # the launch price guard (budget.max_price_per_gpu_hour; app/budget/price_guard.py)
+        self.price = Gauge(
+            "pretrain_budget_price_per_gpu_hour", "Current price of one GPU-hour (USD)", registry=r
+        )
+        self.max_price = Gauge(
+            "pretrain_budget_max_price_per_gpu_hour",
+            "Price ceiling of the launch price guard (USD)",
+            registry=r,
+        )
+        self.price_above = Gauge(
+            "pretrain_budget_price_above_max", "1 while the price is above the ceiling", registry=r
+        )
+        self.price_stops = Counter(
+            "pretrain_budget_price_stops_total",
+            "Graceful stops because the price rose above the ceiling",
+            registry=r,
+        )
         for s in STATES:
             self.state.labels(state=s).set(0)
         for mode in ("graceful", "immediate"):

@@ -93,6 +93,7 @@ class Watcher:
         self._closed = False
         self.fallbacks = 0
         self.view: View | None = None
+        self.price_guard = None  # a PriceGuard when budget.max_price_per_gpu_hour is set
         if self.ledger.stop:  # a new pod has a new (empty) stop-file volume: say it again
             write_stop_file(self.stop_file, self.ledger.stop.mode, self.ledger.stop.reason, now)
 
@@ -245,6 +246,8 @@ class Watcher:
             )
         )
         self._act(dec, now)
+        if self.price_guard:
+            self.price_guard.check(self, reading, now)
         view = View(
             spent_usd=spent,
             cap_usd=cfg.cap_usd,

@@ -10,6 +10,7 @@ DIR/
   final.safetensors    weights of the latest valid checkpoint; tied weights stored once, their
                        aliases in the header metadata (`load_final` restores them)
   tokenizer.json       the run's tokenizer, when the checkpoint carries one
+  eval/*.json          benchmark results written by `pretrain eval` (summarised in manifest.json)
 """
 
 from __future__ import annotations
@@ -382,6 +383,25 @@ def _sha256(path: Path) -> str:
     return sha256_file(path)
 
 
+def copy_evals(run_dir: Path, out: Path) -> dict[str, dict]:
+    """Copy RUN_DIR/eval/*.json (written by `pretrain eval`); return a summary per file."""
+    summary: dict[str, dict] = {}
+    for src in sorted((run_dir / "eval").glob("*.json")):
+        data = _read_json(src)
+        if data is None:
+            continue
+        (out / "eval").mkdir(exist_ok=True)
+        shutil.copyfile(src, out / "eval" / src.name)
+        harness = (data.get("lm_eval") or {}).get("results") or {}
+        summary[f"eval/{src.name}"] = {
+            "step": data.get("step"),
+            "tasks": data.get("tasks"),
+            "lm_eval": {task: {k: v for k, v in m.items() if k != "alias"} for task, m in harness.items()},
+            "core": (data.get("core") or {}).get("core"),
+        }
+    return summary
+
+
 def export(run_dir: Path, out: Path, force: bool = False) -> Path:
     """Write the export of `run_dir` into `out`; UserError (one line) on bad input."""
     run_dir = Path(run_dir)
@@ -425,6 +445,9 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
         shutil.copyfile(tok, out / "tokenizer.json")
         files.append("tokenizer.json")
 
+    benchmarks = copy_evals(run_dir, out)  # `pretrain eval` results
+    files += list(benchmarks)
+
     evals = [r for r in rows if r.get("kind") == "eval" and _number(r.get("val_loss")) is not None]
     best_eval = min(evals, key=lambda r: r["val_loss"]) if evals else None
     trains = [r for r in logged if r.get("kind") == "train"]
@@ -467,6 +490,7 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
             "model_sha256": (meta.get("files") or {}).get("model.safetensors", {}).get("sha256"),
         },
         "weights": {"file": "final.safetensors", "tensors": weights["tensors"], "tied": weights["tied"]},
+        "evals": benchmarks,
         "files": files,
         "sha256": {},
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
@@ -13,9 +14,19 @@ from app.trainer import checkpoint as ckpt
 from app.trainer.model import build_model
 
 
-def load_for_inference(spec: str, device: str = "cpu"):
+def resolve_checkpoint(spec: str, which: str = "latest", warn=print) -> ckpt.CheckpointInfo:
+    """A step dir as given; a run dir's latest, or its best (lowest val loss; latest when none has one)."""
+    if which == "best" and not (Path(spec) / ckpt.META).exists() and Path(spec).is_dir():
+        best = ckpt.resolve_best(Path(spec), mode="size", warn=warn)
+        if best is not None:
+            return best
+        warn(f"note: no checkpoint under {spec} has a val loss; using the latest")
+    return ckpt.resolve(spec, mode="size", warn=warn)
+
+
+def load_for_inference(spec: str, device: str = "cpu", which: str = "latest", warn=print):
     """(model in eval mode, tokenizer, checkpoint info) from a run dir or step dir."""
-    info = ckpt.resolve(spec, mode="size", warn=lambda m: print(m))
+    info = resolve_checkpoint(spec, which, warn)
     cfg = config_from_dict(info.meta["config"])
     model = build_model(cfg.model, device)
     state = ckpt.load_model_state(info)
@@ -33,6 +44,7 @@ def sample(
     top_k: int = 50,
     num_samples: int = 1,
     seed: int = 0,
+    top_p: float = 1.0,
 ) -> list[str]:
     if max_new_tokens <= 0:
         raise UserError(f"--max-new-tokens must be > 0, got {max_new_tokens}")
@@ -42,13 +54,17 @@ def sample(
         raise UserError(f"--top-k must be >= 0 (0 = all tokens), got {top_k}")
     if num_samples < 1:
         raise UserError(f"--num-samples must be >= 1, got {num_samples}")
+    if not 0 < top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1], got {top_p}")
     model, tok, _ = load_for_inference(spec)
     ids = tok.encode(prompt) or [tok.eot_id]
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(num_samples):
         x = torch.tensor([ids])
-        y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k or None, generator=g)
+        y = model.generate(
+            x, max_new_tokens, temperature=temperature, top_k=top_k or None, top_p=top_p, generator=g
+        )
         out.append(prompt + tok.decode(y[0, len(ids) :].tolist()))
     return out
 
@@ -73,6 +89,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--top-k", type=int, default=50, help="sample among the k likeliest tokens (default 50; 0 = all)"
     )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: the smallest set of tokens with this much probability (default 1.0 = off)",
+    )
     p.add_argument("--num-samples", type=int, default=1, metavar="N", help="independent samples (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
 
@@ -86,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         args.top_k,
         args.num_samples,
         args.seed,
+        args.top_p,
     ):
         print(text)
         print("-" * 40)

@@ -74,6 +74,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="price of one GPU-hour in dollars for static spend tracking (budget.price_per_gpu_hour)",
     )
     p.add_argument("--gpus", type=int, metavar="N", help="GPUs billed (budget.gpus; default: the world size)")
+    p.add_argument(
+        "--max-price-per-gpu-hour",
+        type=float,
+        metavar="USD",
+        help="launch price guard: do not start (exit 0) while a GPU-hour costs more (budget.max_price_per_gpu_hour)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -87,10 +93,14 @@ def config_from_args(args: argparse.Namespace) -> Config:
             "budget.cap_usd": args.budget_cap_usd,
             "budget.price_per_gpu_hour": args.price_per_gpu_hour,
             "budget.gpus": args.gpus,
+            "budget.max_price_per_gpu_hour": args.max_price_per_gpu_hour,
         },
     )
     if cfg.metrics.port and cfg.budget.cap_usd and not cfg.budget.metrics_port:
         cfg.budget.metrics_port = cfg.metrics.port + 1  # the in-process watcher's own /metrics
+    from app.trainer.trackers import check_trackers
+
+    check_trackers(cfg.metrics.trackers)  # a missing extra: exit 2 before any work, on every rank
     return cfg
 
 

@@ -25,6 +25,10 @@ class BudgetLink:
         self.enabled = cfg.budget.cap_usd > 0
         self.watcher = None
         self.last_read = 0.0
+        if cfg.budget.max_price_per_gpu_hour > 0:
+            from app.budget import check_price_at_launch
+
+            check_price_at_launch(cfg.budget, self.run_dir, world_size, is_rank0)  # raises PriceAboveMax
         if not self.enabled:
             return
         from app.budget import check_not_exhausted, start_in_process

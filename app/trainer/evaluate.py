@@ -43,15 +43,17 @@ def validation_loss(
 
 @torch.no_grad()
 def sample_text(
-    model: torch.nn.Module, data_dir: Path, seed: int, device: torch.device, tokens: int = 64
+    model: torch.nn.Module, data_dir: Path, seed: int, device: torch.device, fsdp: bool, tokens: int = 64
 ) -> str:
-    """The same seed on every rank, so under FSDP all ranks draw the same tokens in lockstep."""
+    """The same seed on every rank, so under FSDP all ranks draw the same tokens in lockstep. FSDP
+    gathers shards in forward's hooks, which the cached decode path bypasses: no KV cache there."""
     from app.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(data_dir)
     gpt = unwrap(model)
     gpt.eval()
     ids = torch.tensor([tok.encode("\n") or [tok.eot_id]], device=device)
-    out = gpt.generate(ids, tokens, generator=torch.Generator(device=device).manual_seed(seed))
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out = gpt.generate(ids, tokens, generator=generator, use_cache=not fsdp)
     gpt.train()
     return tok.decode(out[0, ids.size(1) :].tolist())

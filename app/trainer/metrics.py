@@ -128,6 +128,9 @@ class TrainerMetrics:
             self.spikes = Counter("pretrain_loss_spikes", "Loss spikes detected", registry=r)
             self.spike = g("pretrain_loss_spike", "1 while the last step was a loss spike")
             self.info = Info("pretrain", "Run description", registry=r)
+            self.tracker_errors = Counter(
+                "pretrain_tracker_errors", "Failed writes to experiment trackers", ["tracker"], registry=r
+            )
         self.server, self.thread = start_http_server(port, addr=addr, registry=r)
 
     def close(self) -> None:

@@ -1,6 +1,7 @@
 """Where the loop's numbers go: the console (a tqdm bar on a terminal, else plain lines), the JSONL log
 (RUN_DIR/metrics.jsonl, global rank 0) and the Prometheus exporter. The loop hands over plain records;
-this file decides who sees what, so a new sink (an experiment tracker) is added here and nowhere else.
+this file decides who sees what, so a new sink is added here and nowhere else. Experiment trackers
+(app/trainer/trackers.py) get every record that metrics.jsonl gets.
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ class Reporter:
                 ) from None
         if self.rank0:
             self.jsonl = JsonlLog(Path(run_dir) / "metrics.jsonl")
+        self.trackers = None
+        if self.rank0 and cfg.metrics.trackers:
+            from app.trainer.trackers import Trackers
+
+            self.trackers = Trackers(cfg, Path(run_dir), self._tracker_warning, self._tracker_error)
+        self.exit_code = 1  # until a stop event says otherwise
+        self.last_step = 0
 
     def throughput(self, flops_per_token: float, peak_flops: float) -> None:
         """MFU is reported when the device's peak is known (0: unknown, MFU stays absent)."""
@@ -87,8 +95,22 @@ class Reporter:
     # ------------------------------------------------------------ records
 
     def event(self, kind: str, step: int, **fields) -> None:
+        self.last_step = step
         if self.jsonl:
             self.jsonl.write(kind, step, **fields)
+        if self.trackers:
+            self.trackers.record(kind, step, fields)
+        if kind == "event" and fields.get("event") == "stop":
+            self.exit_code = int(fields.get("exit_code", 1))
+
+    def _tracker_warning(self, tracker: str, message: str, error: str) -> None:
+        self.log(f"warning: {message}")
+        if self.jsonl:  # straight to the log: a tracker's own failure is not fed back to the trackers
+            self.jsonl.write("event", self.last_step, event="tracker_error", tracker=tracker, error=error)
+
+    def _tracker_error(self, tracker: str) -> None:
+        if self.global_metrics:
+            self.global_metrics.tracker_errors.labels(tracker=tracker).inc()
 
     def resumed(self, tokens: int, checkpoint_step: int, checkpoint_unix: float) -> None:
         """A restarted process continues the run's counters from its checkpoint."""
@@ -199,6 +221,8 @@ class Reporter:
 
     def close(self) -> None:
         self.close_progress()
+        if self.trackers:
+            self.trackers.close(self.exit_code)
         if self.metrics:
             self.metrics.close()
         if self.jsonl:

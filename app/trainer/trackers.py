@@ -1,0 +1,302 @@
+"""Experiment trackers (`metrics.trackers`): TensorBoard, MLflow and Weights & Biases, fed the same
+records as metrics.jsonl by app/trainer/report.py, on global rank 0 only.
+
+- train / eval / checkpoint rows -> scalars named `<kind>/<field>` at the optimizer step;
+- the resolved config -> TensorBoard text, MLflow params (dotted keys), W&B config;
+- events (start, stop, ...) -> TensorBoard text, MLflow tags `event.<name>`, W&B summary `event/<name>`;
+- the final checkpoint of a run that ended with exit 0 -> an artifact (MLflow, W&B; not TensorBoard).
+
+A tracker must never cost a step or fail the run: writes go through a bounded queue to one background
+thread; a tracker that raises is warned about once (console and metrics.jsonl), every error is counted
+(pretrain_tracker_errors_total{tracker}) and training goes on. A restart continues the same tracker run
+(ids kept in RUN_DIR/trackers.json).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import queue
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from app.errors import UserError
+from app.files import atomic_write_json
+
+# name -> (module it needs, the pyproject extra that installs it)
+TRACKERS = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "mlflow": ("mlflow", "mlflow"),
+    "wandb": ("wandb", "wandb"),
+}
+IDS_FILE = "trackers.json"
+CLOSE_SECONDS = 120.0  # how long the end of a run waits for trackers to flush
+
+
+def _installed(module: str) -> bool:
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
+
+
+def check_trackers(names: list[str]) -> None:
+    """At start, on every rank: each tracker named is known and its package installed (else exit 2)."""
+    for name in names:
+        if name not in TRACKERS:
+            raise UserError(f"metrics.trackers: unknown tracker '{name}'; choose from: {', '.join(TRACKERS)}")
+        module, extra = TRACKERS[name]
+        if not _installed(module):
+            raise UserError(
+                f"metrics.trackers includes {name} but {module} is not installed: "
+                f"pip install 'pretrain[{extra}]' (or drop it from metrics.trackers)"
+            )
+
+
+def numbers(fields: dict[str, Any]) -> dict[str, float]:
+    """The numeric fields of a record; lists of numbers become `<key>/<index>`."""
+    out: dict[str, float] = {}
+    for k, v in fields.items():
+        if isinstance(v, int | float):  # bool included
+            out[k] = float(v)
+        elif isinstance(v, list) and all(isinstance(x, int | float) for x in v):
+            out.update({f"{k}/{i}": float(x) for i, x in enumerate(v)})
+    return out
+
+
+def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = json.dumps(v) if isinstance(v, list) else str(v)
+    return out
+
+
+# ---------------------------------------------------------------- the three tools
+
+
+class TensorBoard:
+    name = "tensorboard"
+
+    def __init__(self, run_dir: Path, mcfg: Any, ids: dict) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=mcfg.tensorboard_dir or str(run_dir / "tensorboard"))
+
+    def config(self, cfg: dict) -> None:
+        self.writer.add_text("config", "    " + json.dumps(cfg, indent=2).replace("\n", "\n    "), 0)
+
+    def scalars(self, kind: str, step: int, values: dict[str, float]) -> None:
+        for k, v in values.items():
+            self.writer.add_scalar(f"{kind}/{k}", v, step)
+
+    def event(self, step: int, name: str, fields: dict) -> None:
+        self.writer.add_text("events", f"{name}: {json.dumps(fields)}", step)
+
+    def artifact(self, path: Path, step: int) -> None:
+        pass  # TensorBoard has no artifacts
+
+    def close(self, exit_code: int) -> None:
+        self.writer.close()
+
+
+class MLflow:
+    name = "mlflow"
+
+    def __init__(self, run_dir: Path, mcfg: Any, ids: dict) -> None:
+        uri = (
+            mcfg.mlflow_uri
+            or os.environ.get("MLFLOW_TRACKING_URI")
+            or (run_dir / "mlruns").resolve().as_uri()
+        )
+        if uri.startswith("file:"):  # MLflow 3 keeps its file store behind an opt-in; it is what we want here
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=uri)
+        mine = ids.get("mlflow", {})
+        self.resumed = mine.get("uri") == uri and bool(mine.get("run_id"))
+        if self.resumed:
+            self.run_id = mine["run_id"]
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            exp = self.client.get_experiment_by_name(mcfg.mlflow_experiment)
+            exp_id = exp.experiment_id if exp else self.client.create_experiment(mcfg.mlflow_experiment)
+            run = self.client.create_run(exp_id, run_name=mcfg.tracker_run_name or run_dir.name)
+            self.run_id = run.info.run_id
+            ids["mlflow"] = {"uri": uri, "run_id": self.run_id}
+
+    def config(self, cfg: dict) -> None:
+        if self.resumed:  # params are immutable in MLflow: the first start logged them
+            return
+        from mlflow.entities import Param
+
+        params = [Param(k, v[:6000]) for k, v in flatten(cfg).items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(self.run_id, params=params[i : i + 100])
+
+    def scalars(self, kind: str, step: int, values: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(f"{kind}/{k}", v, now, step) for k, v in values.items()]
+        self.client.log_batch(self.run_id, metrics=metrics)
+
+    def event(self, step: int, name: str, fields: dict) -> None:
+        self.client.set_tag(self.run_id, f"event.{name}", json.dumps({"step": step, **fields})[:5000])
+
+    def artifact(self, path: Path, step: int) -> None:
+        self.client.log_artifacts(self.run_id, str(path), "checkpoint")
+
+    def close(self, exit_code: int) -> None:
+        self.client.set_terminated(self.run_id, "FINISHED" if exit_code == 0 else "KILLED")
+
+
+class WandB:
+    name = "wandb"
+
+    def __init__(self, run_dir: Path, mcfg: Any, ids: dict) -> None:
+        import wandb
+
+        mine = ids.setdefault("wandb", {})
+        mine.setdefault("id", secrets.token_hex(4))  # one W&B run across restarts
+        self.wandb = wandb
+        self.run = wandb.init(
+            project=mcfg.wandb_project,
+            entity=mcfg.wandb_entity or None,
+            name=mcfg.tracker_run_name or run_dir.name,
+            id=mine["id"],
+            resume="allow",
+            dir=str(run_dir),
+            mode=mcfg.wandb_mode or None,  # None: $WANDB_MODE, else online (needs $WANDB_API_KEY)
+        )
+        # Our step, not W&B's own counter: a resumed run logs some steps again, which W&B would drop.
+        self.run.define_metric("trainer/step")
+        self.run.define_metric("*", step_metric="trainer/step")
+
+    def config(self, cfg: dict) -> None:
+        self.run.config.update(cfg, allow_val_change=True)
+
+    def scalars(self, kind: str, step: int, values: dict[str, float]) -> None:
+        self.run.log({"trainer/step": step, **{f"{kind}/{k}": v for k, v in values.items()}})
+
+    def event(self, step: int, name: str, fields: dict) -> None:
+        self.run.summary[f"event/{name}"] = {"step": step, **fields}
+
+    def artifact(self, path: Path, step: int) -> None:
+        art = self.wandb.Artifact(f"{self.run.name}-checkpoint", type="model", metadata={"step": step})
+        art.add_dir(str(path))
+        self.run.log_artifact(art, aliases=["final", f"step-{step}"])
+
+    def close(self, exit_code: int) -> None:
+        self.run.finish(exit_code=exit_code)
+
+
+KINDS = {"tensorboard": TensorBoard, "mlflow": MLflow, "wandb": WandB}
+
+
+# ---------------------------------------------------------------- the hub
+
+
+class Trackers:
+    """Every tracker of the run behind one queue and one writer thread (rank 0)."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        run_dir: Path,
+        warn: Callable[[str, str, str], None],
+        count_error: Callable[[str], None],
+    ) -> None:
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.warn, self.count_error = warn, count_error
+        self.live: list[Any] = []
+        self.warned: set[str] = set()
+        self.errors: dict[str, int] = {}
+        self.dropped = 0
+        self.last_checkpoint: tuple[Path, int] | None = None
+        self.jobs: queue.Queue = queue.Queue(maxsize=10_000)
+        self.thread = threading.Thread(target=self._work, name="trackers", daemon=True)
+        self.thread.start()
+        self._put("start")
+
+    # -- called by the Reporter (any thread; never blocks)
+
+    def record(self, kind: str, step: int, fields: dict[str, Any]) -> None:
+        if kind == "event":
+            name = str(fields.get("event", "event"))
+            rest = {k: v for k, v in fields.items() if k != "event"}
+            self._put(lambda t: t.event(step, name, rest))
+            final = name == "stop" and fields.get("exit_code") == 0 and self.last_checkpoint
+            if final and self.cfg.metrics.tracker_checkpoint:
+                path, at = self.last_checkpoint
+                self._put(lambda t: t.artifact(path, at))
+            return
+        if kind == "checkpoint" and "path" in fields:
+            self.last_checkpoint = (Path(fields["path"]), step)
+        values = numbers(fields)
+        if values:
+            self._put(lambda t: t.scalars(kind, step, values))
+
+    def close(self, exit_code: int) -> None:
+        self._put(lambda t: t.close(exit_code))
+        self.jobs.put(None)  # blocking put: the end marker must get in
+        self.thread.join(CLOSE_SECONDS)
+        if self.thread.is_alive():
+            self.warn("all", f"trackers still writing after {CLOSE_SECONDS:.0f} s; leaving them", "timeout")
+
+    # -- the writer thread
+
+    def _put(self, job: Callable | str) -> None:
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:  # a stuck tracker: drop rather than stall training
+            self.dropped += 1
+            if self.dropped == 1:
+                self.warn("all", "tracker queue full (a tracker is stuck?); dropping records", "queue_full")
+
+    def _start(self) -> None:
+        ids_path = self.run_dir / IDS_FILE
+        try:
+            ids = json.loads(ids_path.read_text())
+        except (OSError, ValueError):
+            ids = {}
+        for name in self.cfg.metrics.trackers:
+            try:
+                self.live.append(KINDS[name](self.run_dir, self.cfg.metrics, ids))
+            except Exception as e:
+                self._failed(name, e, "could not start; it is off for this run")
+        atomic_write_json(ids_path, ids)
+        self._each(lambda t: t.config(self.cfg.to_dict()))
+
+    def _each(self, job: Callable[[Any], None]) -> None:
+        for t in list(self.live):
+            try:
+                job(t)
+            except Exception as e:
+                self._failed(t.name, e, "the run goes on without those records")
+
+    def _failed(self, name: str, e: Exception, consequence: str) -> None:
+        self.errors[name] = self.errors.get(name, 0) + 1
+        self.count_error(name)
+        if name not in self.warned:  # one warning per tracker; the counter shows the rest
+            self.warned.add(name)
+            msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            self.warn(name, f"tracker {name} failed ({msg}); {consequence}", msg)
+
+    def _work(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if job == "start":
+                self._start()
+            else:
+                self._each(job)

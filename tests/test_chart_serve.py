@@ -1,0 +1,134 @@
+"""The chart's inference server (serve.enabled): a Deployment + Service that mount the checkpoint PVC
+read-only and run `pretrain serve` on the run's best checkpoint; rendered by the real helm binary,
+validated strictly, its arguments parsed by the real CLI, its wait script executed."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import k8s_helpers as h
+import pytest
+
+from app.cli import build_parser
+
+ON = {"serve.enabled": True}
+
+
+def serve_objects(values: dict) -> tuple[dict, dict, list[dict]]:
+    docs = h.render(values)
+    dep = h.one(docs, "Deployment")
+    svc = [d for d in h.by_kind(docs, "Service") if d["metadata"]["name"].endswith("-serve")]
+    assert len(svc) == 1
+    return dep, svc[0], docs
+
+
+def test_off_by_default():
+    docs = h.render()
+    assert not h.by_kind(docs, "Deployment")
+    assert not [d for d in h.by_kind(docs, "Service") if d["metadata"]["name"].endswith("-serve")]
+
+
+def test_deployment_serves_the_best_checkpoint_from_the_read_only_claim():
+    dep, svc, docs = serve_objects(ON)
+    h.validate_all(docs)
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    args = c["args"]
+    assert args[0] == "serve"
+    parsed = build_parser("serve").parse_args(args)  # the chart speaks the CLI's language
+    assert parsed.checkpoint == "/ckpt/pretrain" and parsed.which == "best" and parsed.host == "0.0.0.0"
+    assert parsed.device == "cpu" and parsed.port == 8000 and parsed.model_name == "pretrain"
+    (vol,) = pod["volumes"]
+    pvc = {d["metadata"]["name"] for d in h.by_kind(docs, "PersistentVolumeClaim")}
+    assert vol["persistentVolumeClaim"] == {"claimName": "pretrain-ckpt", "readOnly": True}
+    assert "pretrain-ckpt" in pvc  # the training run's checkpoint claim, not a new one
+    for container in [c, *pod["initContainers"]]:
+        assert container["volumeMounts"] == [{"name": "ckpt", "mountPath": "/ckpt", "readOnly": True}]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+    # the Service reaches the server pods and nothing else
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert svc["spec"]["selector"]["app.kubernetes.io/component"] == "serve"
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+    assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_gpu_named_checkpoint_and_existing_claim():
+    dep, _, docs = serve_objects(
+        {
+            **ON,
+            "serve.gpus": 1,
+            "serve.checkpoint": "older-run/checkpoints/step_001000",
+            "serve.which": "latest",
+            "serve.modelName": "tiny-chat",
+            "storage.checkpoints.existingClaim": "team-ckpt",
+            "serve.extraArgs": ["--max-body-bytes", "65536"],
+        }
+    )
+    h.validate_all(docs)
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    parsed = build_parser("serve").parse_args(c["args"])
+    assert parsed.checkpoint == "/ckpt/older-run/checkpoints/step_001000" and parsed.which == "latest"
+    assert parsed.device == "cuda" and parsed.model_name == "tiny-chat" and parsed.max_body_bytes == 65536
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "team-ckpt"
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"serve.which": "worst"}, "which"),
+        ({"serve.checkpoint": "/etc"}, "checkpoint"),
+        ({"serve.checkpoint": "../other-namespace"}, "without '..'"),
+        ({"serve.port": 0}, "port"),
+        ({"serve.gpus": -1}, "gpus"),
+        ({"serve.service.type": "ExternalName"}, "type"),
+    ],
+)
+def test_bad_values_are_refused(values, message):
+    assert message in h.render_error({**ON, **values})
+
+
+def test_the_wait_script_waits_for_a_checkpoint(tmp_path):
+    dep, _, _ = serve_objects(ON)
+    (init,) = dep["spec"]["template"]["spec"]["initContainers"]
+    assert init["command"][:2] == ["bash", "-c"]
+    script = init["command"][2].replace("/ckpt/", f"{tmp_path}/")
+    proc = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, text=True)
+    time.sleep(1)
+    assert proc.poll() is None  # no checkpoint yet: still waiting
+    proc.kill()
+    proc.wait()
+    step = tmp_path / "pretrain" / "checkpoints" / "step_000100"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text("{}")
+    assert subprocess.run(["bash", "-c", script], timeout=10).returncode == 0
+
+
+def test_notes_say_how_to_reach_the_server(tmp_path):
+    import os
+
+    env = {**os.environ, "KUBECONFIG": str(tmp_path / "none")}
+    proc = subprocess.run(
+        [
+            h.helm_binary(),
+            "install",
+            "pretrain",
+            str(h.CHART),
+            "--dry-run=client",
+            "--set",
+            "serve.enabled=true",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    notes = proc.stdout.split("NOTES:", 1)[1]
+    assert "Deployment pretrain-serve serves the best checkpoint of /ckpt/pretrain" in notes
+    assert "port-forward svc/pretrain-serve 8000:8000" in notes

@@ -1,0 +1,190 @@
+"""`pretrain eval` on tasks made here whose answers are known: the model's own greedy continuation is the
+right choice (or, in a decoy task, the one it will not pick). lm-eval runs our task YAMLs over local
+jsonl files (multiple choice and generation); the CORE bundle has multiple-choice and LM tasks."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.cli import main as cli_main
+from tests.inference_helpers import trained_run
+
+pytest.importorskip("lm_eval", reason="the eval tests need the eval extra (make setup)")
+
+PROMPTS = [
+    "ROMEO:\nBut soft, what light through yonder wi",
+    "JULIET:\nO Romeo, Romeo! wherefore art tho",
+    "HAMLET:\nTo be, or not to be, that is the que",
+    "KING RICHARD III:\nNow is the winter of our disco",
+    "MACBETH:\nIs this a dagger which I see befo",
+    "First Citizen:\nBefore we proceed any further, hear me spe",
+    "BRUTUS:\nThere is a tide in the affairs of me",
+    "PORTIA:\nThe quality of mercy is not strai",
+]
+
+
+@pytest.fixture(scope="module")
+def known(tmp_path_factory):
+    """Per prompt: the greedy 4-token continuation and 3 random-token decoys (token-stable texts only)."""
+    from app.tools.sample import load_for_inference
+
+    run = trained_run()
+    model, tok, _ = load_for_inference(str(run), which="best")
+    rng = random.Random(0)
+    items = []
+    for p in PROMPTS:
+        ids = tok.encode(p)
+        greedy = model.generate(torch.tensor([ids]), 4, temperature=0)[0, len(ids) :].tolist()
+        text = tok.decode(greedy)
+        if tok.eot_id in greedy or not text.strip() or tok.encode(p + text) != ids + greedy:
+            continue  # keep items whose continuation re-tokenizes to exactly the greedy tokens
+        decoys = []
+        while len(decoys) < 3:
+            d = tok.decode([rng.randrange(300, tok.vocab_size) for _ in range(4)])
+            if d.isprintable() and d != text:
+                decoys.append(d)
+        items.append({"context": p, "greedy": text, "decoys": decoys})
+    assert len(items) >= 4, "too few usable prompts"
+    return run, items
+
+
+def mc_docs(items, decoy: bool) -> list[dict]:
+    docs = []
+    for i, it in enumerate(items):
+        choices = [it["greedy"], *it["decoys"]]
+        random.Random(i).shuffle(choices)
+        gold = choices.index(it["decoys"][0] if decoy else it["greedy"])
+        docs.append({"context": it["context"], "choices": choices, "gold": gold})
+    return docs
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+MC_YAML = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{gold}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+"""
+
+GEN_YAML = """task: greedy_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{greedy}}}}"
+target_delimiter: ""
+generation_kwargs:
+  until: ["<never>"]
+  max_gen_toks: 4
+metric_list:
+  - metric: exact_match
+"""
+
+
+def test_lm_eval_tasks_give_the_known_accuracy(known, tmp_path, monkeypatch, capsys):
+    run, items = known
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    for name, decoy in (("greedy_mc", False), ("decoy_mc", True)):
+        data = write_jsonl(tmp_path / f"{name}.jsonl", mc_docs(items, decoy))
+        (tasks / f"{name}.yaml").write_text(MC_YAML.format(name=name, data=data))
+    data = write_jsonl(tmp_path / "gen.jsonl", items)
+    (tasks / "greedy_gen.yaml").write_text(GEN_YAML.format(data=data))
+    out = tmp_path / "results.json"
+    assert cli_main(["eval", "--checkpoint", str(run), "--tasks", "greedy_mc,decoy_mc,greedy_gen",
+                     "--include-path", str(tasks), "--output", str(out)]) == 0  # fmt: skip
+    res = json.loads(out.read_text())
+    got = res["lm_eval"]["results"]
+    assert got["greedy_mc"]["acc,none"] == 1.0  # the model prefers its own greedy continuation
+    assert got["decoy_mc"]["acc,none"] == 0.0  # and never a random-token decoy
+    assert got["greedy_gen"]["exact_match,none"] == 1.0  # generation reproduces it
+    assert res["lm_eval"]["n-samples"]["greedy_mc"]["effective"] == len(items)
+    assert res["step"] == 120 and res["checkpoint"].endswith("step_000120")
+    assert "greedy_mc" in capsys.readouterr().out  # the results table
+
+
+def test_core_bundle_and_results_in_the_run_dir_and_export(known, tmp_path):
+    run, items = known
+    bundle = tmp_path / "bundle"
+    (bundle / "eval_data").mkdir(parents=True)
+    mc = [{"query": d["context"], "choices": d["choices"], "gold": d["gold"]} for d in mc_docs(items, False)]
+    decoy = [
+        {"query": d["context"], "choices": d["choices"], "gold": d["gold"]} for d in mc_docs(items, True)
+    ]
+    lm = [{"context": it["context"], "continuation": it["greedy"]} for it in items]
+    for name, rows in (("mc.jsonl", mc), ("decoy.jsonl", decoy), ("lm.jsonl", lm)):
+        write_jsonl(bundle / "eval_data" / name, rows)
+    (bundle / "core.yaml").write_text(
+        "icl_tasks:\n"
+        "- {label: mc, dataset_uri: mc.jsonl, num_fewshot: [0], icl_task_type: multiple_choice, continuation_delimiter: ''}\n"
+        "- {label: decoy, dataset_uri: decoy.jsonl, num_fewshot: [0], icl_task_type: multiple_choice, continuation_delimiter: ''}\n"
+        "- {label: lm, dataset_uri: lm.jsonl, num_fewshot: [0], icl_task_type: language_modeling, continuation_delimiter: ''}\n"
+    )
+    (bundle / "eval_meta_data.csv").write_text("Eval Task,Random baseline\nmc,25\ndecoy,25\nlm,0\n")
+    run_copy = tmp_path / "run"
+    import shutil
+
+    shutil.copytree(run, run_copy)  # results go into the run dir: keep the shared cache clean
+    assert (
+        cli_main(["eval", "--checkpoint", str(run_copy), "--tasks", "core", "--core-dir", str(bundle)]) == 0
+    )
+    (path,) = (run_copy / "eval").glob("*.json")
+    assert path.name == "step_000120-core.json"
+    core = json.loads(path.read_text())["core"]
+    assert core["tasks"]["mc"]["accuracy"] == 1.0 and core["tasks"]["mc"]["centered"] == 1.0
+    assert core["tasks"]["decoy"]["accuracy"] == 0.0
+    assert core["tasks"]["decoy"]["centered"] == pytest.approx(-1 / 3)
+    assert core["tasks"]["lm"]["accuracy"] == 1.0
+    assert core["core"] == pytest.approx((1 - 1 / 3 + 1) / 3)
+
+    out = tmp_path / "export"
+    assert cli_main(["export", str(run_copy), "--output", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "eval/step_000120-core.json" in manifest["files"]
+    assert json.loads((out / "eval" / "step_000120-core.json").read_text())["core"] == core
+    assert manifest["evals"]["eval/step_000120-core.json"]["core"] == pytest.approx(core["core"])
+
+
+def test_bad_eval_inputs_are_one_line(known, tmp_path, capsys):
+    run, _ = known
+
+    def fails(*args: str) -> str:
+        assert cli_main(["eval", "--checkpoint", str(run), *args]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        return err
+
+    assert "--core-dir" in fails("--tasks", "core")
+    assert "no core.yaml" in fails("--tasks", "core", "--core-dir", str(tmp_path))
+    assert "--limit" in fails("--tasks", "x", "--limit", "0")
+    assert "not a directory" in fails("--tasks", "x", "--include-path", str(tmp_path / "nope"))
+
+
+@pytest.mark.slow  # scans lm-eval's whole built-in task index (~10 s)
+def test_unknown_task_is_one_line(known, tmp_path, capsys):
+    run, _ = known
+    assert cli_main(["eval", "--checkpoint", str(run), "--tasks", "no_such_task_xyz"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "unknown lm-eval task(s): no_such_task_xyz" in err

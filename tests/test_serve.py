@@ -1,0 +1,293 @@
+"""`pretrain serve` for real: the server on 127.0.0.1, the real `openai` client (plain and streaming),
+raw bad requests, concurrent clients, Prometheus metrics, and the CLI's one-line errors."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, cli_env
+from tests.inference_helpers import trained_run
+
+openai = pytest.importorskip("openai", reason="the serve tests need the serve extra (make setup)")
+
+PROMPT = "ROMEO:\nWhat light"
+
+
+@pytest.fixture(scope="module")
+def run_dir() -> Path:
+    return trained_run()
+
+
+@pytest.fixture(scope="module")
+def server(run_dir):
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "serve",
+            "--checkpoint",
+            str(run_dir),
+            "--port",
+            "0",
+            "--model-name",
+            "tiny",
+            "--max-body-bytes",
+            "4096",
+        ],  # fmt: skip
+        cwd=REPO,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    line = proc.stdout.readline()  # "serving ... on http://127.0.0.1:PORT/v1" once the socket is bound
+    m = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)
+    assert m, f"server did not start: {line}{proc.stdout.read() if proc.poll() is not None else ''}"
+    url = m.group(1)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2)
+            break
+        except OSError:
+            assert time.monotonic() < deadline and proc.poll() is None, "server never became healthy"
+            time.sleep(0.1)
+    yield url
+    proc.terminate()
+    # SIGTERM: uvicorn shuts down gracefully, then re-raises the signal (exit by SIGTERM, not a crash)
+    assert proc.wait(timeout=30) in (0, -15)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(run_dir):
+    """Greedy text straight from the checkpoint the server chose (the best: lowest val loss)."""
+    import torch
+
+    from app.tools.sample import load_for_inference
+
+    model, tok, info = load_for_inference(str(run_dir), which="best")
+
+    def greedy(prompt: str, n: int) -> str:
+        ids = tok.encode(prompt)
+        out = model.generate(torch.tensor([ids]), n, temperature=0)[0, len(ids) :].tolist()
+        if tok.eot_id in out:
+            out = out[: out.index(tok.eot_id)]
+        return tok.decode(out)
+
+    return greedy, info
+
+
+def raw(url: str, body: bytes | str, path: str = "/v1/completions", headers: dict | None = None):
+    data = body.encode() if isinstance(body, str) else body
+    req = urllib.request.Request(
+        url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_health_and_models(server, client, reference):
+    _, info = reference
+    with urllib.request.urlopen(f"{server}/health") as resp:
+        health = json.loads(resp.read())
+    assert health["status"] == "ok" and health["model"] == "tiny" and health["context"] == 64
+    assert health["checkpoint"] == str(info.path) and health["step"] == info.step
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_greedy_completion_is_the_models_greedy_continuation(client, reference):
+    greedy, _ = reference
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
+    assert out.object == "text_completion" and out.model == "tiny"
+    assert out.choices[0].text == greedy(PROMPT, 24)
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 24
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 24
+
+
+def test_streaming_deltas_add_up_to_the_plain_response(client):
+    kw = {"model": "tiny", "prompt": PROMPT, "max_tokens": 30, "temperature": 0.9, "top_k": 0, "seed": 5}
+    plain = client.completions.create(
+        **{k: v for k, v in kw.items() if k != "top_k"}, extra_body={"top_k": 20}
+    )
+    chunks = list(
+        client.completions.create(
+            **{k: v for k, v in kw.items() if k != "top_k"},
+            extra_body={"top_k": 20},
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert len([c for c in chunks if c.choices and c.choices[0].text]) > 3  # really streamed, not one blob
+    assert text == plain.choices[0].text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [plain.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_seed_makes_sampling_reproducible(client):
+    kw = {"model": "tiny", "prompt": PROMPT, "max_tokens": 30, "temperature": 1.0, "top_p": 0.9}
+    a = client.completions.create(seed=11, **kw).choices[0].text
+    assert a == client.completions.create(seed=11, **kw).choices[0].text
+    others = {client.completions.create(seed=s, **kw).choices[0].text for s in (12, 13, 14)}
+    assert others - {a}  # other seeds give other text
+
+
+def test_stop_strings_cut_the_text_also_when_streaming(client):
+    kw = {"model": "tiny", "prompt": PROMPT, "max_tokens": 40, "temperature": 1.0, "seed": 3}
+    full = client.completions.create(**kw).choices[0].text
+    stop = next(w for w in re.findall(r"[a-z]{2,}", full) if full.index(w) > 3)  # a word past the start
+    cut = full[: full.index(stop)]
+    out = client.completions.create(stop=[stop, "zzzz"], **kw)
+    assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(stop=stop, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in streamed) == cut  # no part of the stop string leaked
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_concurrent_clients_each_get_their_own_answer(client, reference):
+    greedy, _ = reference
+    prompts = [
+        f"{name}:\n" for name in ("ROMEO", "JULIET", "HAMLET", "KING", "LEAR", "NURSE", "FOOL", "MACBETH")
+    ]
+
+    def ask(p: str) -> str:
+        return client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0).choices[0].text
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(ask, prompts))
+    assert got == [greedy(p, 16) for p in prompts]
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ('{"prompt": ""}', 400, "prompt"),
+        ('{"prompt": "a", "max_tokens": 0}', 400, "max_tokens"),
+        ('{"prompt": "a", "max_tokens": -3}', 400, "max_tokens"),
+        ('{"prompt": "a", "max_tokens": 64}', 400, "max_tokens"),  # prompt + 64 > the context of 64
+        ('{"prompt": "a", "max_tokens": "5"}', 400, "max_tokens"),  # wrong type, not coerced
+        ('{"prompt": "a", "temperature": "hot"}', 400, "temperature"),
+        ('{"prompt": "a", "temperature": 3}', 400, "temperature"),
+        ('{"prompt": "a", "top_p": 0}', 400, "top_p"),
+        ('{"prompt": "a", "stream": "yes"}', 400, "stream"),
+        ('{"prompt": 5}', 400, "prompt"),
+        ('{"prompt": "a", "max_token": 5}', 400, "max_token"),  # unknown field: a typo is not ignored
+        ('{"prompt": "a", "n": 2}', 400, "n"),
+        ('{"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}', 400, "stop"),
+        ('{"prompt": ["a", "b"]}', 400, "prompt"),
+        ('{"max_tokens": 5}', 400, "prompt"),
+        ("{not json", 400, None),
+        ('{"prompt": "a", "model": "gpt-4"}', 404, "model"),
+    ],
+)
+def test_bad_requests_get_a_clear_4xx(server, body, status, param):
+    code, err = raw(server, body)
+    assert code == status
+    assert set(err["error"]) == {"message", "type", "param", "code"}
+    assert err["error"]["param"] == param
+    assert 10 < len(err["error"]["message"]) < 300 and "\n" not in err["error"]["message"]
+
+
+def test_oversized_bodies_and_unknown_routes(server):
+    big = json.dumps({"prompt": "a" * 5000})
+    code, err = raw(server, big)
+    assert code == 413 and err["error"]["code"] == "body_too_large"
+
+    def chunked():
+        yield big.encode()
+
+    req = urllib.request.Request(
+        f"{server}/v1/completions", data=chunked(), headers={"Content-Type": "application/json"}
+    )  # a generator body is sent chunked (no Content-Length)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 413
+
+    small = iter([b'{"prompt": "ROMEO:", ', b'"max_tokens": 3}'])
+    req = urllib.request.Request(
+        f"{server}/v1/completions", data=small, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:  # a small chunked body is still read whole
+        assert json.loads(resp.read())["usage"]["completion_tokens"] == 3
+    code, err = raw(server, "{}", path="/v1/chat")
+    assert code == 404 and err["error"]["message"]
+
+
+def test_a_client_that_hangs_up_mid_stream_does_not_hurt_the_next(server, client):
+    req = urllib.request.Request(
+        f"{server}/v1/completions",
+        data=json.dumps({"prompt": PROMPT, "max_tokens": 40, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    resp = urllib.request.urlopen(req, timeout=30)
+    assert resp.readline().startswith(b"data: ")
+    resp.close()  # hang up
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0)
+    assert out.usage.completion_tokens == 5
+
+
+def test_prometheus_metrics_count_requests_and_tokens(server, client):
+    def scrape() -> dict[str, float]:
+        text = urllib.request.urlopen(f"{server}/metrics").read().decode()
+        return {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
+
+    before = scrape()
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=7, temperature=0)
+    raw(server, '{"prompt": ""}')
+    after = scrape()
+
+    def delta(key: str) -> float:
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta('pretrain_serve_requests_total{status="200"}') == 1
+    assert delta('pretrain_serve_requests_total{status="400"}') == 1
+    assert delta("pretrain_serve_completion_tokens_total") == 7
+    assert delta("pretrain_serve_request_seconds_count") == 1
+    assert delta("pretrain_serve_time_to_first_token_seconds_count") == 1
+
+
+def test_cli_errors_are_one_line(run_dir, tmp_path, capsys, monkeypatch):
+    from app.cli import main as cli_main
+
+    def fails(*args: str) -> str:
+        assert cli_main(["serve", *args]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        return err
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert "pick another --port" in fails("--checkpoint", str(run_dir), "--port", str(s.getsockname()[1]))
+    assert "does not exist" in fails("--checkpoint", str(tmp_path / "nope"), "--port", "0")
+    assert "--port" in fails("--checkpoint", str(run_dir), "--port", "70000")
+    assert "--max-queue" in fails("--checkpoint", str(run_dir), "--max-queue", "0")
+    assert "invalid choice" in fails("--checkpoint", str(run_dir), "--which", "worst")
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if the serve extra were not installed
+    assert "serve extra" in fails("--checkpoint", str(run_dir))

@@ -1,0 +1,194 @@
+"""Experiment trackers on a real run, read back with each tool's own reader: TensorBoard's event reader,
+an MLflow file store through MlflowClient, W&B's offline run file (its record protobufs). A failing
+tracker warns once, counts, and never fails the run; a tracker whose extra is missing is exit 2."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+
+from app.cli import main as cli_main
+from tests.conftest import FAST, cli_env, pretrain, train_rows
+from tests.prom_helpers import sets
+
+STEPS = 12
+TRAIN = [*FAST, *sets("train.eval_every=6", "checkpoint.every_steps=6", "schedule.warmup_steps=2")]
+
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory) -> Path:
+    """Two processes: steps 1-6, then a restart that resumes and trains 7-12 into the same tracker runs."""
+    run = tmp_path_factory.mktemp("tracked") / "run"
+    for steps in (6, STEPS):
+        pretrain(
+            "train",
+            "--out",
+            str(run),
+            "--max-steps",
+            str(steps),
+            *TRAIN,
+            *sets("metrics.trackers=tensorboard,mlflow,wandb", "metrics.wandb_mode=offline"),
+            env=cli_env(WANDB_SILENT="true"),
+            check=True,
+            timeout=600,
+        )
+    return run
+
+
+def jsonl(run: Path, kind: str) -> dict[int, dict]:
+    return {r["step"]: r for r in train_rows(run, kind)}
+
+
+@pytest.mark.slow  # two real training processes (~20-40 s on 2 cores)
+def test_tensorboard_has_the_jsonl_rows(tracked):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tracked / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    train, evals = jsonl(tracked, "train"), jsonl(tracked, "eval")
+    loss = {e.step: e.value for e in acc.Scalars("train/loss")}
+    assert sorted(loss) == sorted(train) == list(range(1, STEPS + 1))
+    assert all(loss[s] == pytest.approx(train[s]["loss"], rel=1e-6) for s in train)  # float32 in TB
+    assert {e.step: e.value for e in acc.Scalars("eval/val_loss")} == pytest.approx(
+        {s: r["val_loss"] for s, r in evals.items()}, rel=1e-6
+    )
+    assert [e.step for e in acc.Scalars("checkpoint/seconds")] == [6, 12]
+    assert "config" in " ".join(acc.Tags()["tensors"])
+
+
+@pytest.mark.slow  # two real training processes (~20-40 s on 2 cores)
+def test_mlflow_file_store_has_metrics_params_and_the_checkpoint(tracked, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(tracked / "mlruns").as_uri())
+    (exp,) = [e for e in client.search_experiments() if e.name == "pretrain"]
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.info.status == "FINISHED" and run.info.run_name == "run"
+    assert run.info.run_id == json.loads((tracked / "trackers.json").read_text())["mlflow"]["run_id"]
+    train = jsonl(tracked, "train")
+    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
+    assert history == pytest.approx({s: r["loss"] for s, r in train.items()})
+    params = run.data.params
+    assert params["model.n_layer"] == "2" and params["model.d_model"] == "64"
+    assert params["metrics.trackers"] == '["tensorboard", "mlflow", "wandb"]'
+    assert json.loads(run.data.tags["event.stop"])["cause"] == "planned"
+    files = {f.path for f in client.list_artifacts(run.info.run_id, "checkpoint")}
+    assert {"checkpoint/model.safetensors", "checkpoint/meta.json", "checkpoint/tokenizer.json"} <= files
+
+
+def wandb_records(path: Path) -> list:
+    """Records of a W&B run file: LevelDB's log framing (32 KiB blocks of CRC32-checked chunks after a
+    7-byte ':W&B' header) around W&B's own `Record` protobufs."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, pending, out = 7, b"", []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # block trailer: too small for a header
+            pos += 32768 - pos % 32768
+            continue
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:
+            break
+        chunk = data[pos + 7 : pos + 7 + length]
+        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF == crc
+        pos += 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):  # FULL or LAST: a whole record
+            rec = pb.Record()
+            rec.ParseFromString(pending)
+            out.append(rec)
+    return out
+
+
+@pytest.mark.slow  # two real training processes (~20-40 s on 2 cores)
+def test_wandb_offline_run_has_config_history_and_the_checkpoint(tracked):
+    wandb_id = json.loads((tracked / "trackers.json").read_text())["wandb"]["id"]
+    paths = sorted((tracked / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(paths) == 2 and all(p.name == f"run-{wandb_id}.wandb" for p in paths)  # one run id, resumed
+    records = [r for p in paths for r in wandb_records(p)]
+    kinds = [r.WhichOneof("record_type") for r in records]
+    config = {
+        item.key or ".".join(item.nested_key): json.loads(item.value_json)
+        for r in records
+        if r.WhichOneof("record_type") == "config"
+        for item in r.config.update
+    }
+    assert config["model"]["n_layer"] == 2 and config["metrics"]["trackers"] == [
+        "tensorboard",
+        "mlflow",
+        "wandb",
+    ]
+    rows = [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
+    loss = {row["trainer/step"]: row["train/loss"] for row in rows if "train/loss" in row}
+    assert loss == pytest.approx({s: r["loss"] for s, r in jsonl(tracked, "train").items()})
+    arts = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"]
+    assert len(arts) == 2  # the final checkpoint of each process that ended with exit 0 (steps 6, 12)
+    assert all(a.type == "model" and a.name == "run-checkpoint" for a in arts)
+    assert "model.safetensors" in {m.path for m in arts[-1].manifest.contents}
+    exits = [r.exit for r in records if r.WhichOneof("record_type") == "exit"]
+    assert [e.exit_code for e in exits] == [0, 0]
+    assert "history" in kinds
+
+
+def test_a_failing_tracker_warns_once_counts_and_the_run_goes_on(tmp_path, monkeypatch):
+    """MLflow pointed at a port nobody listens on: every write fails; training does not notice."""
+    from app.config import load_config
+    from app.trainer.metrics import TrainerMetrics
+    from app.trainer.parallel import DistEnv
+    from app.trainer.report import Reporter
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    cfg = load_config(
+        "tiny",
+        overrides=["metrics.trackers=mlflow,tensorboard", f"metrics.mlflow_uri=http://127.0.0.1:{dead}"],
+    )
+    rep = Reporter(cfg, DistEnv(), tmp_path, with_mfu=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rep.metrics = TrainerMetrics(port, "n0", serve_global=True, with_mfu=False, addr="127.0.0.1")
+    lines: list[str] = []
+    rep.log = lines.append
+    for step in range(1, 6):
+        rep.eval(step, 2.0 - step / 10, 1.5)
+    rep.event("event", 5, event="stop", cause="planned", exit_code=0)
+    rep.close()
+    warnings = [m for m in lines if m.startswith("warning: tracker mlflow failed")]
+    assert len(warnings) == 1 and "could not start" in warnings[0]
+    errors = rep.metrics.registry.get_sample_value("pretrain_tracker_errors_total", {"tracker": "mlflow"})
+    assert errors == 1  # it never started, so nothing else was attempted
+    logged = [r for r in train_rows(tmp_path, "event") if r.get("event") == "tracker_error"]
+    assert [r["tracker"] for r in logged] == ["mlflow"]
+    # the healthy tracker still got everything
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("eval/val_loss")] == [1, 2, 3, 4, 5]
+
+
+def test_missing_tracker_extra_and_unknown_names_are_exit_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if the wandb extra were not installed
+    assert cli_main(["train", "--out", str(tmp_path), "--set", "metrics.trackers=wandb"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install 'pretrain[wandb]'" in err
+    assert not (tmp_path / "metrics.jsonl").exists()  # nothing started
+    assert cli_main(["train", "--out", str(tmp_path), "--set", "metrics.trackers=comet"]) == 2
+    assert "metrics.trackers='comet' is not valid" in capsys.readouterr().err
