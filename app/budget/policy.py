@@ -2,13 +2,15 @@
 
 Pure arithmetic, no I/O, so the same rules run in the watcher and in the simulated-clock tests.
 
-Horizon H = poll + step + checkpoint + margin: the watcher looks again only after `poll`, the trainer sees
-the stop file after finishing its current `step`, then writes a `checkpoint` (timed from the last save);
-`margin` absorbs jitter. Rules, with r the rate in USD/s:
+Horizon H = poll + step + checkpoint + write + margin: the watcher looks again only after `poll`, the
+trainer sees the stop file after finishing its current `step`, waits for a background `write` that may
+still be in flight (asynchronous saves: the background part of the last save, 0 for synchronous ones),
+then writes its final `checkpoint` (the last save's whole time, blocking + background: a stop waits for
+all of it); `margin` absorbs jitter. Rules, with r the rate in USD/s:
 
 - graceful stop when spent + r*H >= cap (the spend projected at the next safe stopping point);
 - immediate stop when spent >= cap, or when not even a graceful stop fits any more
-  (spent + r*max(poll, step + checkpoint) >= cap), or, with a graceful stop under way, when the cap
+  (spent + r*max(poll, step + checkpoint + write) >= cap), or, with a graceful stop under way, when the cap
   would be crossed before the next poll (spent + r*poll >= cap);
 - alert when spent >= alert_fraction*cap or spent >= alert_usd (when set).
 """
@@ -28,6 +30,7 @@ class PolicyInput:
     rate_usd_per_hour: float
     step_seconds: float = 0.0
     checkpoint_seconds: float = 0.0
+    checkpoint_write_seconds: float = 0.0  # background part of the last save (already in checkpoint_seconds)
     poll_seconds: float = 10.0
     margin_seconds: float = 60.0
     alert_fraction: float = 0.8
@@ -52,7 +55,13 @@ class Decision:
 
 
 def horizon_seconds(inp: PolicyInput) -> float:
-    return inp.poll_seconds + inp.step_seconds + inp.checkpoint_seconds + inp.margin_seconds
+    return (
+        inp.poll_seconds
+        + inp.step_seconds
+        + inp.checkpoint_seconds
+        + inp.checkpoint_write_seconds
+        + inp.margin_seconds
+    )
 
 
 def decide(inp: PolicyInput) -> Decision:
@@ -69,7 +78,8 @@ def decide(inp: PolicyInput) -> Decision:
 
     stop, reason = "", ""
     if inp.stopping != "immediate":
-        graceful_cost = r * max(inp.poll_seconds, inp.step_seconds + inp.checkpoint_seconds)
+        stop_seconds = inp.step_seconds + inp.checkpoint_seconds + inp.checkpoint_write_seconds
+        graceful_cost = r * max(inp.poll_seconds, stop_seconds)
         if spent >= cap:
             stop, reason = "immediate", f"cap reached: ${spent:.4f} spent of the ${cap:.4f} cap"
         elif inp.stopping == "graceful" and spent + r * inp.poll_seconds >= cap:

@@ -184,9 +184,31 @@ class Reporter:
             self.global_metrics.val_loss.set(val)
             self.global_metrics.val_bpb.set(bpb)
 
-    def checkpoint(self, step: int, path: Path, seconds: float, nbytes: int, reason: str) -> None:
-        self.log(f"checkpoint step {step} -> {path} ({nbytes / 1e6:.1f} MB in {seconds:.2f}s, {reason})")
-        self.event("checkpoint", step, path=str(path), seconds=seconds, bytes=nbytes, reason=reason)
+    def checkpoint(
+        self,
+        step: int,
+        path: Path,
+        seconds: float,
+        nbytes: int,
+        reason: str,
+        blocking_seconds: float | None = None,
+        write_seconds: float = 0.0,
+    ) -> None:
+        """seconds: the whole save; blocking_seconds: how long the loop stood still for it (the rest,
+        write_seconds, ran in the background)."""
+        blocking = seconds if blocking_seconds is None else blocking_seconds
+        how = f"loop blocked {blocking:.2f}s, " if write_seconds else ""
+        self.log(f"checkpoint step {step} -> {path} ({nbytes / 1e6:.1f} MB in {seconds:.2f}s, {how}{reason})")
+        self.event(
+            "checkpoint",
+            step,
+            path=str(path),
+            seconds=seconds,
+            blocking_seconds=blocking,
+            write_seconds=write_seconds,
+            bytes=nbytes,
+            reason=reason,
+        )
         g = self.global_metrics
         if g is not None:
             g.ckpt_seconds.set(seconds)
