@@ -194,8 +194,7 @@ class Trainer:
 
     def _maybe_resume(self, model: GPT) -> None:
         c = self.cfg.checkpoint
-        args = (self.run_dir, self.args.resume, c.verify, self.rank0, self.warn, self.log, self.env)
-        info = find_checkpoint(*args)
+        info = find_checkpoint(self.run_dir, self.args.resume, c.verify, self.env, self.warn, self.log)
         if info is None:
             return
         restore_weights(model, self.optimizer, info, self.env, self.warn, self.log)
@@ -355,15 +354,9 @@ class Trainer:
         }
         self.saved(self.writer.wait())  # the previous background save, if one is still running
         self.beat("saving")
+        files = [self.data_dir / "tokenizer.json"]  # a checkpoint dir alone is enough to sample or export
         result = self.writer.save(
-            st.step,
-            self.model,
-            self.optimizer,
-            st.__dict__,
-            meta,
-            extra_files=[self.data_dir / "tokenizer.json"],
-            reason=reason,
-            background=False if final else None,
+            st.step, self.model, self.optimizer, st.__dict__, meta, files, reason, final
         )
         self.last_saved_step = st.step
         self.last_ckpt_time = time.monotonic()
@@ -374,9 +367,7 @@ class Trainer:
         """Report a save once it is committed (at once when synchronous, later from the background)."""
         if r is not None:
             self.last_save = r
-            self.report.checkpoint(
-                r.step, r.path, r.seconds, r.bytes, r.reason, r.blocking_seconds, r.write_seconds
-            )
+            self.report.checkpoint(r)
 
     # ------------------------------------------------------------ the loop
 

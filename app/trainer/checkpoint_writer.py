@@ -127,13 +127,13 @@ class CheckpointWriter:
         meta: dict,
         extra_files: list[Path] = (),
         reason: str = "",
-        background: bool | None = None,
+        final: bool = False,
     ) -> SaveResult | None:
         """Collective. Returns the result of a synchronous save; None when it went to the background
-        (`poll()` / `wait()` give its result). `background` overrides `async_save` (a stop saves in the
-        foreground: nothing to overlap with, and no staging copy)."""
+        (`poll()` / `wait()` give its result). A `final` save (a stop) is always written in the
+        foreground: there is nothing left to overlap with, and it needs no staging copy."""
         self.wait()
-        background = self.async_save if background is None else background
+        background = self.async_save and not final
         started = time.monotonic()
         tmp = self.root / f".tmp-{ckpt.step_dir_name(step)}"
         if self.rank == 0:

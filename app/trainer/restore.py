@@ -11,18 +11,16 @@ from app.trainer.parallel import DistEnv
 from app.trainer.schedule import DecayPlan, resume_change
 
 
-def find_checkpoint(
-    run_dir, spec: str, verify: str, is_rank0: bool, warn, log, env: DistEnv | None = None
-) -> ckpt.CheckpointInfo | None:
+def find_checkpoint(run_dir, spec: str, verify: str, env: DistEnv, warn, log) -> ckpt.CheckpointInfo | None:
     """`--resume auto`: the newest checkpoint of the run dir that verifies (rank 0 sets newer, unusable
-    step dirs aside so they shadow nothing); `never`: None; else a run dir or step dir. With `env`
-    (collective), the ranks share the sha256 checks, each hashing 1/world of the files, and agree."""
+    step dirs aside so they shadow nothing); `never`: None; else a run dir or step dir. Collective: the
+    ranks share the sha256 checks, each hashing 1/world of the files, and agree on the answer."""
     if spec == "never":
         return None
-    shared = ckpt.Shared(env.rank, env.world_size, env.all_true) if env and env.distributed else None
+    shared = ckpt.Shared(env.rank, env.world_size, env.all_true) if env.distributed else None
     if spec == "auto":
         info = ckpt.resolve_latest(run_dir, verify, warn, shared)
-        if is_rank0:
+        if env.is_rank0:
             ckpt.set_aside_newer(run_dir, info.step if info else -1, warn=warn)
     else:
         info = ckpt.resolve(spec, verify, warn, shared)
