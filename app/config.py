@@ -146,6 +146,7 @@ class CheckpointConfig:
     keep_best: bool = True
     drop_optimizer_older: bool = False  # strip optimizer state from kept checkpoints but the latest
     verify: str = "sha256"  # sha256 | size: how latest/best are verified at resume
+    async_save: bool = True  # stage to host memory, write in the background; stops still wait for it
 
 
 @dataclass

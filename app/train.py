@@ -23,6 +23,7 @@ from app.data.manifest import Manifest
 from app.trainer import checkpoint as ckpt
 from app.trainer.args import DESCRIPTION, add_arguments, config_from_args, print_config
 from app.trainer.budget_link import BudgetLink
+from app.trainer.checkpoint_writer import CheckpointWriter, SaveResult
 from app.trainer.evaluate import sample_text, validation_loss
 from app.trainer.heartbeat import Heartbeat
 from app.trainer.lease import hold_run_dir, release
@@ -33,8 +34,6 @@ from app.trainer.parallel import (
     DistEnv,
     all_reduce_mean,
     init_distributed,
-    model_state_dict,
-    optimizer_state_dict,
     shutdown_distributed,
     unwrap,
 )
@@ -102,7 +101,7 @@ class Trainer:
         self.heartbeat = Heartbeat(self.run_dir, enabled=self.rank0)
         self.last_saved_step = -1
         self.step_seconds_avg = 0.0
-        self.checkpoint_seconds = 0.0
+        self.last_save: SaveResult | None = None  # its timings go to the heartbeat
         self.last_ckpt_time = time.monotonic()
         self.last_eval_step = -1
         self.resumed_saved_unix = 0.0
@@ -164,7 +163,7 @@ class Trainer:
         self.bad_steps = BadSteps(cfg.train.max_bad_steps)
         self._maybe_resume(unwrap(model))
         self.model = torch.compile(model) if cfg.train.compile else model
-        self.writer = ckpt.CheckpointWriter(self.run_dir, env.rank, env.world_size, env.barrier)
+        self.writer = CheckpointWriter(self.run_dir, env.rank, env.world_size, env.barrier, cfg.checkpoint)
         self.autocast = autocast_for(cfg, self.device)
 
         self.flops_per_token = flops_per_token(cfg.model)
@@ -196,7 +195,7 @@ class Trainer:
 
     def _maybe_resume(self, model: GPT) -> None:
         c = self.cfg.checkpoint
-        info = find_checkpoint(self.run_dir, self.args.resume, c.verify, self.rank0, self.warn, self.log)
+        info = find_checkpoint(self.run_dir, self.args.resume, c.verify, self.env, self.warn, self.log)
         if info is None:
             return
         restore_weights(model, self.optimizer, info, self.env, self.warn, self.log)
@@ -331,12 +330,12 @@ class Trainer:
     def beat(self, state: str) -> None:
         st = self.state
         self.heartbeat.write(
-            state, st.step, st.tokens, self.step_seconds_avg, self.checkpoint_seconds, self.last_saved_step
+            state, st.step, st.tokens, self.step_seconds_avg, self.last_saved_step, self.last_save
         )
 
-    def save(self, reason: str) -> None:
-        """Collective. Step 0 is never saved: nothing has been learned, and a restart from the seed is the
-        same run (exact resume needs no checkpoint for it)."""
+    def save(self, reason: str, final: bool = False) -> None:
+        """Collective; in the background unless `final` (a stop). Step 0 is never saved: nothing has been
+        learned, and a restart from the seed is the same run (exact resume needs no checkpoint for it)."""
         st = self.state
         if st.step == 0:
             return
@@ -354,23 +353,22 @@ class Trainer:
             "reason": reason,
             "data": {"dir": str(self.data_dir), "tokenizer_sha256": self.manifest.tokenizer.get("sha256")},
         }
+        self.saved(self.writer.wait())  # the previous background save, if one is still running
         self.beat("saving")
+        files = [self.data_dir / "tokenizer.json"]  # a checkpoint dir alone is enough to sample or export
         result = self.writer.save(
-            st.step,
-            model_state_dict(self.model),
-            optimizer_state_dict(self.model, self.optimizer),
-            st.__dict__,
-            meta,
-            extra_files=[self.data_dir / "tokenizer.json"],
+            st.step, self.model, self.optimizer, st.__dict__, meta, files, reason, final
         )
         self.last_saved_step = st.step
-        self.checkpoint_seconds = result.seconds
         self.last_ckpt_time = time.monotonic()
-        if self.rank0:
-            c = self.cfg.checkpoint
-            ckpt.apply_retention(self.run_dir, c.keep_last, c.keep_best, c.drop_optimizer_older)
-        self.report.checkpoint(st.step, result.path, result.seconds, result.bytes, reason)
+        self.saved(result)
         self.beat("running")
+
+    def saved(self, r: SaveResult | None) -> None:
+        """Report a save once it is committed (at once when synchronous, later from the background)."""
+        if r is not None:
+            self.last_save = r
+            self.report.checkpoint(r)
 
     # ------------------------------------------------------------ the loop
 
@@ -419,6 +417,7 @@ class Trainer:
                 self.log(f"sample at step {st.step}: {text!r}")
             if cfg.checkpoint.every_steps and st.step % cfg.checkpoint.every_steps == 0:
                 self.save("every_steps")
+            self.saved(self.writer.poll())
             if self.heartbeat.due():
                 self.beat("running")
         return self._finish(decision)
@@ -436,7 +435,11 @@ class Trainer:
         ):
             self.evaluate()
         if decision.saves and self.last_saved_step != st.step:
-            self.save(decision.name)
+            self.save(decision.name, final=True)
+        if decision.saves:
+            self.saved(self.writer.wait())  # a stop ends on a complete, committed checkpoint
+        else:
+            self.writer.abandon()  # immediate: exit now; a pending write stays an uncommitted temp dir
         self.report.event(
             "event",
             st.step,
@@ -454,6 +457,8 @@ class Trainer:
         return decision.exit_code
 
     def close(self) -> None:
+        if hasattr(self, "writer"):
+            self.writer.abandon()  # still pending only after a crash: the last committed checkpoint stands
         if self.report is not None:
             self.report.close()
 

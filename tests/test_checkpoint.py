@@ -10,15 +10,17 @@ import torch
 
 from app.config import ModelConfig
 from app.errors import UserError
+from app.files import sha256_file
 from app.trainer import checkpoint as ckpt
+from app.trainer.checkpoint_writer import CheckpointWriter
 from app.trainer.model import build_model
+from app.trainer.parallel import load_optimizer
 from tests.conftest import FAST, pretrain
 
 
 def _save(run_dir, step, model, val_loss=None, optimizer=None):
-    writer = ckpt.CheckpointWriter(run_dir, 0, 1, lambda: None)
-    opt_state = optimizer.state_dict() if optimizer else None
-    return writer.save(step, model.state_dict(), opt_state, {"step": step}, {"val_loss": val_loss})
+    writer = CheckpointWriter(run_dir, 0, 1, lambda: None)
+    return writer.save(step, model, optimizer, {"step": step}, {"val_loss": val_loss})
 
 
 @pytest.fixture
@@ -35,23 +37,26 @@ def test_layout_has_no_pickle_and_checksums_every_file(tmp_path, model):
     names = sorted(p.name for p in res.path.iterdir())
     assert names == [
         "meta.json",
-        "model.safetensors",
-        "optimizer.json",
-        "optimizer.safetensors",
+        "model-rank00000.safetensors",
+        "model.index.json",
+        "optimizer-rank00000.safetensors",
+        "optimizer.index.json",
         "rng_rank0.json",
         "trainer_state.json",
     ]
     meta = json.loads((res.path / "meta.json").read_text())
     assert set(meta["files"]) == set(names) - {"meta.json"}
-    assert meta["tied"] == {"head.weight": "tok_emb.weight"}
+    assert meta["tied"] == {"head.weight": "tok_emb.weight"} and meta["format_version"] == 2
+    for name, entry in meta["files"].items():  # hashed while writing == hashed from disk
+        assert entry["sha256"] == sha256_file(res.path / name), name
     for f in res.path.iterdir():
         assert not f.read_bytes().startswith(b"\x80")  # no pickle protocol header anywhere
     info = ckpt.resolve_latest(tmp_path)
     state = ckpt.load_model_state(info)
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
-    restored = ckpt.load_optimizer_state(info)
     fresh = torch.optim.AdamW(model.parameters())
-    fresh.load_state_dict(restored)
+    with ckpt.open_reader(info, "optimizer") as reader:
+        load_optimizer(model, fresh, reader)
     assert len(fresh.state) == len(opt.state) > 0
     for p, want in opt.state.items():
         assert all(torch.equal(fresh.state[p][k], want[k]) for k in want), p.shape
@@ -61,7 +66,7 @@ def test_layout_has_no_pickle_and_checksums_every_file(tmp_path, model):
 def test_corrupt_latest_is_skipped_with_a_warning(tmp_path, model, damage):
     _save(tmp_path, 1, model)
     bad = _save(tmp_path, 2, model).path
-    target = bad / "model.safetensors"
+    target = bad / "model-rank00000.safetensors"
     if damage == "truncate":
         target.write_bytes(target.read_bytes()[:-10])
     elif damage == "flip":
@@ -130,3 +135,53 @@ def test_resuming_with_a_different_shape_is_refused_in_one_line(tmp_path):
     assert moved.returncode == 0, moved.stderr
     (old,) = run.glob("previous-*")
     assert ckpt.resolve_latest(old).step == 2 and ckpt.resolve_latest(run).step == 1
+
+
+def test_ranks_share_the_sha256_checks_and_agree_on_the_same_checkpoint(tmp_path, model, monkeypatch):
+    """Two ranks (threads here, an all-reduce in the trainer) each hash half of the files; a damaged
+    file found by either one makes both skip that checkpoint."""
+    import threading
+
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)).loss.backward()
+    opt.step()
+    _save(tmp_path, 1, model, optimizer=opt)
+    bad = _save(tmp_path, 2, model, optimizer=opt).path
+    data = bytearray((bad / "optimizer-rank00000.safetensors").read_bytes())
+    data[-1] ^= 0xFF  # same size: only a sha256 check finds it
+    (bad / "optimizer-rank00000.safetensors").write_bytes(bytes(data))
+
+    hashed: dict[int, list[str]] = {0: [], 1: []}
+    real = ckpt.sha256_file
+    monkeypatch.setattr(
+        ckpt, "sha256_file", lambda p: hashed[int(threading.current_thread().name)].append(p) or real(p)
+    )
+    votes, gate = {}, threading.Barrier(2)
+
+    def all_true(rank):
+        def agree(ok):
+            votes[rank] = ok
+            gate.wait()
+            out = all(votes.values())
+            gate.wait()
+            return out
+
+        return agree
+
+    got = {}
+
+    def rank(r):
+        got[r] = ckpt.resolve_latest(tmp_path, shared=ckpt.Shared(r, 2, all_true(r)), warn=lambda m: None)
+
+    threads = [threading.Thread(target=rank, args=(r,), name=str(r)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got[0].step == got[1].step == 1
+    for r in range(2):
+        mine = [p for p in hashed[r] if p.parent.name == "step_000001"]
+        others = [p for p in hashed[1 - r] if p.parent.name == "step_000001"]
+        assert mine and not set(mine) & set(others)  # each file of the good checkpoint hashed once
+    files = len(ckpt.read_meta(tmp_path / "checkpoints" / "step_000001")["files"])
+    assert sum(p.parent.name == "step_000001" for r in range(2) for p in hashed[r]) == files

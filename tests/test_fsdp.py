@@ -10,14 +10,13 @@ import textwrap
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from app.config import ModelConfig, OptimConfig
 from app.errors import ConfigError
 from app.trainer import checkpoint as ckpt
 from app.trainer.model import build_model
 from app.trainer.optim import build_optimizer
-from app.trainer.parallel import load_state, model_state_dict, optimizer_state_dict
+from app.trainer.parallel import model_pieces, optimizer_pieces
 from tests.conftest import FAST, REPO, cli_env, losses_by_step, pretrain, torchrun
 
 MICRO = 8 * 64  # FAST: micro-batch 8 x seq 64 tokens
@@ -28,7 +27,7 @@ def step_dir(run, step):
 
 
 def weights(run, step):
-    return load_file(str(step_dir(run, step) / "model.safetensors"))
+    return ckpt.load_model_state(ckpt.verify(step_dir(run, step))[0])
 
 
 def optimizer_by_name(run, step) -> dict[str, dict[str, torch.Tensor]]:
@@ -140,7 +139,7 @@ META_WORKER = """
 import torch, torch.distributed as dist
 from app.config import load_config
 from app.trainer.optim import build_optimizer
-from app.trainer.parallel import build_parallel_model, init_distributed, model_state_dict, unwrap
+from app.trainer.parallel import build_parallel_model, init_distributed, unwrap
 
 env = init_distributed("cpu")
 cfg = load_config(overrides=["model.vocab_size=256", "model.n_layer=2", "model.d_model=64", "model.n_head=4",
@@ -149,7 +148,7 @@ torch.manual_seed(0)
 model = build_parallel_model(cfg, env, torch.device("cpu"), "fsdp", log=lambda m: None, meta_init=True)
 local = unwrap(model).blocks[0].attn.wq.weight.to_local()
 assert local.shape == (32, 64) and local.device.type == "cpu", local.shape
-full = model_state_dict(model)
+full = {k: v.full_tensor() for k, v in unwrap(model).state_dict().items()}  # collective, test only
 opt = build_optimizer(unwrap(model), cfg.optim, torch.device("cpu"))
 torch.manual_seed(1)
 x, y = torch.randint(0, 256, (4, 32)), torch.randint(0, 256, (4, 32))
@@ -203,34 +202,27 @@ def _trained(seed=0):
     return model, opt
 
 
-def test_state_dicts_are_full_and_keyed_by_parameter_name():
+def test_pieces_cover_every_tensor_once_keyed_by_parameter_name():
+    """The checkpoint seam without FSDP: each of 2 (DDP) ranks hands over a disjoint share of the rows of
+    every tensor, together exactly the tensor; tied weights once; optimizer state as "<name>/<state>"."""
     model, opt = _trained()
-    ms = model_state_dict(model)
-    assert ms["head.weight"] is ms["tok_emb.weight"]  # tied: stored once by the checkpoint writer
-    osd = optimizer_state_dict(model, opt)
-    assert "blocks.1.mlp.w_down.weight" in osd["state"]
-    assert all(isinstance(p, str) for g in osd["param_groups"] for p in g["params"])
-
-
-@pytest.mark.parametrize("legacy", [False, True], ids=["fqn-keys", "index-keys"])
-def test_optimizer_files_keep_dotted_names_and_old_index_keys(tmp_path, legacy):
-    model, opt = _trained()
-    state = opt.state_dict() if legacy else optimizer_state_dict(model, opt)
-    tensors, structure = ckpt.optimizer_to_files(state)
-    assert all(k.split(".", 1)[0].isdigit() for k in tensors)
-    if legacy:  # a checkpoint written before parameter names: no key map at all
-        structure.pop("param_keys")
-    structure = json.loads(json.dumps(structure))  # what optimizer.json gives back
-    back = ckpt.optimizer_from_files(tensors, structure)
-    assert list(back["state"]) == list(state["state"])
-    # Either form restores into a fresh model + optimizer through the one loader.
-    fresh, fresh_opt = _trained(seed=1)
-    load_state(fresh, fresh_opt, model_state_dict(model), back)
-    want, got = optimizer_state_dict(model, opt), optimizer_state_dict(fresh, fresh_opt)
-    for name, entry in want["state"].items():
-        for k, v in entry.items():
-            assert torch.equal(got["state"][name][k], v), (name, k)
-    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+    full = model.state_dict()
+    rows: dict[str, list] = {}
+    for rank in range(2):
+        pieces, aliases = model_pieces(model, rank, 2)
+        assert aliases == {"head.weight": "tok_emb.weight"}
+        for p in pieces:
+            assert p.shape == tuple(full[p.name].shape)
+            rows.setdefault(p.name, []).append((p.offsets[0], p.tensor))
+    assert set(rows) == set(full) - {"head.weight"}
+    for name, parts in rows.items():
+        assert torch.equal(torch.cat([t for _, t in sorted(parts, key=lambda x: x[0])]), full[name]), name
+    pieces, structure = optimizer_pieces(model, opt, 0, 1)
+    names = {p.name for p in pieces}
+    assert {"blocks.1.mlp.w_down.weight/exp_avg", "tok_emb.weight/exp_avg_sq", "norm.weight/step"} <= names
+    assert all(isinstance(p, str) for g in structure["param_groups"] for p in g["params"])
+    on_rank1 = {p.name for p in optimizer_pieces(model, opt, 1, 2)[0]}
+    assert "norm.weight/exp_avg" in on_rank1 and "norm.weight/step" not in on_rank1  # 0-d: rank 0 alone
 
 
 # ---------------------------------------------------------------- slow: DDP parity, exact resume, resharding

@@ -44,7 +44,7 @@ def train(run, *args, check=True):
 def test_fresh_start_in_a_used_run_dir_is_refused_or_moves_the_old_run_aside(tmp_path):
     run = tmp_path / "run"
     train(run, "--max-steps", "8", "--set", "checkpoint.every_steps=4")
-    old_weights = load_file(str(run / "checkpoints" / "step_000008" / "model.safetensors"))
+    old_weights = weights_of(run / "checkpoints" / "step_000008")
 
     refused = train(run, "--max-steps", "3", "--resume", "never", check=False)
     one_line_error(refused, "already holds a run", "--overwrite")
@@ -54,7 +54,7 @@ def test_fresh_start_in_a_used_run_dir_is_refused_or_moves_the_old_run_aside(tmp
     assert "moved the previous run" in new.stdout
     (old,) = run.glob("previous-*")
     # the old run is whole, and the new run's checkpoint survives retention
-    kept = load_file(str(old / "checkpoints" / "step_000008" / "model.safetensors"))
+    kept = weights_of(old / "checkpoints" / "step_000008")
     assert all((kept[k] == old_weights[k]).all() for k in old_weights)
     assert [r["step"] for r in train_rows(old)][-1] == 8
     assert ckpt.resolve_latest(run).step == 3
@@ -84,7 +84,7 @@ def test_export_after_a_corrupt_newest_describes_the_checkpoint_it_exports(tmp_p
     run, out = tmp_path / "run", tmp_path / "out"
     train(run, "--max-steps", "6", "--set", "checkpoint.every_steps=3", "--set", "train.eval_every=3")
     evals = {r["step"]: r["val_loss"] for r in train_rows(run, "eval")}
-    newest = run / "checkpoints" / "step_000006" / "model.safetensors"
+    newest = run / "checkpoints" / "step_000006" / "model-rank00000.safetensors"
     with open(newest, "r+b") as f:
         f.seek(200)
         f.write(b"\xff" * 16)
@@ -95,8 +95,9 @@ def test_export_after_a_corrupt_newest_describes_the_checkpoint_it_exports(tmp_p
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["step"] == 3 and manifest["val_loss"]["latest"] == evals[3]
     weights = load_file(str(out / "final.safetensors"))
-    step3 = load_file(str(run / "checkpoints" / "step_000003" / "model.safetensors"))
-    assert all((weights[k] == step3[k]).all() for k in step3)
+    step3 = weights_of(run / "checkpoints" / "step_000003")
+    assert set(weights) == set(step3) - {"head.weight"}  # tied: stored once
+    assert all((weights[k] == step3[k]).all() for k in weights)
 
 
 def test_corrupt_newest_checkpoint_is_set_aside_and_takes_no_retention_slot(tmp_path):
@@ -202,10 +203,16 @@ def test_a_diverging_run_skips_bad_updates_then_stops_with_exit_3_and_no_nan_bes
     stop = [r for r in train_rows(run, "event") if r.get("event") == "stop"][-1]
     assert stop["cause"] == "diverged" and stop["exit_code"] == 3
     info = ckpt.resolve_latest(run)
-    weights = load_file(str(info.path / "model.safetensors"))
+    weights = ckpt.load_model_state(info)
     assert all(torch_isfinite(t) for t in weights.values())  # the skipped updates never reached the weights
     best = ckpt.resolve_best(run)
     assert best is None or math.isfinite(best.val_loss)
+
+
+def weights_of(step_dir):
+    info, why = ckpt.verify(step_dir)
+    assert info is not None, why
+    return ckpt.load_model_state(info)
 
 
 def torch_isfinite(t) -> bool:

@@ -10,13 +10,15 @@ import signal
 import time
 
 import pytest
-from safetensors.torch import load_file
 
+from app.trainer import checkpoint as ckpt
 from tests.conftest import FAST, losses_by_step, pretrain, spawn_train, torchrun, wait_for_step
 
 
 def weights(run_dir, step):
-    return load_file(str(run_dir / "checkpoints" / f"step_{step:06d}" / "model.safetensors"))
+    info, why = ckpt.verify(run_dir / "checkpoints" / f"step_{step:06d}")
+    assert info is not None, why
+    return ckpt.load_model_state(info)
 
 
 def assert_same_run(a, b, steps):

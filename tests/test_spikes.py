@@ -12,8 +12,8 @@ import time
 import urllib.request
 
 import torch
-from safetensors.torch import load_file
 
+from app.trainer import checkpoint as ckpt
 from app.trainer.spikes import SpikeDetector, spike_batch
 from tests.conftest import FAST, REPO, cli_env, train_rows
 from tests.prom_helpers import free_port, sets
@@ -155,8 +155,8 @@ def test_injected_spike_is_detected_logged_exported_and_skipped(tmp_path):
         # Skipped updates: the weights after 60 steps + 3 skipped spike steps equal those after 60 steps.
         out, _ = reference.communicate(timeout=180)
         assert reference.returncode == 0, out
-        spiked_w = load_file(str(ckpt_dir / "model.safetensors"))
-        ref_w = load_file(str(ref / "checkpoints" / f"step_{INJECT_AT:06d}" / "model.safetensors"))
+        spiked_w = ckpt.load_model_state(ckpt.verify(ckpt_dir)[0])
+        ref_w = ckpt.load_model_state(ckpt.verify(ref / "checkpoints" / f"step_{INJECT_AT:06d}")[0])
         assert set(spiked_w) == set(ref_w)
         for name, t in ref_w.items():
             assert torch.equal(spiked_w[name], t), f"{name} changed during skipped spike steps"

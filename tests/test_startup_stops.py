@@ -185,10 +185,9 @@ def test_a_step_0_checkpoint_of_an_older_version_resumes_exactly(tmp_path, strai
     import torch
 
     from app.config import load_config
-    from app.trainer import checkpoint as ckpt
+    from app.trainer.checkpoint_writer import CheckpointWriter
     from app.trainer.model import build_model
     from app.trainer.optim import build_optimizer
-    from app.trainer.parallel import model_state_dict
 
     cfg = load_config(None, None, [a for a in COMMON[1::2] if "=" in a] + ["model.vocab_size=2048"])
     torch.manual_seed(cfg.train.seed)
@@ -199,8 +198,8 @@ def test_a_step_0_checkpoint_of_an_older_version_resumes_exactly(tmp_path, strai
     stale = get_optimizer_state_dict(model, opt)  # what the old save did: a zero-lr step first
     assert all(float(s["step"]) == 1 for s in stale["state"].values())
     run = tmp_path / "run"
-    writer = ckpt.CheckpointWriter(run, 0, 1, lambda: None)
-    writer.save(0, model_state_dict(model), stale, {"step": 0}, {"config": cfg.to_dict(), "val_loss": None})
+    writer = CheckpointWriter(run, 0, 1, lambda: None)  # writes opt's state: the stale one above
+    writer.save(0, model, opt, {"step": 0}, {"config": cfg.to_dict(), "val_loss": None})
     again = pretrain("train", "--out", str(run), *COMMON, *EVAL_OFF)
     assert again.returncode == 0, again.stdout + again.stderr
     assert_same_run(straight(1, False), run, STEPS)

@@ -170,8 +170,11 @@ def test_local_cwd_runs_the_trainer(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "SUCCEEDED" in proc.stderr
-    assert (out / "checkpoints" / "step_000003" / "model.safetensors").exists()
-    # both ranks ran: each saved its RNG state
+    step3 = out / "checkpoints" / "step_000003"
+    assert (step3 / "model-rank00000.safetensors").exists() and (
+        step3 / "model-rank00001.safetensors"
+    ).exists()
+    # both ranks ran: each saved its shards and its RNG state
     assert {p.name for p in (out / "checkpoints" / "step_000003").glob("rng_rank*.json")} == {
         "rng_rank0.json",
         "rng_rank1.json",

@@ -32,7 +32,7 @@ def test_loss_falls_and_sample_reads_the_checkpoint(tmp_path):
     assert "parameters" in proc.stdout and "non-embedding" in proc.stdout
     assert "latest checkpoint:" in proc.stdout and "best checkpoint:" in proc.stdout
     ckpt = run / "checkpoints" / "step_000080"
-    assert (ckpt / "model.safetensors").exists() and json.loads((ckpt / "meta.json").read_text())[
+    assert (ckpt / "model-rank00000.safetensors").exists() and json.loads((ckpt / "meta.json").read_text())[
         "step"
     ] == 80
 

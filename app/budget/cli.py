@@ -281,6 +281,8 @@ def dry_run(
     status = read_status(run_dir / "status.json")
     step = status.step_seconds if status and status.step_seconds else led.step_seconds
     ckpt = status.checkpoint_seconds if status and status.checkpoint_seconds else led.checkpoint_seconds
+    write = status.checkpoint_write_seconds if status and status.checkpoint_write_seconds else 0.0
+    write = write or led.checkpoint_write_seconds
     seen = f"status.json: step {status.step}, state {status.state}" if status else "no status.json yet"
     out.append(f"  trainer   {seen}; step {step:.2f} s, checkpoint {ckpt:.2f} s (0 = not measured yet)")
     inp = PolicyInput(
@@ -289,6 +291,7 @@ def dry_run(
         rate_usd_per_hour=r,
         step_seconds=step,
         checkpoint_seconds=ckpt,
+        checkpoint_write_seconds=write,
         poll_seconds=cfg.poll_seconds,
         margin_seconds=cfg.margin_seconds,
         alert_fraction=cfg.alert_fraction,
@@ -310,7 +313,9 @@ def dry_run(
 
     out.append(
         f"  policy    at ${r:.2f}/h, horizon {dec.horizon_seconds:.1f} s = max(poll {cfg.poll_seconds:g}, step "
-        f"{step:.1f} + checkpoint {ckpt:.1f}) + poll {cfg.poll_seconds:g} + margin {cfg.margin_seconds:g}"
+        f"{step:.1f}"
+        + (f" + pending write {write:.1f}" if write else "")
+        + f" + checkpoint {ckpt:.1f}) + poll {cfg.poll_seconds:g} + margin {cfg.margin_seconds:g}"
     )
     out.append(f"    alert             at ${alert_at:.4f}  {when(alert_at)}")
     out.append(f"    LR decay (WSD)    at ${max(decay_at, 0):.4f}  {when(decay_at)}")

@@ -27,6 +27,7 @@ class TrainerStatus:
     checkpoint_seconds: float
     state: str
     updated_unix: float
+    checkpoint_write_seconds: float = 0.0  # of checkpoint_seconds, what ran in the background
 
 
 def read_status(path: Path) -> TrainerStatus | None:
@@ -44,6 +45,7 @@ def read_status(path: Path) -> TrainerStatus | None:
         checkpoint_seconds=_num(data, "checkpoint_seconds"),
         state=str(data.get("state", "")),
         updated_unix=_num(data, "updated_unix"),
+        checkpoint_write_seconds=_num(data, "checkpoint_write_seconds"),
     )
 
 

@@ -66,6 +66,7 @@ class Ledger:
     rate_usd_per_hour: float = 0.0  # latest rate, for projections across restarts
     step_seconds: float = 0.0  # latest trainer timings, for projections before status.json appears
     checkpoint_seconds: float = 0.0
+    checkpoint_write_seconds: float = 0.0  # background part of the last asynchronous save
     alerted_cap_usd: float = 0.0  # the cap an alert was already raised for (no repeats on restart)
     crashes: int = 0  # sessions that ended without closing
     trained_unix: float = 0.0  # when the trainer first reported training (0 = not yet)

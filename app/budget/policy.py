@@ -2,8 +2,9 @@
 
 Pure arithmetic, no I/O, so the same rules run in the watcher and in the simulated-clock tests.
 
-The graceful point G = max(poll, step + checkpoint): the trainer sees the stop file after finishing its
-current `step`, then writes a `checkpoint` (timed from the last save), and the watcher cannot look again
+The graceful point G = max(poll, step + write + checkpoint): the trainer sees the stop file after finishing
+its current `step`, waits for a background `write` still in flight (asynchronous saves), then writes a
+`checkpoint` (the last save's whole time), and the watcher cannot look again
 sooner than `poll`; with less than G of spend left a graceful stop no longer fits. The horizon
 H = G + poll + margin reaches one whole poll (plus `margin`, for jitter) beyond that point, so the graceful
 window (H - G of spend) is never narrower than one poll and no poll can jump over it. (Before, H was
@@ -32,6 +33,7 @@ class PolicyInput:
     rate_usd_per_hour: float
     step_seconds: float = 0.0
     checkpoint_seconds: float = 0.0
+    checkpoint_write_seconds: float = 0.0  # background part of the last save (already in checkpoint_seconds)
     poll_seconds: float = 10.0
     margin_seconds: float = 60.0
     alert_fraction: float = 0.8
@@ -56,8 +58,10 @@ class Decision:
 
 
 def graceful_point_seconds(inp: PolicyInput) -> float:
-    """G: the least spend time a graceful stop needs (a step and a checkpoint, and one poll to notice)."""
-    return max(inp.poll_seconds, inp.step_seconds + inp.checkpoint_seconds)
+    """G: the least spend time a graceful stop needs: a step, a pending background write (asynchronous
+    saves; 0 for synchronous ones), the final checkpoint (blocking + background: a stop waits for all of
+    it), and one poll to notice."""
+    return max(inp.poll_seconds, inp.step_seconds + inp.checkpoint_write_seconds + inp.checkpoint_seconds)
 
 
 def horizon_seconds(inp: PolicyInput) -> float:

@@ -212,6 +212,8 @@ class Watcher:
                 led.step_seconds = status.step_seconds
             if status.checkpoint_seconds > 0:
                 led.checkpoint_seconds = status.checkpoint_seconds
+            if status.checkpoint_write_seconds > 0:  # a final (synchronous) save keeps the last figure
+                led.checkpoint_write_seconds = status.checkpoint_write_seconds
         if (
             not led.trained_unix
             and status
@@ -237,6 +239,7 @@ class Watcher:
                 rate_usd_per_hour=rate,
                 step_seconds=led.step_seconds,
                 checkpoint_seconds=led.checkpoint_seconds,
+                checkpoint_write_seconds=led.checkpoint_write_seconds,
                 poll_seconds=cfg.poll_seconds,
                 margin_seconds=cfg.margin_seconds,
                 alert_fraction=cfg.alert_fraction,

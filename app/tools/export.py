@@ -7,8 +7,9 @@ DIR/
   loss-curve.png       train loss and val loss over steps
   gradnorm-curve.png   grad norm over steps (spikes marked)
   throughput.png       tokens/s over steps (and MFU when known)
-  final.safetensors    weights of the latest valid checkpoint; tied weights stored once, their
-                       aliases in the header metadata (`load_final` restores them)
+  final.safetensors    weights of the latest valid checkpoint consolidated into one file (from the
+                       shards of any world size); tied weights stored once, their aliases in the
+                       header metadata (`load_final` restores them)
   tokenizer.json       the run's tokenizer, when the checkpoint carries one
   eval/*.json          benchmark results written by `pretrain eval` (summarised in manifest.json)
 """
@@ -261,22 +262,24 @@ def write_plots(out: Path, rows: list[dict], title: str, grad_clip: float | None
 
 
 def write_final(path: Path, info: ckpt.CheckpointInfo) -> dict[str, Any]:
-    """The checkpoint's weights, tensor bytes unchanged; tied aliases and the model config in the header."""
-    from safetensors.torch import load_file, save_file
+    """The checkpoint's weights consolidated into one file, whatever world size wrote them (shards are
+    assembled one tensor at a time), tensor bytes unchanged; tied aliases and the model config in the
+    header."""
+    from app.trainer.checkpoint_format import write_consolidated
 
-    tensors = load_file(str(info.path / "model.safetensors"))
-    tied = dict(info.meta.get("tied", {}))
     model_cfg = (info.meta.get("config") or {}).get("model", {})
-    metadata = {
-        "format": "pt",
-        "tied": json.dumps(tied, sort_keys=True),
-        "model_config": json.dumps(model_cfg, sort_keys=True),
-        "step": str(info.step),
-        "source": str(info.path),
-    }
-    save_file(tensors, str(path), metadata=metadata)
-    os.chmod(path, 0o644)  # safetensors creates it 0600; the other exports are world-readable too
-    return {"tensors": len(tensors), "parameters": sum(t.numel() for t in tensors.values()), "tied": tied}
+    with ckpt.open_reader(info) as reader:
+        tied = dict(reader.tied)
+        metadata = {
+            "tied": json.dumps(tied, sort_keys=True),
+            "model_config": json.dumps(model_cfg, sort_keys=True),
+            "step": str(info.step),
+            "source": str(info.path),
+        }
+        entry, params = write_consolidated(path, reader, metadata)
+        tensors = len(reader.names())
+    os.chmod(path, 0o644)  # the other exports are world-readable too
+    return {"tensors": tensors, "parameters": params, "tied": tied, "sha256": entry.sha256}
 
 
 def load_final(path: str | Path) -> tuple[dict, dict[str, str]]:
@@ -487,7 +490,7 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
             "latest_step": info.step,
             "best": str(best_ckpt.path) if best_ckpt else None,
             "best_step": best_ckpt.step if best_ckpt else None,
-            "model_sha256": (meta.get("files") or {}).get("model.safetensors", {}).get("sha256"),
+            "model_sha256": weights["sha256"],  # of final.safetensors: the same weights, the same hash
         },
         "weights": {"file": "final.safetensors", "tensors": weights["tensors"], "tied": weights["tied"]},
         "evals": benchmarks,

@@ -25,15 +25,33 @@ def resolve_checkpoint(spec: str, which: str = "latest", warn=print) -> ckpt.Che
 
 
 def load_for_inference(spec: str, device: str = "cpu", which: str = "latest", warn=print):
-    """(model in eval mode, tokenizer, checkpoint info) from a run dir or step dir."""
+    """(model in eval mode, tokenizer, checkpoint info) from a run dir or step dir. The weights are read
+    tensor by tensor into the model, from the shards of whatever world size wrote them: memory stays at
+    the model plus one tensor."""
     info = resolve_checkpoint(spec, which, warn)
     cfg = config_from_dict(info.meta["config"])
     model = build_model(cfg.model, device)
-    state = ckpt.load_model_state(info)
-    ckpt.check_compatible(model, state, info.path)
-    model.load_state_dict(state)
+    ckpt.check_compatible(model, ckpt.load_model_shapes(info), info.path)
+    ckpt.load_into(info, model, None)
     model.eval()
     return model, load_tokenizer(info.path), info
+
+
+def consolidate(spec: str, path: Path) -> Path:
+    """The checkpoint's weights as one safetensors file (the same file `pretrain export` writes as
+    final.safetensors)."""
+    from app.tools.export import write_final
+
+    info = ckpt.resolve(spec, mode="size", warn=lambda m: print(m))
+    path = Path(path)
+    if path.is_dir() or path.suffix != ".safetensors":
+        path = path / "final.safetensors"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_final(path, info)
+    except OSError as e:
+        raise UserError(f"cannot write --consolidate {path}: {e.strerror}") from None
+    return path
 
 
 def sample(
@@ -97,9 +115,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--num-samples", type=int, default=1, metavar="N", help="independent samples (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument(
+        "--consolidate",
+        metavar="FILE|DIR",
+        help="also write the checkpoint's weights as one FILE.safetensors (any other path is a dir that gets "
+        "final.safetensors), "
+        "assembled from the shards of any world size, one tensor at a time",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.consolidate:
+        print(f"consolidated weights: {consolidate(args.checkpoint, Path(args.consolidate))}")
     for text in sample(
         args.checkpoint,
         args.prompt,

@@ -1,17 +1,24 @@
-"""Checkpoints: one directory per step, written atomically, verified on resume, no pickle.
+"""Checkpoints: one directory per step, written by every rank in parallel, committed atomically, verified
+on resume, no pickle.
 
     checkpoints/step_000123/
-      model.safetensors       weights (tied weights stored once, aliases in meta.json)
-      optimizer.safetensors   optimizer tensors, keyed "<i>.<state name>" (i: position in param_keys)
-      optimizer.json          param_keys (parameter names), param groups, non-tensor optimizer state
-      trainer_state.json      step, tokens, loader position, schedule, early stopping, best val loss
-      rng_rank<R>.json        python / numpy / torch RNG states of rank R
-      meta.json               config, versions, step, val loss, sha256 + size of every file above
+      model-rank<R>.safetensors      rank R's pieces of the weights (its FSDP shards, or its share of the
+      optimizer-rank<R>.safetensors  rows under DDP) and of the optimizer state
+      model.index.json               which box of which tensor lies in which file (checkpoint_format.py);
+      optimizer.index.json           tied weights stored once; optimizer param groups and scalars
+      trainer_state.json             step, tokens, loader position, schedule, early stopping, best val loss
+      rng_rank<R>.json               python / numpy / torch RNG states of rank R
+      tokenizer.json                 so a checkpoint dir alone is enough to sample from or export
+      meta.json                      config, versions, step, val loss, world size, sha256 + size of every file
 
-A save goes to `checkpoints/.tmp-step_000123-<pid>/`, every file and the dir are fsync'd, meta.json is
-written last, then the dir is renamed into place. A crash at any moment leaves either the old set
-of checkpoints or the new one complete; leftover temp dirs are removed at the next start.
-`latest` and `best` are found by scanning and verifying, never from a pointer file.
+A save goes to `checkpoints/.tmp-step_000123/`; every rank writes and fsyncs its own files (hashing them
+as it writes), then rank 0 merges the index, writes meta.json last and renames the dir into place
+(app/trainer/checkpoint_writer.py, which also runs saves in the background). A crash at any moment
+leaves either the old set of checkpoints or the new one complete; leftover temp dirs are removed at the
+next start. `latest` and `best` are found by scanning and verifying, never from a pointer file.
+
+Format 1 checkpoints (one full model.safetensors, optimizer.safetensors + optimizer.json, written by
+rank 0 alone) still load, resume and export: the reader treats each of their tensors as one chunk.
 """
 
 from __future__ import annotations
@@ -25,25 +32,25 @@ import random
 import re
 import shutil
 import sys
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
 from app.errors import UserError
-from app.files import fsync_dir, fsync_file, sha256_file
+from app.files import sha256_file
 from app.files import write_json_durable as write_json
+from app.trainer.checkpoint_format import OPTIMIZER_INDEX, ShardReader
 
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
 STEP_DIR = re.compile(r"^step_\d{6,}$")
 META = "meta.json"
-FORMAT_VERSION = 1
-OPTIMIZER_FILES = ("optimizer.safetensors", "optimizer.json")
+FORMAT_VERSION = 2
+V1_OPTIMIZER_FILES = ("optimizer.safetensors", "optimizer.json")
 
 
 def step_dir_name(step: int) -> str:
@@ -54,56 +61,7 @@ def checkpoints_root(run_dir: Path) -> Path:
     return Path(run_dir) / CKPT_DIR
 
 
-# ---------------------------------------------------------------- state <-> tensors + JSON
-
-
-def split_tied(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """safetensors refuses tensors that share memory: keep the first name, record the others."""
-    seen: dict[tuple, str] = {}
-    tensors, aliases = {}, {}
-    for name, t in state.items():
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if key in seen:
-            aliases[name] = seen[key]
-        else:
-            seen[key] = name
-            tensors[name] = t.detach().contiguous().cpu()
-    return tensors, aliases
-
-
-def optimizer_to_files(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """Optimizer state dict -> (tensors for safetensors, JSON-able structure).
-
-    Parameters are keyed by name (FQNs such as "blocks.0.attn.wq.weight", what app.parallel produces in
-    DDP and FSDP alike) or by torch's own index. Tensors are stored as "<i>.<state name>" where i is the
-    position in structure["param_keys"], which keeps the original keys, dots and all."""
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    keys: list = []
-    for i, (pkey, entry) in enumerate(state["state"].items()):
-        keys.append(pkey)
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{i}.{key}"] = value.detach().contiguous().cpu()
-            else:
-                scalars.setdefault(str(i), {})[key] = value
-    return tensors, {"param_keys": keys, "param_groups": state["param_groups"], "scalars": scalars}
-
-
-def optimizer_from_files(tensors: dict[str, torch.Tensor], structure: dict) -> dict:
-    """Inverse of optimizer_to_files; files written before `param_keys` existed have index keys."""
-    keys = structure.get("param_keys")
-
-    def pkey(i: str):
-        return keys[int(i)] if keys is not None else int(i)
-
-    state: dict[Any, dict[str, Any]] = {k: {} for k in keys or []}
-    for name, t in tensors.items():
-        i, key = name.split(".", 1)
-        state.setdefault(pkey(i), {})[key] = t
-    for i, entry in structure.get("scalars", {}).items():
-        state.setdefault(pkey(i), {}).update(entry)
-    return {"state": state, "param_groups": structure["param_groups"]}
+# ---------------------------------------------------------------- RNG, versions
 
 
 def rng_state() -> dict:
@@ -149,89 +107,7 @@ def versions() -> dict:
     }
 
 
-# ---------------------------------------------------------------- save
-
-
-@dataclass
-class SaveResult:
-    path: Path
-    seconds: float
-    bytes: int
-
-
-class CheckpointWriter:
-    """Distributed save: rank 0 owns the temp dir and the rename; every rank writes its RNG file.
-
-    The run dir must be on storage all ranks see (the checkpoint PVC is ReadWriteMany).
-    """
-
-    def __init__(self, run_dir: Path, rank: int, world_size: int, barrier) -> None:
-        self.root = checkpoints_root(run_dir)
-        self.rank, self.world, self.barrier = rank, world_size, barrier
-
-    def tmp_dir(self, step: int) -> Path:
-        return self.root / f".tmp-{step_dir_name(step)}"
-
-    def save(
-        self,
-        step: int,
-        model_state: dict[str, torch.Tensor],
-        optimizer_state: dict | None,
-        trainer_state: dict,
-        meta: dict,
-        extra_files: list[Path] = (),
-    ) -> SaveResult:
-        """Collective: every rank calls it. `extra_files` (e.g. the tokenizer) are copied in, so a
-        checkpoint dir alone is enough to sample from or export."""
-        start = time.monotonic()
-        tmp = self.tmp_dir(step)
-        if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-        self.barrier()
-        write_json(tmp / f"rng_rank{self.rank}.json", rng_state())
-        self.barrier()
-        final = self.root / step_dir_name(step)
-        nbytes = 0
-        if self.rank == 0:
-            tensors, aliases = split_tied(model_state)
-            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            if optimizer_state is not None:
-                opt_tensors, structure = optimizer_to_files(optimizer_state)
-                save_file(opt_tensors, str(tmp / "optimizer.safetensors"), metadata={"format": "pt"})
-                write_json(tmp / "optimizer.json", structure)
-            write_json(tmp / "trainer_state.json", trainer_state)
-            for extra in extra_files:
-                shutil.copyfile(extra, tmp / Path(extra).name)
-            files = {}
-            for p in sorted(tmp.iterdir()):
-                fsync_file(p)
-                files[p.name] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-                nbytes += p.stat().st_size
-            meta = {
-                **meta,
-                "format_version": FORMAT_VERSION,
-                "step": step,
-                "tied": aliases,
-                "world_size": self.world,
-                "versions": versions(),
-                "saved_unix": time.time(),
-                "files": files,
-            }
-            write_json(tmp / META, meta)
-            fsync_dir(tmp)
-            if final.exists():  # re-saving a step (e.g. a stop right after a resume): swap atomically
-                old = self.root / f".old-{final.name}-{os.getpid()}"
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-            fsync_dir(self.root)
-        self.barrier()
-        return SaveResult(final, time.monotonic() - start, nbytes)
+# ---------------------------------------------------------------- temp dirs
 
 
 def clean_temp_dirs(run_dir: Path) -> None:
@@ -258,7 +134,12 @@ class CheckpointInfo:
 
     @property
     def has_optimizer(self) -> bool:
-        return all(f in self.meta.get("files", {}) for f in OPTIMIZER_FILES)
+        files = self.meta.get("files", {})
+        return OPTIMIZER_INDEX in files or all(f in files for f in V1_OPTIMIZER_FILES)
+
+    @property
+    def format_version(self) -> int:
+        return int(self.meta.get("format_version", 1))
 
 
 def read_meta(path: Path) -> dict | None:
@@ -269,12 +150,27 @@ def read_meta(path: Path) -> dict | None:
     return meta if isinstance(meta, dict) and "files" in meta and "step" in meta else None
 
 
-def verify(info_path: Path, mode: str = "sha256") -> tuple[CheckpointInfo | None, str]:
-    """(checkpoint, "") when complete and intact, else (None, why not)."""
+@dataclass(frozen=True)
+class Shared:
+    """Verification shared by the ranks of a job: rank r hashes every world-th file (all ranks check
+    every size), and `agree` (an all-reduce) tells every rank whether every part passed, so all ranks
+    pick the same checkpoint having read it once between them, not once each."""
+
+    rank: int
+    world: int
+    agree: Callable[[bool], bool]
+
+
+def verify(
+    info_path: Path, mode: str = "sha256", shared: Shared | None = None
+) -> tuple[CheckpointInfo | None, str]:
+    """(checkpoint, "") when complete and intact, else (None, why not). With `shared`, only this rank's
+    part of the sha256 checks (not agreed yet: see resolve_latest)."""
     meta = read_meta(info_path)
     if meta is None:
         return None, "meta.json missing or unreadable"
-    for name, entry in meta["files"].items():
+    for i, (name, entry) in enumerate(sorted(meta["files"].items())):
+        mine = shared is None or i % shared.world == shared.rank
         p = info_path / name
         try:
             size = p.stat().st_size
@@ -282,7 +178,7 @@ def verify(info_path: Path, mode: str = "sha256") -> tuple[CheckpointInfo | None
             return None, f"{name} is missing"
         if size != entry["bytes"]:
             return None, f"{name} has {size} bytes, expected {entry['bytes']}"
-        if mode == "sha256" and sha256_file(p) != entry["sha256"]:
+        if mode == "sha256" and mine and sha256_file(p) != entry["sha256"]:
             return None, f"{name} fails its sha256 check"
     return CheckpointInfo(info_path, int(meta["step"]), meta), ""
 
@@ -305,10 +201,20 @@ def finite_val_loss(meta: dict | None) -> float | None:
     return float(val) if isinstance(val, (int, float)) and math.isfinite(val) else None
 
 
-def resolve_latest(run_dir: Path, mode: str = "sha256", warn=warn_stderr) -> CheckpointInfo | None:
-    """Newest checkpoint that verifies; corrupt or partial ones are skipped with a warning."""
+def _verified(path: Path, mode: str, shared: Shared | None) -> tuple[CheckpointInfo | None, str]:
+    info, why = verify(path, mode, shared)
+    if shared is not None and not shared.agree(info is not None):  # collective
+        return None, why or "a file checked by another rank is damaged"
+    return info, why
+
+
+def resolve_latest(
+    run_dir: Path, mode: str = "sha256", warn=warn_stderr, shared: Shared | None = None
+) -> CheckpointInfo | None:
+    """Newest checkpoint that verifies; corrupt or partial ones are skipped with a warning. With
+    `shared`, collective: every rank gets the same answer."""
     for path in list_checkpoints(run_dir):
-        info, why = verify(path, mode)
+        info, why = _verified(path, mode, shared)
         if info:
             return info
         warn(f"warning: skipping checkpoint {path}: {why}")
@@ -330,17 +236,19 @@ def resolve_best(run_dir: Path, mode: str = "sha256", warn=warn_stderr) -> Check
     return None
 
 
-def resolve(spec: str | Path, mode: str = "sha256", warn=warn_stderr) -> CheckpointInfo:
+def resolve(
+    spec: str | Path, mode: str = "sha256", warn=warn_stderr, shared: Shared | None = None
+) -> CheckpointInfo:
     """A run dir (its latest checkpoint) or a step dir -> a verified checkpoint, else UserError."""
     path = Path(spec)
     if (path / META).exists():
-        info, why = verify(path, mode)
+        info, why = _verified(path, mode, shared)
         if info is None:
             raise UserError(f"checkpoint {path} is not usable: {why}")
         return info
     if not path.exists():
         raise UserError(f"{path} does not exist; pass a run dir or a checkpoints/step_NNNNNN dir")
-    info = resolve_latest(path, mode, warn)
+    info = resolve_latest(path, mode, warn, shared)
     if info is None:
         raise UserError(f"no usable checkpoint under {path}; train first with `pretrain train --out {path}`")
     return info
@@ -349,33 +257,58 @@ def resolve(spec: str | Path, mode: str = "sha256", warn=warn_stderr) -> Checkpo
 # ---------------------------------------------------------------- load
 
 
-def load_model_state(info: CheckpointInfo) -> dict[str, torch.Tensor]:
-    state = load_file(str(info.path / "model.safetensors"))
-    for alias, target in info.meta.get("tied", {}).items():
-        state[alias] = state[target]
-    return state
+def open_reader(info: CheckpointInfo, kind: str = "model") -> ShardReader:
+    """kind: model | optimizer. Use as a context manager; reads boxes of tensors in any format."""
+    if kind == "optimizer" and not info.has_optimizer:
+        raise ValueError(f"{info.path} has no optimizer state")
+    return ShardReader.open(info.path, kind)
+
+
+def load_into(info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Restore weights (and optimizer state, when the checkpoint has it) in place, whatever world size and
+    mode wrote them: every rank reads only the boxes it holds (its FSDP shards, or whole tensors under DDP
+    and in one process), one tensor at a time. No communication, no full copy anywhere."""
+    from app.trainer.parallel import load_model, load_optimizer
+
+    with open_reader(info) as reader:
+        load_model(model, reader)
+    if optimizer is not None and info.has_optimizer:
+        with open_reader(info, "optimizer") as reader:
+            load_optimizer(model, optimizer, reader)
 
 
 def load_model_shapes(info: CheckpointInfo) -> dict[str, torch.Tensor]:
-    """The checkpoint's weight names and shapes as meta tensors, from the safetensors header only: lets
-    every rank run check_compatible while only rank 0 loads the weights."""
-    from safetensors import safe_open
-
-    shapes = {}
-    with safe_open(str(info.path / "model.safetensors"), framework="pt") as f:
-        for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-            shapes[name] = torch.empty(f.get_slice(name).get_shape(), device="meta")
-    for alias, target in info.meta.get("tied", {}).items():
-        shapes[alias] = shapes[target]
+    """The checkpoint's weight names and shapes as meta tensors, from the index (or safetensors header)
+    only: lets every rank run check_compatible before reading anything."""
+    with open_reader(info) as r:
+        shapes = {name: torch.empty(r.shape(name), device="meta") for name in r.names()}
+        for alias, target in r.tied.items():
+            shapes[alias] = shapes[target]
     return shapes
 
 
+def load_model_state(info: CheckpointInfo) -> dict[str, torch.Tensor]:
+    """The full weights by name (tied names share one tensor): the whole model in memory, one process."""
+    with open_reader(info) as r:
+        state = {name: r.full(name) for name in r.names()}
+        for alias, target in r.tied.items():
+            state[alias] = state[target]
+    return state
+
+
 def load_optimizer_state(info: CheckpointInfo) -> dict | None:
+    """The full optimizer state keyed by parameter name: {"state": {name: {state: value}},
+    "param_groups": [...]} (for inspection and tests; training loads shards with parallel.load_optimizer)."""
     if not info.has_optimizer:
         return None
-    tensors = load_file(str(info.path / "optimizer.safetensors"))
-    structure = json.loads((info.path / "optimizer.json").read_text())
-    return optimizer_from_files(tensors, structure)
+    with open_reader(info, "optimizer") as r:
+        state: dict[str, dict[str, Any]] = {}
+        for name in r.names():
+            pname, key = name.split("/", 1)
+            state.setdefault(pname, {})[key] = r.full(name)
+        for pname, entry in r.scalars.items():
+            state.setdefault(pname, {}).update(entry)
+        return {"state": state, "param_groups": r.param_groups}
 
 
 def load_trainer_state(info: CheckpointInfo) -> dict:
@@ -433,15 +366,25 @@ def apply_retention(run_dir: Path, keep_last: int, keep_best: bool, drop_optimiz
     return removed
 
 
+def optimizer_files(meta: dict) -> list[str]:
+    """The files of a checkpoint that hold optimizer state, in either format."""
+    return [
+        f
+        for f in meta.get("files", {})
+        if f in V1_OPTIMIZER_FILES or f == OPTIMIZER_INDEX or f.startswith("optimizer-rank")
+    ]
+
+
 def _drop_optimizer(path: Path, meta: dict) -> None:
     """Rewrite meta.json first (atomically), then delete: a crash between leaves a valid checkpoint."""
-    if not any(f in meta["files"] for f in OPTIMIZER_FILES):
+    drop = optimizer_files(meta)
+    if not drop:
         return
-    meta = {**meta, "files": {k: v for k, v in meta["files"].items() if k not in OPTIMIZER_FILES}}
+    meta = {**meta, "files": {k: v for k, v in meta["files"].items() if k not in drop}}
     tmp = path / f".{META}.tmp"
     write_json(tmp, meta)
     os.replace(tmp, path / META)
-    for f in OPTIMIZER_FILES:
+    for f in drop:
         (path / f).unlink(missing_ok=True)
 
 

@@ -27,12 +27,15 @@ class Heartbeat:
         step: int = 0,
         tokens: int = 0,
         step_seconds: float = 0.0,
-        checkpoint_seconds: float = 0.0,
         last_checkpoint_step: int = 0,
+        checkpoint=None,
     ) -> None:
-        """state: running | saving | stopping | done | preempted | failed."""
+        """state: running | saving | stopping | done | preempted | failed. `checkpoint`: the last save's
+        SaveResult (app/trainer/checkpoint_writer.py): its whole time (what a stop waits for), of which the
+        loop stood still for `blocking_seconds` and `write_seconds` ran in the background."""
         if not self.enabled:
             return
+        c = checkpoint
         self.last = time.monotonic()
         atomic_write_json(
             self.path,
@@ -40,7 +43,9 @@ class Heartbeat:
                 "step": step,
                 "tokens": tokens,
                 "step_seconds": step_seconds,
-                "checkpoint_seconds": checkpoint_seconds,
+                "checkpoint_seconds": c.seconds if c else 0.0,
+                "checkpoint_blocking_seconds": c.blocking_seconds if c else 0.0,
+                "checkpoint_write_seconds": c.write_seconds if c else 0.0,
                 "last_checkpoint_step": max(last_checkpoint_step, 0),
                 "state": state,
                 "pid": os.getpid(),

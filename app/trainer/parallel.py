@@ -9,11 +9,12 @@ Modes (train.parallel; `auto` is resolved by app.memory.plan before the model is
           gradients and AdamW state are sharded over the ranks (fp32 master shards); on CUDA the blocks
           compute in bf16 (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)), on CPU in fp32
 
-State dicts are always *full* and keyed by parameter names (FQNs) in both modes, through
-torch.distributed.checkpoint.state_dict: rank 0 gathers the full weights and optimizer state (on CPU), and
-a load broadcasts them from rank 0 and re-shards them for whatever world size and mode is running now.
-So checkpoints are interchangeable between DDP and FSDP and between world sizes, and model.safetensors
-is always the full model for `pretrain sample` and `pretrain export`.
+Checkpoint state is never gathered: every rank hands the checkpoint writer *pieces*, views of the boxes
+of each tensor it owns, keyed by parameter name (FQN): its FSDP shard (a DTensor's local tensor and its
+offsets), or under DDP an equal share of the rows of each replicated tensor. A load fills every rank's
+own boxes in place from whatever world size and mode wrote the checkpoint (app/trainer/checkpoint_format.py
+reads the overlapping slices). So checkpoints move between DDP and FSDP and between world sizes, and no
+rank ever holds more than its own share plus one tensor.
 """
 
 from __future__ import annotations
@@ -60,6 +61,15 @@ class DistEnv:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
+
+    def all_true(self, flag: bool) -> bool:
+        """Collective: whether `flag` holds on every rank."""
+        if not self.distributed:
+            return flag
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor([int(flag)], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
 
 
 def init_distributed(device_type: str) -> DistEnv:
@@ -199,17 +209,58 @@ def is_fsdp(model: torch.nn.Module) -> bool:
     return isinstance(unwrap(model), FSDPModule)
 
 
-# ---------------------------------------------------------------- state dicts (full, FQN-keyed)
+# ---------------------------------------------------------------- state for checkpoints (sharded, FQN-keyed)
 
 
-def _options(**kw):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+@dataclass
+class Piece:
+    """This rank's part of one tensor for a checkpoint: `tensor` (a view of live state, not a copy) is the
+    box of the global tensor of `shape` that starts at `offsets`."""
 
-    return StateDictOptions(full_state_dict=True, **kw)
+    name: str
+    tensor: torch.Tensor
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
 
 
-def _broadcasting() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+def _dtensor_cls():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch < 2.4
+        return ()
+    return DTensor
+
+
+def _local_box(t) -> tuple[torch.Tensor, tuple[int, ...], bool]:
+    """(local tensor, its offsets in the global tensor, whether this rank owns it for writing) of a
+    DTensor. Replicated mesh dims (HSDP) are written by their coordinate-0 ranks only."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    coords = t.device_mesh.get_coordinate() or []
+    owner = all(c == 0 for c, pl in zip(coords, t.placements, strict=False) if isinstance(pl, Replicate))
+    return t.to_local(), tuple(offsets), owner
+
+
+def _piece(name: str, t: torch.Tensor, rank: int, world: int) -> Piece | None:
+    """A DTensor gives its local shard; a plain tensor is the same on every rank (DDP, or one process)
+    and rank r writes rows [r*c, (r+1)*c) of it (c = ceil(rows / world)), so ranks write in parallel
+    and stage 1/world of it each. 0-d tensors (Adam's step) are written by rank 0."""
+    t = t.detach()
+    if isinstance(t, _dtensor_cls()):
+        local, offsets, owner = _local_box(t)
+        if not owner or local.numel() == 0:
+            return None
+        return Piece(name, local, tuple(t.shape), offsets)
+    if t.dim() == 0:
+        return Piece(name, t, (), ()) if rank == 0 else None
+    rows = t.shape[0]
+    c = -(-rows // world)
+    lo, hi = min(rank * c, rows), min((rank + 1) * c, rows)
+    if lo >= hi:
+        return None
+    return Piece(name, t[lo:hi], tuple(t.shape), (lo,) + (0,) * (t.dim() - 1))
 
 
 def _tied_names(gpt: torch.nn.Module) -> list[list[str]]:
@@ -220,62 +271,141 @@ def _tied_names(gpt: torch.nn.Module) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
-def model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Collective: the full weights on CPU on rank 0 ({} on other ranks). Tied names share one tensor,
-    so the checkpoint stores it once."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
+def model_pieces(model: torch.nn.Module, rank: int, world: int) -> tuple[list[Piece], dict[str, str]]:
+    """This rank's pieces of the weights (no communication, no copy) and the tied aliases {alias: name},
+    whose tensors are stored once."""
     gpt = unwrap(model)
-    state = get_model_state_dict(gpt, options=_options(cpu_offload=True))
-    for names in _tied_names(gpt):
-        present = [n for n in names if n in state]
-        for alias in present[1:]:
-            state[alias] = state[present[0]]
-    return state
+    aliases = {alias: names[0] for names in _tied_names(gpt) for alias in names[1:]}
+    pieces = []
+    for name, t in gpt.state_dict().items():
+        if name not in aliases and (piece := _piece(name, t, rank, world)) is not None:
+            pieces.append(piece)
+    return pieces, aliases
 
 
-def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
-    """Collective: the full optimizer state on CPU on rank 0, keyed by parameter names
-    ({"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}); {} on other ranks; None on
-    every rank before the first optimizer step."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    if not optimizer.state:
-        # Before the first step there is nothing to save, and torch's state-dict API would first run a
-        # zero-lr step to create the state: AdamW's step count would then be 1 before any real update.
-        return None
-    return get_optimizer_state_dict(unwrap(model), optimizer, options=_options(cpu_offload=True))
-
-
-def _fqn_keyed(gpt: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> dict:
-    """Optimizer state saved before FQN keys (torch's own index keys) -> FQN keys. The index of a
-    parameter is its position over the param groups, which build_optimizer makes deterministic."""
-    keys = [*state["state"], *(p for g in state["param_groups"] for p in g["params"])]
-    if all(isinstance(k, str) for k in keys):
-        return state
+def _param_names(gpt: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Parameter names in the optimizer's order (over its param groups)."""
     names = {id(p): n for n, p in gpt.named_parameters()}
-    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    groups = [{**g, "params": [order[int(i)] for i in g["params"]]} for g in state["param_groups"]]
-    return {"state": {order[int(i)]: v for i, v in state["state"].items()}, "param_groups": groups}
+    return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
 
-def load_state(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    model_state: dict,
-    optimizer_state: dict | None,
-) -> None:
-    """Collective: restore full, FQN-keyed state into this run's model and optimizer, whatever the mode
-    and world size. Under torchrun only rank 0 needs the tensors (others pass {}), they are broadcast
-    and re-sharded; `optimizer_state` must be None on every rank or on none."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+def optimizer_pieces(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: int
+) -> tuple[list[Piece], dict]:
+    """This rank's pieces of the optimizer state, named "<param name>/<state name>", and the rest as
+    JSON: {"param_groups": [{..., "params": [names]}], "scalars": {param name: {state name: value}}}.
+    Generic over torch optimizers: every tensor in `optimizer.state` is stored, whatever its name."""
+    gpt = unwrap(model)
+    order = _param_names(gpt, optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    pieces, scalars = [], {}
+    for name, p in zip(order, params, strict=True):
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                if (piece := _piece(f"{name}/{key}", value, rank, world)) is not None:
+                    pieces.append(piece)
+            else:
+                scalars.setdefault(name, {})[key] = value
+    groups, i = [], 0
+    for g in optimizer.param_groups:
+        n = len(g["params"])
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": order[i : i + n]})
+        i += n
+    return pieces, {"param_groups": groups, "scalars": scalars}
+
+
+def _target(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """Where a load writes for `t` in place: the local shard and its offsets, or the whole tensor."""
+    if isinstance(t, _dtensor_cls()):
+        local, offsets, _ = _local_box(t)
+        return local, offsets
+    return t, (0,) * t.dim()
+
+
+@torch.no_grad()
+def load_model(model: torch.nn.Module, reader) -> None:
+    """Fill this rank's weights in place from a checkpoint reader (checkpoint_format.ShardReader): each
+    rank reads only its own shard (FSDP) or the tensors it holds (DDP, one process), one at a time, from
+    whatever world size wrote them. No communication."""
+    gpt = unwrap(model)
+    aliases = {alias for names in _tied_names(gpt) for alias in names[1:]}
+    for name, t in gpt.state_dict().items():
+        if name in aliases:
+            continue
+        local, offsets = _target(t)
+        reader.read(reader.tied.get(name, name), local, offsets)
+
+
+def read_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, reader) -> dict:
+    """A checkpoint's optimizer state at this rank's shard sizes, keyed by parameter name:
+    {"state": {name: {state name: value}}, "param_groups": [{..., "params": [names]}]} (the shape of
+    torch.distributed.checkpoint's sharded optimizer state dict). Each tensor is read straight into a
+    buffer of its local size (a DTensor like its parameter under FSDP). Old checkpoints keyed by torch's
+    parameter index map through the optimizer's parameter order, which build_optimizer keeps stable."""
+    from app.errors import UserError
 
     gpt = unwrap(model)
-    opts = _options(broadcast_from_rank0=_broadcasting())
-    set_model_state_dict(gpt, dict(model_state), options=opts)  # the API rewrites the dict it is given
-    if optimizer_state is not None:
-        state = _fqn_keyed(gpt, optimizer, optimizer_state) if optimizer_state else {}
-        set_optimizer_state_dict(gpt, optimizer, state, options=opts)
+    order = _param_names(gpt, optimizer)
+    params = dict(zip(order, (p for g in optimizer.param_groups for p in g["params"]), strict=True))
+
+    def named(key: str) -> str:
+        if key.isdigit() and key not in params:  # index-keyed (old) checkpoint
+            return order[int(key)]
+        if key not in params:
+            raise UserError(
+                f"the checkpoint's optimizer state has '{key}', which this model does not; resume with "
+                "the config it was trained with, or start fresh with --resume never"
+            )
+        return key
+
+    state: dict[str, dict] = {}
+    for name in reader.names():
+        pname, key = name.split("/", 1)
+        pname = named(pname)
+        p, shape, dtype = params[pname], reader.shape(name), reader.dtype(name)
+        if isinstance(p, _dtensor_cls()) and shape == tuple(p.shape):
+            from torch.distributed.tensor import DTensor
+
+            local, offsets, _ = _local_box(p)
+            buf = reader.read(name, torch.empty(local.shape, dtype=dtype, device=p.device), offsets)
+            value = DTensor.from_local(
+                buf, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
+        else:
+            device = "cpu" if len(shape) == 0 else p.device  # Adam keeps `step` on the CPU
+            value = reader.read(name, torch.empty(shape, dtype=dtype, device=device))
+        state.setdefault(pname, {})[key] = value
+    for pname, entry in reader.scalars.items():
+        state.setdefault(named(str(pname)), {}).update(entry)
+    groups = [{**g, "params": [named(str(k)) for k in g["params"]]} for g in reader.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, reader) -> None:
+    """Restore the optimizer from a checkpoint reader (read_optimizer_state), hyperparameters included;
+    the saved param groups must match this optimizer's, group by group."""
+    from app.errors import UserError
+
+    saved = read_optimizer_state(model, optimizer, reader)
+    order = _param_names(unwrap(model), optimizer)
+    index = {name: i for i, name in enumerate(order)}
+    groups, i = [], 0
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise UserError(
+            f"the checkpoint has {len(saved['param_groups'])} optimizer parameter groups, this optimizer "
+            f"{len(optimizer.param_groups)}; use the optimizer it was trained with or --resume never"
+        )
+    for g, current in zip(saved["param_groups"], optimizer.param_groups, strict=True):
+        n = len(current["params"])
+        if sorted(g["params"]) != sorted(order[i : i + n]):
+            raise UserError(
+                "the checkpoint's optimizer parameter groups do not match this model's; use the config it "
+                "was trained with or --resume never"
+            )
+        groups.append({**g, "params": list(range(i, i + n))})
+        i += n
+    state = {index[name]: entry for name, entry in saved["state"].items()}
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def all_reduce_mean(t: torch.Tensor, env: DistEnv) -> torch.Tensor:

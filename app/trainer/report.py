@@ -206,13 +206,28 @@ class Reporter:
             self.global_metrics.val_loss.set(val)
             self.global_metrics.val_bpb.set(bpb)
 
-    def checkpoint(self, step: int, path: Path, seconds: float, nbytes: int, reason: str) -> None:
-        self.log(f"checkpoint step {step} -> {path} ({nbytes / 1e6:.1f} MB in {seconds:.2f}s, {reason})")
-        self.event("checkpoint", step, path=str(path), seconds=seconds, bytes=nbytes, reason=reason)
+    def checkpoint(self, save) -> None:
+        """A committed save (checkpoint_writer.SaveResult): `seconds` the whole save, of which the loop
+        stood still `blocking_seconds` and `write_seconds` ran in the background."""
+        s = save
+        how = f"loop blocked {s.blocking_seconds:.2f}s, " if s.write_seconds else ""
+        self.log(
+            f"checkpoint step {s.step} -> {s.path} ({s.bytes / 1e6:.1f} MB in {s.seconds:.2f}s, {how}{s.reason})"
+        )
+        self.event(
+            "checkpoint",
+            s.step,
+            path=str(s.path),
+            seconds=s.seconds,
+            blocking_seconds=s.blocking_seconds,
+            write_seconds=s.write_seconds,
+            bytes=s.bytes,
+            reason=s.reason,
+        )
         g = self.global_metrics
         if g is not None:
-            g.ckpt_seconds.set(seconds)
-            g.ckpt_step.set(step)
+            g.ckpt_seconds.set(s.seconds)
+            g.ckpt_step.set(s.step)
             g.ckpt_time.set(time.time())
 
     def stop_state(self, code: int) -> None:

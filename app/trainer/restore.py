@@ -7,21 +7,23 @@ import torch
 
 from app.config import Config, config_from_dict
 from app.trainer import checkpoint as ckpt
-from app.trainer.parallel import DistEnv, load_state
+from app.trainer.parallel import DistEnv
 from app.trainer.schedule import DecayPlan, resume_change
 
 
-def find_checkpoint(run_dir, spec: str, verify: str, is_rank0: bool, warn, log) -> ckpt.CheckpointInfo | None:
+def find_checkpoint(run_dir, spec: str, verify: str, env: DistEnv, warn, log) -> ckpt.CheckpointInfo | None:
     """`--resume auto`: the newest checkpoint of the run dir that verifies (rank 0 sets newer, unusable
-    step dirs aside so they shadow nothing); `never`: None; else a run dir or step dir."""
+    step dirs aside so they shadow nothing); `never`: None; else a run dir or step dir. Collective: the
+    ranks share the sha256 checks, each hashing 1/world of the files, and agree on the answer."""
     if spec == "never":
         return None
+    shared = ckpt.Shared(env.rank, env.world_size, env.all_true) if env.distributed else None
     if spec == "auto":
-        info = ckpt.resolve_latest(run_dir, verify, warn=warn)
-        if is_rank0:
+        info = ckpt.resolve_latest(run_dir, verify, warn, shared)
+        if env.is_rank0:
             ckpt.set_aside_newer(run_dir, info.step if info else -1, warn=warn)
     else:
-        info = ckpt.resolve(spec, verify, warn=warn)
+        info = ckpt.resolve(spec, verify, warn, shared)
     if info is not None and info.step == 0:
         # Older versions saved step 0; nothing was learned and its optimizer state is not real.
         log(f"ignoring {info.path}: a step-0 checkpoint holds nothing a fresh start does not")
@@ -37,16 +39,12 @@ def restore_weights(
     warn,
     log,
 ) -> None:
-    """Collective. Rank 0 reads the full tensors; load_state broadcasts and re-shards them."""
-    ckpt.check_compatible(model, ckpt.load_model_shapes(info), info.path)  # every rank, header only
-    reads = env.is_rank0 or not env.distributed
-    model_state = ckpt.load_model_state(info) if reads else {}
-    opt_state = None
-    if info.has_optimizer:
-        opt_state = ckpt.load_optimizer_state(info) if reads else {}
-    else:
+    """Every rank reads only the boxes it holds (its FSDP shards, or whole tensors under DDP), from
+    whatever world size and mode wrote them: no broadcast, no full copy anywhere."""
+    ckpt.check_compatible(model, ckpt.load_model_shapes(info), info.path)  # every rank, index only
+    ckpt.load_into(info, model, optimizer)
+    if not info.has_optimizer:
         warn(f"warning: {info.path} has no optimizer state; the optimizer restarts from zero moments")
-    load_state(model, optimizer, model_state, opt_state)
     saved_world = info.meta.get("world_size")
     if saved_world != env.world_size:
         log(

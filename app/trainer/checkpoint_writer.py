@@ -1,0 +1,328 @@
+"""Saving a checkpoint: every rank writes its own pieces in parallel, rank 0 commits; in the background
+when `checkpoint.async_save` is on.
+
+    save(step)   every rank, on the loop's thread
+      wait for the previous save (its error, if any, surfaces here)
+      rank 0 prepares checkpoints/.tmp-step_N/; barrier
+      pieces = this rank's boxes of the weights and optimizer state (views, parallel.model_pieces ...)
+      async: copy the pieces to host memory (staging: 1/world of the state), return to the loop
+      sync:  write straight from the live tensors (no copy; the loop waits for the whole save)
+    write        a background thread when async
+      model-rank<R>.safetensors, optimizer-rank<R>.safetensors, rng_rank<R>.json and part-rank<R>.json
+      (its chunks, the sha256 of its files, hashed while writing), each fsync'd
+      all ranks: all_reduce(MIN, ok) on a gloo group of the writer's own, so it never interleaves with
+      the loop's collectives
+      rank 0: merge the parts into model.index.json + optimizer.index.json, write meta.json (sha256 of
+      every file) last, fsync, rename into place, fsync the parent; then retention
+
+A crash or SIGKILL anywhere before the rename leaves only a temp dir (removed at the next start) and the
+previous checkpoint is still the latest valid one. The loop calls `wait()` before the next save, at a
+stop and at exit; `abandon()` (an immediate stop, a crash) cancels a pending write without committing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from app.config import CheckpointConfig
+from app.files import fsync_dir, fsync_file, sha256_file
+from app.trainer import checkpoint as ckpt
+from app.trainer.checkpoint_format import (
+    MODEL_INDEX,
+    OPTIMIZER_INDEX,
+    FileEntry,
+    chunk,
+    dtype_name,
+    merge_chunks,
+    shard_file,
+    write_json_file,
+    write_safetensors,
+)
+from app.trainer.parallel import Piece, model_pieces, optimizer_pieces
+
+
+class CheckpointError(RuntimeError):
+    """A save failed on some rank; nothing was committed, the previous checkpoint stands."""
+
+
+class Cancelled(Exception):
+    pass
+
+
+@dataclass
+class SaveResult:
+    path: Path
+    step: int
+    seconds: float  # blocking + write: how long a stop waits for a save
+    blocking_seconds: float  # the loop was stopped for this long
+    write_seconds: float  # in the background after that (0 for a synchronous save)
+    bytes: int  # all ranks' files (rank 0); this rank's own files (other ranks)
+    reason: str = ""
+
+
+@dataclass
+class _Job:
+    step: int
+    tmp: Path
+    model: list[Piece]
+    optimizer: list[Piece] | None
+    aliases: dict[str, str]
+    structure: dict | None
+    trainer_state: dict
+    meta: dict
+    extra_files: list[Path]
+    rng: dict
+    reason: str
+    started: float
+    background: bool = False
+    blocking: float = 0.0  # set when staged for the background
+
+
+class CheckpointWriter:
+    """One per trainer; construct it on every rank at the same point (it creates a process group).
+    The run dir must be on storage every rank sees (the checkpoint PVC is ReadWriteMany)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        world_size: int,
+        barrier: Callable[[], None],
+        config: CheckpointConfig | None = None,
+        async_save: bool | None = None,
+    ) -> None:
+        """`config` (checkpoint.*): async_save, and retention after each commit (rank 0); without it,
+        synchronous saves and no retention. `async_save` overrides the config."""
+        self.run_dir, self.root = Path(run_dir), ckpt.checkpoints_root(run_dir)
+        self.rank, self.world, self.barrier = rank, world_size, barrier
+        self.config = config
+        self.async_save = async_save if async_save is not None else bool(config and config.async_save)
+        self.group = None
+        if world_size > 1 and dist.is_available() and dist.is_initialized():
+            self.group = dist.new_group(backend="gloo")  # CPU-side agreement, also beside NCCL
+        self._staging: dict[str, torch.Tensor] = {}  # host copies, reused from save to save
+        self._thread: threading.Thread | None = None
+        self._cancel = threading.Event()
+        self._result: SaveResult | None = None
+        self._error: BaseException | None = None
+
+    # ------------------------------------------------------------ the loop's side
+
+    def save(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        trainer_state: dict,
+        meta: dict,
+        extra_files: list[Path] = (),
+        reason: str = "",
+        final: bool = False,
+    ) -> SaveResult | None:
+        """Collective. Returns the result of a synchronous save; None when it went to the background
+        (`poll()` / `wait()` give its result). A `final` save (a stop) is always written in the
+        foreground: there is nothing left to overlap with, and it needs no staging copy."""
+        self.wait()
+        background = self.async_save and not final
+        started = time.monotonic()
+        tmp = self.root / f".tmp-{ckpt.step_dir_name(step)}"
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        self.barrier()
+        mp, aliases = model_pieces(model, self.rank, self.world)
+        op, structure = (None, None)
+        if optimizer is not None:
+            op, structure = optimizer_pieces(model, optimizer, self.rank, self.world)
+        job = _Job(
+            step=step,
+            tmp=tmp,
+            model=mp,
+            optimizer=op,
+            aliases=aliases,
+            structure=json.loads(json.dumps(structure)) if structure is not None else None,
+            trainer_state=json.loads(json.dumps(trainer_state)),  # a snapshot: the loop goes on
+            meta=json.loads(json.dumps(meta)),
+            extra_files=[Path(p) for p in extra_files],
+            rng=ckpt.rng_state(),
+            reason=reason,
+            started=started,
+        )
+        self._cancel.clear()
+        if not background:
+            self._run(job)
+            return self.wait()
+        job.model = stage(job.model, self._staging)
+        job.optimizer = stage(job.optimizer, self._staging) if job.optimizer is not None else None
+        job.background, job.blocking = True, time.monotonic() - started
+        self._thread = threading.Thread(target=self._run, args=(job,), name="checkpoint-writer", daemon=True)
+        self._thread.start()
+        return None
+
+    @property
+    def pending(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def poll(self) -> SaveResult | None:
+        """The result of a finished background save, once; None while one runs or none finished."""
+        if self.pending:
+            return None
+        return self.wait()
+
+    def wait(self) -> SaveResult | None:
+        """Block until the pending save is committed; its result (once), or raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise CheckpointError(f"checkpoint save failed: {error}") from error
+        result, self._result = self._result, None
+        return result
+
+    def abandon(self) -> None:
+        """Stop a pending background write without committing it (every rank does so at the same step)."""
+        if self._thread is not None:
+            self._cancel.set()
+            self._thread.join()
+            self._thread = None
+        self._error = self._result = None
+
+    # ------------------------------------------------------------ the writing side
+
+    def _run(self, job: _Job) -> None:
+        t0 = time.monotonic()
+        files: dict[str, FileEntry] = {}
+        part: dict = {}
+        error: BaseException | None = None
+        try:
+            part = self._write_own(job, files)
+        except BaseException as e:  # noqa: BLE001 - reported to every rank, raised by wait()
+            error = e
+        ok = self._agree(error is None)
+        try:
+            if not ok:
+                raise error or CheckpointError("another rank failed to write its part")
+            path, nbytes = job.tmp, sum(f.bytes for f in files.values())
+            if self.rank == 0:
+                path, nbytes = self._commit(job, part, files)
+                if (c := self.config) is not None:
+                    ckpt.apply_retention(self.run_dir, c.keep_last, c.keep_best, c.drop_optimizer_older)
+            else:
+                path = self.root / ckpt.step_dir_name(job.step)
+            if job.background:
+                blocking, write = job.blocking, time.monotonic() - t0
+            else:
+                blocking, write = time.monotonic() - job.started, 0.0
+            self._result = SaveResult(path, job.step, blocking + write, blocking, write, nbytes, job.reason)
+        except BaseException as e:  # noqa: BLE001
+            self._error = e
+
+    def _check(self) -> None:
+        if self._cancel.is_set():
+            raise Cancelled("abandoned")
+
+    def _write_own(self, job: _Job, files: dict[str, FileEntry]) -> dict:
+        """This rank's files; returns its part of the index."""
+        part: dict = {"model": {}, "optimizer": {}}
+        for kind, pieces in (("model", job.model), ("optimizer", job.optimizer)):
+            if not pieces:
+                continue
+            name = shard_file(kind, self.rank)
+            items = [(p.name, p.tensor) for p in pieces]
+            files[name] = write_safetensors(job.tmp / name, items, cancel=self._check)
+            for p in pieces:
+                part[kind][p.name] = {
+                    "dtype": dtype_name(p.tensor.dtype),
+                    "shape": list(p.shape),
+                    "chunks": [chunk(name, p.name, p.offsets, p.tensor.shape)],
+                }
+        self._check()
+        files[f"rng_rank{self.rank}.json"] = write_json_file(job.tmp / f"rng_rank{self.rank}.json", job.rng)
+        if self.rank == 0:
+            files["trainer_state.json"] = write_json_file(job.tmp / "trainer_state.json", job.trainer_state)
+            for extra in job.extra_files:
+                shutil.copyfile(extra, job.tmp / extra.name)
+                fsync_file(job.tmp / extra.name)
+                copy = job.tmp / extra.name
+                files[extra.name] = FileEntry(sha256_file(copy), copy.stat().st_size)
+        part["files"] = {k: v.to_json() for k, v in files.items()}
+        write_json_file(job.tmp / f"part-rank{self.rank:05d}.json", part)
+        return part
+
+    def _agree(self, ok: bool) -> bool:
+        """Every rank learns whether every rank wrote its part (a barrier that carries a verdict)."""
+        if self.group is None:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+    def _commit(self, job: _Job, own: dict, own_files: dict[str, FileEntry]) -> tuple[Path, int]:
+        """Rank 0: merge every rank's part into the indexes, write meta.json last, rename into place."""
+        parts = [own] + [
+            json.loads((job.tmp / f"part-rank{r:05d}.json").read_text()) for r in range(1, self.world)
+        ]
+        files = {}
+        for part in parts:
+            files.update(part["files"])
+        model_index = {"tensors": merge_chunks([p["model"] for p in parts]), "tied": job.aliases}
+        files[MODEL_INDEX] = write_json_file(job.tmp / MODEL_INDEX, model_index).to_json()
+        if job.structure is not None:
+            opt_index = {"tensors": merge_chunks([p["optimizer"] for p in parts]), **job.structure}
+            files[OPTIMIZER_INDEX] = write_json_file(job.tmp / OPTIMIZER_INDEX, opt_index).to_json()
+        for r in range(self.world):
+            (job.tmp / f"part-rank{r:05d}.json").unlink(missing_ok=True)
+        meta = {
+            **job.meta,
+            "format_version": ckpt.FORMAT_VERSION,
+            "step": job.step,
+            "tied": job.aliases,
+            "world_size": self.world,
+            "versions": ckpt.versions(),
+            "saved_unix": time.time(),
+            "files": dict(sorted(files.items())),
+        }
+        write_json_file(job.tmp / ckpt.META, meta)
+        fsync_dir(job.tmp)
+        final = self.root / ckpt.step_dir_name(job.step)
+        if final.exists():  # re-saving a step (e.g. a stop right after a resume): swap atomically
+            old = self.root / f".old-{final.name}-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(job.tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(job.tmp, final)
+        fsync_dir(self.root)
+        return final, sum(f["bytes"] for f in files.values())
+
+
+def stage(pieces: list[Piece], buffers: dict[str, torch.Tensor]) -> list[Piece]:
+    """Copies of the pieces in host memory, so the loop can change the live tensors while they are
+    written. The buffers are kept in `buffers` and reused by the next save (after its wait for this one):
+    allocating (and on CUDA pinning) 1/world of the state every save would cost more than the copy. So an
+    asynchronous writer holds that much host memory between saves. On CUDA the copies are all in flight
+    at once, then one synchronize (not exercised here: no GPU in CI)."""
+    cuda = any(p.tensor.device.type == "cuda" for p in pieces)
+    out = []
+    for p in pieces:
+        host = buffers.get(p.name)
+        if host is None or host.shape != p.tensor.shape or host.dtype != p.tensor.dtype:
+            host = buffers[p.name] = torch.empty(p.tensor.shape, dtype=p.tensor.dtype, pin_memory=cuda)
+        host.copy_(p.tensor, non_blocking=cuda)
+        out.append(Piece(p.name, host, p.shape, p.offsets))
+    if cuda:
+        torch.cuda.synchronize()
+    return out

@@ -1,0 +1,111 @@
+"""Asynchronous saves with real processes and real signals: a SIGKILL while a background write runs
+leaves the previous checkpoint the latest valid one (and the resumed run equals a straight one); a
+SIGTERM while a write is pending exits 143 only once that write is committed."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from app.trainer import checkpoint as ckpt
+from tests.conftest import FAST, pretrain, spawn_train, train_rows, wait_for_step
+from tests.test_resume import assert_same_run
+
+STEPS = 24
+# A model whose save takes long enough (~25 MB of weights and AdamW state) to be caught mid-write; a
+# save after every step, so that a write is nearly always in flight while the loop trains on.
+SAVING = [
+    *FAST,
+    "--set",
+    "model.d_model=256",
+    "--set",
+    "checkpoint.every_steps=1",
+    "--set",
+    "checkpoint.async_save=true",
+]
+COMMON = [*SAVING, "--max-steps", str(STEPS)]
+
+
+def temp_dirs(run):
+    root = ckpt.checkpoints_root(run)
+    return sorted(p.name for p in root.glob(".tmp-*")) if root.is_dir() else []
+
+
+def signal_during_a_write(run, proc, sig, after_step):
+    """Send `sig` the moment a background write is seen in flight (its temp dir exists while the loop
+    has already logged a later step); returns the temp dirs seen then."""
+    wait_for_step(run, after_step, proc)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        tmp = temp_dirs(run)
+        if tmp:
+            proc.send_signal(sig)
+            return tmp
+        time.sleep(0.001)
+    raise AssertionError("no write in flight seen")
+
+
+@pytest.mark.slow
+def test_sigkill_during_an_async_write_keeps_the_previous_checkpoint(tmp_path):
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert pretrain("train", "--out", str(ref), *COMMON).returncode == 0
+    for _ in range(10):
+        proc = spawn_train("--out", str(run), *COMMON)
+        done = max((r["step"] for r in train_rows(run)), default=0)
+        signal_during_a_write(run, proc, signal.SIGKILL, done + 2)
+        proc.wait(30)
+        if temp_dirs(run):  # the kill landed inside a write (not just after its rename)
+            break
+    else:
+        raise AssertionError("no SIGKILL landed during a background write")
+    partial = temp_dirs(run)[0].removeprefix(".tmp-")
+    latest = ckpt.resolve_latest(run, warn=pytest.fail)
+    assert latest is not None and latest.path.name < partial  # the one before the write in flight
+    resumed = pretrain("train", "--out", str(run), *COMMON)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {latest.path}" in resumed.stdout
+    assert temp_dirs(run) == []  # cleaned at start
+    assert_same_run(ref, run, STEPS)
+
+
+def test_sigterm_with_a_write_pending_exits_143_once_it_is_committed(tmp_path):
+    run = tmp_path / "run"
+    proc = spawn_train(
+        "--out", str(run), *SAVING, "--max-steps", "100000", "--set", "checkpoint.keep_last=1000"
+    )
+    in_flight = signal_during_a_write(run, proc, signal.SIGTERM, 3)
+    assert proc.wait(60) == 143
+    out = proc.stdout.read()
+    assert "preempted: SIGTERM" in out
+    assert temp_dirs(run) == []  # nothing was left half-written
+    last = train_rows(run)[-1]["step"]
+    committed = {p.name for p in ckpt.list_checkpoints(run)}
+    assert in_flight[0].removeprefix(".tmp-") in committed  # the write pending at the signal finished
+    latest = ckpt.resolve_latest(run, warn=pytest.fail)
+    assert latest.step == last  # the stop ends on a complete, verified checkpoint of the last step
+    events = [r for r in train_rows(run, "event") if r.get("event") == "stop"]
+    saves = train_rows(run, "checkpoint")
+    assert events and saves[-1]["step"] == last  # the last step's save was reported before the exit
+    background = [r for r in saves if r["write_seconds"] > 0]
+    assert background and all(r["blocking_seconds"] < r["seconds"] for r in background)
+
+
+def test_the_budget_projection_reserves_a_background_write(tmp_path):
+    """status.json carries the background part of the last save; the watcher's horizon adds it once more
+    (a stop first waits for a write still in flight, then saves), so the graceful stop comes earlier."""
+    from app.budget.files import read_status
+    from app.budget.policy import PolicyInput, decide
+    from app.trainer.checkpoint_writer import SaveResult
+    from app.trainer.heartbeat import Heartbeat
+
+    save = SaveResult(tmp_path, 10, seconds=30.0, blocking_seconds=2.0, write_seconds=28.0, bytes=1)
+    Heartbeat(tmp_path).write("running", 10, 100, 1.0, 10, save)
+    status = read_status(tmp_path / "status.json")
+    assert (status.checkpoint_seconds, status.checkpoint_write_seconds) == (30.0, 28.0)
+    base = dict(spent_usd=90.0, cap_usd=100.0, rate_usd_per_hour=36.0, step_seconds=1.0, margin_seconds=60.0)
+    sync = decide(PolicyInput(**base, checkpoint_seconds=30.0))
+    pending = decide(PolicyInput(**base, checkpoint_seconds=30.0, checkpoint_write_seconds=28.0))
+    assert pending.horizon_seconds == sync.horizon_seconds + 28.0
+    assert pending.seconds_to_stop == pytest.approx(sync.seconds_to_stop - 28.0)

@@ -1,0 +1,237 @@
+"""Sharded checkpoints with real torchrun (gloo): N -> M resharding bit-exact for weights and optimizer
+state, every rank writing its own files, async saves that stage a copy, and the old full-weight format
+still loading."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from app.config import ModelConfig
+from app.trainer import checkpoint as ckpt
+from app.trainer.checkpoint_writer import CheckpointWriter
+from app.trainer.model import build_model
+from app.trainer.parallel import load_model, load_optimizer
+from tests.conftest import REPO, cli_env
+
+# Run under torchrun: build a small GPT (FSDP over the ranks, or DDP/plain), then either train two steps
+# and save (async), or load a checkpoint from any world size and save it again at once (sync).
+WORKER = textwrap.dedent(
+    """
+    import sys, torch, torch.distributed as dist
+    from pathlib import Path
+    from app.config import ModelConfig, OptimConfig
+    from app.trainer import checkpoint as ckpt
+    from app.trainer.checkpoint_writer import CheckpointWriter
+    from app.trainer.model import build_model
+    from app.trainer.optim import build_optimizer
+    from app.trainer.parallel import DistEnv, init_distributed, load_model, load_optimizer, shard_model, unwrap
+
+    action, mode, src, dst = sys.argv[1:5]
+    env = init_distributed("cpu")
+    torch.manual_seed(0)
+    # vocab 67 and d_model 48: shards of uneven size (67 rows over 2 or 4 ranks), and n_kv_head rows < 4
+    cfg = ModelConfig(vocab_size=67, seq_len=16, n_layer=2, d_model=48, n_head=4, n_kv_head=2)
+    model = build_model(cfg)
+    if mode == "fsdp" and env.distributed:
+        shard_model(model, torch.device("cpu"))
+    elif env.distributed:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(model)
+    opt = build_optimizer(unwrap(model), OptimConfig(lr=1e-2), torch.device("cpu"))
+    step = 2
+    if action == "train":
+        g = torch.Generator().manual_seed(1 + env.rank)
+        for _ in range(step):
+            x = torch.randint(0, 67, (2, 16), generator=g)
+            model(x, x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    else:
+        info = ckpt.resolve(src)
+        with ckpt.open_reader(info) as r:
+            load_model(model, r)
+        with ckpt.open_reader(info, "optimizer") as r:
+            load_optimizer(model, opt, r)
+    writer = CheckpointWriter(Path(dst), env.rank, env.world_size, env.barrier, async_save=action == "train")
+    writer.save(step, model, opt, {"step": step}, {"val_loss": None}, reason=action)
+    if action == "train":  # the loop goes on while the write runs: the saved state must not move
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+            for s in opt.state.values():
+                s["exp_avg"].add_(1.0)
+    writer.wait()
+    if env.distributed:
+        dist.destroy_process_group()
+    """
+)
+
+
+def run_worker(tmp_path, nproc, action, mode, src, dst):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += [str(script), action, mode, str(src), str(dst)]
+    if nproc == 1:
+        cmd = [sys.executable, str(script), action, mode, str(src), str(dst)]
+    env = cli_env(PYTHONPATH=str(REPO))
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return ckpt.resolve_latest(dst, warn=pytest.fail)
+
+
+def assert_same_state(a, b):
+    wa, wb = ckpt.load_model_state(a), ckpt.load_model_state(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert wa[k].dtype == wb[k].dtype and torch.equal(wa[k], wb[k]), k
+    oa, ob = ckpt.load_optimizer_state(a), ckpt.load_optimizer_state(b)
+    assert oa["state"].keys() == ob["state"].keys() == set(wa) - {"head.weight"}  # every parameter
+    for name, entry in oa["state"].items():
+        assert entry.keys() == ob["state"][name].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for k, v in entry.items():
+            assert torch.equal(v, ob["state"][name][k]), (name, k)
+    assert oa["param_groups"] == ob["param_groups"]
+
+
+def chunk_counts(info, kind="model"):
+    index = json.loads((info.path / f"{kind}.index.json").read_text())
+    return {name: len(t["chunks"]) for name, t in index["tensors"].items()}
+
+
+@pytest.mark.slow
+def test_resharding_2_to_1_to_2_and_2_to_4_is_bit_exact(tmp_path):
+    """Train on 2 FSDP ranks and save (in the background, while the live state moves on). Load that at
+    world size 1 (one process, as sample/export do), 2 and 4 and save again: identical tensors."""
+    two = run_worker(tmp_path, 2, "train", "fsdp", "-", tmp_path / "two")
+    assert two.meta["world_size"] == 2 and two.meta["format_version"] == ckpt.FORMAT_VERSION
+    files = set(two.meta["files"])
+    assert {"model-rank00000.safetensors", "model-rank00001.safetensors"} <= files
+    assert {"optimizer-rank00000.safetensors", "optimizer-rank00001.safetensors"} <= files
+    counts = chunk_counts(two)
+    assert counts["tok_emb.weight"] == 2 and "head.weight" not in counts  # tied: stored once
+    assert chunk_counts(two, "optimizer")["tok_emb.weight/exp_avg"] == 2
+
+    one = run_worker(tmp_path, 1, "load", "ddp", two.path, tmp_path / "one")  # 2 -> 1
+    assert set(chunk_counts(one).values()) == {1}
+    assert_same_state(two, one)
+    back = run_worker(tmp_path, 2, "load", "fsdp", one.path, tmp_path / "back")  # 1 -> 2
+    assert_same_state(two, back)
+    four = run_worker(tmp_path, 4, "load", "fsdp", two.path, tmp_path / "four")  # 2 -> 4
+    assert chunk_counts(four)["tok_emb.weight"] == 4  # 67 rows over 4 ranks: 17, 17, 17, 16
+    assert_same_state(two, four)
+    ddp = run_worker(tmp_path, 2, "load", "ddp", four.path, tmp_path / "ddp")  # 4 FSDP -> 2 DDP
+    assert chunk_counts(ddp)["tok_emb.weight"] == 2  # DDP ranks each write half of the rows
+    assert_same_state(two, ddp)
+
+
+# ---------------------------------------------------------------- one process, fast
+
+
+def _trained(seed=0):
+    torch.manual_seed(seed)
+    model = build_model(ModelConfig(vocab_size=64, seq_len=16, n_layer=1, d_model=32, n_head=2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        x = torch.randint(0, 64, (2, 8))
+        model(x, x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_an_async_save_writes_the_staged_state_while_the_loop_moves_on(tmp_path):
+    model, opt = _trained()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    writer = CheckpointWriter(tmp_path, 0, 1, lambda: None, async_save=True)
+    assert writer.save(3, model, opt, {"step": 3}, {}) is None  # went to the background
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1)
+    result = writer.wait()
+    assert result.step == 3 and result.write_seconds > 0 and result.blocking_seconds > 0
+    assert result.seconds == pytest.approx(result.blocking_seconds + result.write_seconds)
+    got = ckpt.load_model_state(ckpt.resolve_latest(tmp_path))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert writer.wait() is None  # reported once
+
+
+def test_an_abandoned_write_commits_nothing(tmp_path):
+    model, opt = _trained()
+    writer = CheckpointWriter(tmp_path, 0, 1, lambda: None, async_save=True)
+    writer.save(1, model, opt, {"step": 1}, {})
+    writer.wait()
+    writer.save(2, model, opt, {"step": 2}, {})
+    writer.abandon()
+    if (ckpt.checkpoints_root(tmp_path) / "step_000002").exists():
+        pytest.skip("the write finished before it could be abandoned")
+    assert ckpt.resolve_latest(tmp_path, warn=pytest.fail).step == 1
+    assert (ckpt.checkpoints_root(tmp_path) / ".tmp-step_000002").exists()
+
+
+def _write_v1(run_dir, step, model, opt, legacy=False):
+    """A checkpoint as format 1 wrote it (rank 0 alone, full tensors): model.safetensors with tied weights
+    once, optimizer.safetensors keyed "<i>.<state>", optimizer.json, meta.json with checksums. `legacy`:
+    as written before parameter names (torch's index keys, no param_keys)."""
+    from safetensors.torch import save_file
+
+    from app.files import sha256_file
+
+    path = ckpt.checkpoints_root(run_dir) / ckpt.step_dir_name(step)
+    path.mkdir(parents=True)
+    sd = model.state_dict()
+    save_file(
+        {k: v.contiguous() for k, v in sd.items() if k != "head.weight"}, str(path / "model.safetensors")
+    )
+    names = {id(p): n for n, p in model.named_parameters()}
+    keys, tensors, scalars = [], {}, {}
+    for i, (p, entry) in enumerate(opt.state.items()):
+        keys.append(names[id(p)])
+        for k, v in entry.items():
+            tensors[f"{i}.{k}"] = v.contiguous()
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+        for g in opt.param_groups
+    ]
+    structure = {"param_keys": keys, "param_groups": groups, "scalars": scalars}
+    if legacy:
+        structure = opt.state_dict()
+        structure = {"param_groups": structure["param_groups"], "scalars": {}}
+    save_file(tensors, str(path / "optimizer.safetensors"))
+    (path / "optimizer.json").write_text(json.dumps(structure))
+    (path / "trainer_state.json").write_text(json.dumps({"step": step}))
+    files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in path.iterdir()}
+    meta = {"format_version": 1, "step": step, "tied": {"head.weight": "tok_emb.weight"}, "files": files}
+    (path / "meta.json").write_text(json.dumps(meta))
+    return path
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["name-keys", "index-keys"])
+def test_the_old_full_weight_format_still_loads_and_retention_handles_it(tmp_path, legacy):
+    model, opt = _trained()
+    _write_v1(tmp_path, 1, model, opt, legacy)
+    info = ckpt.resolve_latest(tmp_path, warn=pytest.fail)
+    assert info.format_version == 1 and info.has_optimizer
+    fresh, fresh_opt = _trained(seed=1)
+    with ckpt.open_reader(info) as r:
+        load_model(fresh, r)
+    with ckpt.open_reader(info, "optimizer") as r:
+        load_optimizer(fresh, fresh_opt, r)
+    assert fresh.head.weight is fresh.tok_emb.weight
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        for k, v in opt.state[p].items():
+            assert torch.equal(fresh_opt.state[q][k], v), k
+    # A new-format save beside it; dropping optimizer state from the old one keeps it loadable.
+    CheckpointWriter(tmp_path, 0, 1, lambda: None).save(2, model, opt, {"step": 2}, {})
+    ckpt.apply_retention(tmp_path, keep_last=2, keep_best=False, drop_optimizer_older=True)
+    old = ckpt.verify(ckpt.checkpoints_root(tmp_path) / "step_000001")[0]
+    assert old is not None and not old.has_optimizer
+    assert not (old.path / "optimizer.safetensors").exists() and not (old.path / "optimizer.json").exists()
+    assert torch.equal(ckpt.load_model_state(old)["tok_emb.weight"], model.tok_emb.weight)
