@@ -26,7 +26,7 @@ from app.trainer.budget_link import BudgetLink
 from app.trainer.heartbeat import Heartbeat
 from app.trainer.metrics import detect_gpu_type, flops_per_token, peak_flops
 from app.trainer.model import GPT, count_parameters
-from app.trainer.optim import build_optimizer, set_lr
+from app.trainer.optim import build_optimizer, fit_state, set_lr
 from app.trainer.parallel import (
     DistEnv,
     all_reduce_mean,
@@ -183,6 +183,10 @@ class Trainer:
         opt_state = None
         if info.has_optimizer:
             opt_state = ckpt.load_optimizer_state(info) if reads else {}
+            if opt_state:  # another optimizer mode or grouping: convert (or refuse in one line)
+                opt_state, notes = fit_state(opt_state, self.optimizer, model)
+                for note in notes:
+                    self.log(note)
         else:
             self.log(f"warning: {info.path} has no optimizer state; the optimizer restarts from zero moments")
         load_state(model, self.optimizer, model_state, opt_state)
