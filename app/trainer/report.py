@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from app.config import Config
+from app.trainer import supervision
 from app.trainer.metrics import JsonlLog, TrainerMetrics
 from app.trainer.parallel import DistEnv
 
@@ -88,7 +89,13 @@ class Reporter:
         self, step: int, tokens: int, m: dict, tps: float, mfu: float | None, planned_end_unix: float
     ) -> None:
         loops = m["loop_losses"]
-        refinement = (loops[0] - loops[-1]) / loops[0] if loops else None
+        refinement = supervision.refinement(loops) if loops else None
+        terms = None
+        if loops:  # the objective's terms, from this step's mean per-loop losses (app/trainer/supervision.py)
+            lp = self.cfg.model.loop
+            terms = supervision.objective(
+                loops, supervision.loop_weights(lp, len(loops)), lp.improvement_reward_scale
+            )
         row = {
             "loss": m["loss"],
             "lr": m["lr"],
@@ -103,6 +110,9 @@ class Reporter:
         if loops:
             row["loop_losses"] = loops
             row["refinement"] = refinement
+            row["loop_monotone"] = supervision.monotone(loops)
+            row["supervision_loss"] = terms.supervision
+            row["improvement_reward"] = terms.improvement
         if m["spike"]:
             row["spike"] = True
         if m["injected"]:
@@ -128,6 +138,9 @@ class Reporter:
                 g.loop_loss.labels(loop=str(i)).set(v)
             if loops:
                 g.refinement.set(refinement)
+                g.loop_monotone.set(1 if supervision.monotone(loops) else 0)
+                g.supervision_loss.set(terms.supervision)
+                g.improvement_reward.set(terms.improvement)
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 g.gpu_mem.set(torch.cuda.max_memory_allocated())
         if self.progress is not None:
