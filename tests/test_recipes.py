@@ -74,7 +74,9 @@ def test_the_model_trains_on_the_formula_and_evaluates_the_last_read_out():
     )
     model.eval()
     ev = model(x, x)
-    assert float(ev.loss.detach()) == pytest.approx(L[-1])  # val loss is the prediction's loss, not the objective
+    assert float(ev.loss.detach()) == pytest.approx(
+        L[-1]
+    )  # val loss is the prediction's loss, not the objective
 
 
 def test_a_looped_run_logs_each_term(tmp_path):
