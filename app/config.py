@@ -115,6 +115,7 @@ class TrainConfig:
     spike_batches: int = 3
     spike_factor: float = 3.0  # a loss above this multiple of its moving average is a spike
     skip_spike_updates: bool = False  # drop the optimizer update of a step that spiked
+    max_bad_steps: int = 5  # a non-finite loss or gradient skips the update; this many in a row stop the run
 
 
 @dataclass
@@ -196,15 +197,27 @@ def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
     return keys
 
 
+def suggest_key(key: str) -> str | None:
+    """The valid key a user most likely meant: the same last segment in another section first
+    (`train.lr` -> `optim.lr`), then a close spelling of the last segment within the named section, then
+    a close spelling anywhere; None when nothing is close."""
+    keys = all_keys()
+    section, _, last = key.rpartition(".")
+    same_last = [k for k in keys if k.rsplit(".", 1)[-1] == last]
+    if same_last:
+        return same_last[0]
+    in_section = [k for k in keys if k.rpartition(".")[0] == section]
+    for pool in (in_section, keys):
+        by_last = {k.rsplit(".", 1)[-1]: k for k in pool}
+        match = difflib.get_close_matches(last, list(by_last), n=1, cutoff=0.75)
+        if match:
+            return by_last[match[0]]
+    return None
+
+
 def _unknown_key(key: str, where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
-    if not close:  # try the last part alone: `n_layers` -> model.n_layer
-        last = {k.rsplit(".", 1)[-1]: k for k in all_keys()}
-        match = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(last), n=1, cutoff=0.6)
-        close = [last[match[0]]] if match else []
-    hint = (
-        f"; did you mean '{close[0]}'?" if close else "; see `pretrain train --print-config` for valid keys"
-    )
+    close = suggest_key(key)
+    hint = f"; did you mean '{close}'?" if close else "; see `pretrain train --print-config` for valid keys"
     return ConfigError(f"unknown config key '{key}' in {where}{hint}")
 
 
@@ -234,9 +247,12 @@ def _coerce(value: Any, typ: Any, key: str, where: str) -> Any:
         if isinstance(value, bool):
             raise bad
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise bad from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{key} in {where}: must be a finite number, got {value!r}")
+        return number
     if typ is str:
         return "" if value is None else str(value)
     if origin is list:
@@ -280,13 +296,15 @@ def preset_names() -> list[str]:
 
 def _load_yaml(path: Path, what: str) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text())
     except OSError as e:
         raise ConfigError(f"cannot read {what} {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""
         raise ConfigError(f"{what} {path} is not valid YAML{at}; fix the syntax") from None
+    if data is None:  # an empty file is almost always a mistake (wrong path, unsaved editor buffer)
+        raise ConfigError(f"{what} {path} is empty; give it config keys or leave out --config")
     if not isinstance(data, dict):
         raise ConfigError(f"{what} {path} must be a mapping of config keys")
     return data
@@ -307,7 +325,9 @@ def load_config(
     file_data.pop("preset", None)
     path = PRESET_DIR / f"{name}.yaml"
     if not path.exists():
-        close = difflib.get_close_matches(name, preset_names(), n=1, cutoff=0.4)
+        close = [n for n in preset_names() if n.startswith(name)][:1] or difflib.get_close_matches(
+            name, preset_names(), n=1, cutoff=0.5
+        )
         hint = f"did you mean '{close[0]}'? " if close else ""
         raise ConfigError(f"unknown preset '{name}'; {hint}choose one of: {', '.join(preset_names())}")
     cfg.preset = name
@@ -440,3 +460,8 @@ def validate(cfg: Config) -> None:
     )
     _check(0 < cfg.data.val_fraction < 0.5, "data.val_fraction must be in (0, 0.5)")
     _check(t.spike_factor > 1, f"train.spike_factor must be > 1, got {t.spike_factor}")
+    _check(t.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {t.max_bad_steps}")
+    _check(
+        cfg.metrics.port < 65536,
+        f"metrics.port must be a TCP port (1-65535) or 0 for off, got {cfg.metrics.port}",
+    )

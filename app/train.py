@@ -18,33 +18,36 @@ import torch
 
 from app.budget import BudgetExhausted
 from app.config import Config
-from app.data.loader import TrainLoader, fit_vocab, resolve_data_dir, val_batches
+from app.data.loader import TrainLoader, fit_vocab, resolve_data_dir
 from app.data.manifest import Manifest
 from app.trainer import checkpoint as ckpt
 from app.trainer.args import DESCRIPTION, add_arguments, config_from_args, print_config
 from app.trainer.budget_link import BudgetLink
+from app.trainer.evaluate import sample_text, validation_loss
 from app.trainer.heartbeat import Heartbeat
 from app.trainer.metrics import detect_gpu_type, flops_per_token, peak_flops
 from app.trainer.model import GPT, count_parameters
-from app.trainer.optim import build_optimizer, fit_state, set_lr
+from app.trainer.optim import build_optimizer, set_lr
 from app.trainer.parallel import (
     DistEnv,
     all_reduce_mean,
-    all_reduce_sum,
     init_distributed,
-    load_state,
     model_state_dict,
     optimizer_state_dict,
     shutdown_distributed,
     unwrap,
 )
 from app.trainer.report import Reporter
+from app.trainer.restore import find_checkpoint, restore_weights, schedule_note
+from app.trainer.rundir import check_fresh_start, move_run_aside
 from app.trainer.runtime import autocast_for, grad_accum_steps, pick_device
 from app.trainer.schedule import DecayPlan, lr_at
 from app.trainer.spikes import SpikeDetector, spike_batch
 from app.trainer.stopping import (
+    BadSteps,
     EarlyStopping,
     PlannedEnd,
+    SignalFlag,
     StopAgreement,
     StopCause,
     StopDecision,
@@ -59,6 +62,7 @@ class RunArgs:
     out: Path
     resume: str = "auto"  # auto | never | PATH
     stop_file: Path | None = None
+    overwrite: bool = False  # a fresh start in a used run dir moves the old run aside
 
 
 @dataclass
@@ -73,15 +77,23 @@ class TrainerState:
     last_val_loss: float | None = None
     early_stopping: dict = field(default_factory=dict)
     spikes: dict = field(default_factory=dict)
+    bad_steps: dict = field(default_factory=dict)
     budget_decay: dict | None = None  # DecayPlan once the budget started the decay
     spent_usd: float | None = None
 
 
 class Trainer:
     def __init__(
-        self, cfg: Config, args: RunArgs, env: DistEnv, device: torch.device, budget: BudgetLink
+        self,
+        cfg: Config,
+        args: RunArgs,
+        env: DistEnv,
+        device: torch.device,
+        budget: BudgetLink,
+        signals: SignalFlag,
     ) -> None:
         self.cfg, self.args, self.env, self.device, self.budget = cfg, args, env, device, budget
+        self.signals = signals
         self.run_dir = Path(args.out)
         self.rank0 = env.is_rank0
         self.state = TrainerState()
@@ -100,6 +112,12 @@ class Trainer:
         elif self.rank0:
             print(msg, flush=True)
 
+    def warn(self, msg: str) -> None:
+        if self.report is not None:
+            self.report.warn(msg)
+        elif self.rank0:
+            print(msg, file=sys.stderr, flush=True)
+
     # ------------------------------------------------------------ setup
 
     def setup(self) -> None:
@@ -108,6 +126,12 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             ckpt.clean_temp_dirs(self.run_dir)
         env.barrier()
+        gpu_type = cfg.metrics.gpu_type
+        if not gpu_type and self.device.type == "cuda":
+            gpu_type = detect_gpu_type(torch.cuda.get_device_name(self.device))
+        self.peak = peak_flops(gpu_type, cfg.metrics.peak_tflops)
+        # the reporter first: a busy metrics port fails here, before the data and the model
+        self.report = Reporter(cfg, env, self.run_dir, with_mfu=bool(self.peak))
         self.data_dir = resolve_data_dir(cfg.data, self.log)
         self.manifest = Manifest.load(self.data_dir)
         fit_vocab(cfg.model, self.manifest, self.data_dir)
@@ -124,37 +148,39 @@ class Trainer:
         model = build_parallel_model(cfg, env, self.device, self.parallel.mode, self.log)
         self.counts = count_parameters(unwrap(model))
         self.optimizer = build_optimizer(unwrap(model), cfg.optim, self.device)
+        t = cfg.train
         self.loader = TrainLoader(
             self.data_dir,
             cfg.model.seq_len,
-            cfg.train.micro_batch_size,
+            t.micro_batch_size,
             env.rank,
             env.world_size,
-            cfg.train.seed,
+            t.seed,
+            cfg.model.vocab_size,
         )
         self.early = EarlyStopping(cfg.train.early_stop_patience, cfg.train.early_stop_min_delta)
         self.spikes = SpikeDetector(cfg.train.spike_factor)
+        self.bad_steps = BadSteps(cfg.train.max_bad_steps)
         self._maybe_resume(unwrap(model))
         self.model = torch.compile(model) if cfg.train.compile else model
         self.writer = ckpt.CheckpointWriter(self.run_dir, env.rank, env.world_size, env.barrier)
         self.autocast = autocast_for(cfg, self.device)
 
-        gpu_type = cfg.metrics.gpu_type
-        if not gpu_type and self.device.type == "cuda":
-            gpu_type = detect_gpu_type(torch.cuda.get_device_name(self.device))
-        self.peak = peak_flops(gpu_type, cfg.metrics.peak_tflops)
         self.flops_per_token = flops_per_token(cfg.model)
+        self.report.throughput(self.flops_per_token, self.peak)
 
         self.stop_file = self.args.stop_file or self.run_dir / "stop.json"
-        planned = PlannedEnd(cfg.train.max_steps, cfg.train.max_tokens, cfg.train.max_hours * 3600)
+        self.planned = PlannedEnd(cfg.train.max_steps, cfg.train.max_tokens, cfg.train.max_hours * 3600)
         self.stopper = StopAgreement(
             self.stop_file,
-            planned,
+            self.planned,
             self.early,
             self.rank0,
             torch.device("cpu") if self.device.type == "cpu" else self.device,
+            self.signals,
+            self.bad_steps,
+            warn=self.warn,
         )
-        self.report = Reporter(cfg, env, self.run_dir, with_mfu=bool(self.peak))
         self.report.resumed(self.state.tokens, self.last_saved_step, self.resumed_saved_unix)
         self.report.info(
             {
@@ -168,47 +194,26 @@ class Trainer:
         self._announce()
 
     def _maybe_resume(self, model: GPT) -> None:
-        spec = self.args.resume
-        info = None
-        if spec == "auto":
-            info = ckpt.resolve_latest(self.run_dir, self.cfg.checkpoint.verify, warn=self.log)
-        elif spec != "never":
-            info = ckpt.resolve(spec, self.cfg.checkpoint.verify, warn=self.log)
+        c = self.cfg.checkpoint
+        info = find_checkpoint(self.run_dir, self.args.resume, c.verify, self.rank0, self.warn, self.log)
         if info is None:
             return
-        ckpt.check_compatible(model, ckpt.load_model_shapes(info), info.path)  # every rank, header only
-        # Rank 0 reads the full tensors; load_state broadcasts and re-shards them for this mode and world size.
-        reads = self.rank0 or not self.env.distributed
-        model_state = ckpt.load_model_state(info) if reads else {}
-        opt_state = None
-        if info.has_optimizer:
-            opt_state = ckpt.load_optimizer_state(info) if reads else {}
-            if opt_state:  # another optimizer mode or grouping: convert (or refuse in one line)
-                opt_state, notes = fit_state(opt_state, self.optimizer, model)
-                for note in notes:
-                    self.log(note)
-        else:
-            self.log(f"warning: {info.path} has no optimizer state; the optimizer restarts from zero moments")
-        load_state(model, self.optimizer, model_state, opt_state)
-        del model_state, opt_state
-        saved_world = info.meta.get("world_size")
-        if saved_world != self.env.world_size:
-            self.log(
-                f"resharding: checkpoint of world size {saved_world} on {self.env.world_size}: weights and "
-                "optimizer restored exactly, data continues at the same global sample, RNG states start fresh"
-            )
+        restore_weights(model, self.optimizer, info, self.env, self.warn, self.log)
         self.state = TrainerState(**ckpt.load_trainer_state(info))
-        self.loader.load_state_dict(self.state.loader)
-        if self.state.early_stopping:
-            self.early.load_state_dict(self.state.early_stopping)
-        if self.state.spikes:
-            self.spikes.load_state_dict(self.state.spikes)
-        rng = ckpt.load_rng_state(info, self.env.rank)
-        if rng is not None and saved_world == self.env.world_size:
-            ckpt.set_rng_state(rng)
-        self.last_saved_step = info.step if spec == "auto" else -1
+        st = self.state
+        for part, saved in (
+            (self.loader, st.loader),
+            (self.early, st.early_stopping),
+            (self.spikes, st.spikes),
+            (self.bad_steps, st.bad_steps),
+        ):
+            if saved:
+                part.load_state_dict(saved)
+        self.last_saved_step = info.step if self.args.resume == "auto" else -1
         self.resumed_saved_unix = float(info.meta.get("saved_unix", 0.0))
         self.log(f"resumed from {ckpt.describe(info)}")
+        if note := schedule_note(info, self.cfg, st.budget_decay):
+            self.log(note)
 
     def _announce(self) -> None:
         cfg, env = self.cfg, self.env
@@ -265,13 +270,19 @@ class Trainer:
         loss = all_reduce_mean(loss_sum / self.accum, self.env).item()
         clip = cfg.optim.grad_clip or float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
-        spike = self.spikes.update(loss)
+        bad = self.bad_steps.update(math.isfinite(loss) and math.isfinite(grad_norm))
+        if bad:
+            self.warn(
+                f"step {step}: loss {loss} / gradient norm {grad_norm} is not finite: update skipped "
+                f"({self.bad_steps.in_a_row} in a row; the run stops at train.max_bad_steps={self.bad_steps.max_bad})"
+            )
+        spike = not bad and self.spikes.update(loss)
         if spike:
             self.log(
                 f"loss spike at step {step}: {loss:.3f} vs moving average {self.spikes.avg:.3f}"
                 + (" (update skipped)" if cfg.train.skip_spike_updates else "")
             )
-        if not (spike and cfg.train.skip_spike_updates):
+        if not (bad or (spike and cfg.train.skip_spike_updates)):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
@@ -285,54 +296,36 @@ class Trainer:
             "step_seconds": dt,
             "data_wait_seconds": data_wait,
             "spike": spike,
+            "bad": bad,
             "injected": bool(inject),
             "loop_losses": [float(v) / self.accum for v in loop_sums],
         }
 
     # ------------------------------------------------------------ eval, sample, save
 
-    @torch.no_grad()
-    def evaluate(self) -> tuple[float, float]:
-        cfg = self.cfg
-        model = unwrap(self.model)
-        model.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for x, y in val_batches(
+    def evaluate(self) -> None:
+        cfg, st = self.cfg, self.state
+        val, bpb = validation_loss(
+            self.model,
             self.data_dir,
-            cfg.model.seq_len,
-            cfg.train.micro_batch_size,
-            cfg.train.eval_batches,
-            self.env.rank,
-            self.env.world_size,
-        ):
-            with self.autocast:
-                out = model(x.to(self.device), y.to(self.device))
-            total[0] += out.loss.double() * x.size(0)
-            total[1] += x.size(0)
-        all_reduce_sum(total, self.env)
-        model.train()
-        val = float(total[0] / total[1])
-        bpb = val / math.log(2) / self.manifest.bytes_per_token("val")
-        self.state.last_val_loss = val
-        if self.state.best_val_loss is None or val < self.state.best_val_loss:
-            self.state.best_val_loss = val
+            cfg,
+            self.env,
+            self.device,
+            self.autocast,
+            self.manifest.bytes_per_token("val"),
+        )
+        st.last_val_loss = val
+        if math.isfinite(val) and (st.best_val_loss is None or val < st.best_val_loss):
+            st.best_val_loss = val
         self.early.update(val)
-        self.last_eval_step = self.state.step
-        self.report.eval(self.state.step, val, bpb)
-        return val, bpb
+        self.last_eval_step = st.step
+        self.report.eval(st.step, val, bpb)
 
-    def sample_text(self, prompt: str = "\n", tokens: int = 64) -> str:
-        """The same seed on every rank, so under FSDP all ranks draw the same tokens in lockstep."""
-        from app.data.tokenizer import load_tokenizer
-
-        tok = load_tokenizer(self.data_dir)
-        model = unwrap(self.model)
-        model.eval()
-        ids = torch.tensor([tok.encode(prompt) or [tok.eot_id]], device=self.device)
-        g = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed + self.state.step)
-        out = model.generate(ids, tokens, generator=g)
-        model.train()
-        return tok.decode(out[0, ids.size(1) :].tolist())
+    def planned_end_in(self, tokens_per_second: float) -> float:
+        st = self.state
+        return self.planned.seconds_left(
+            st.step, st.tokens, st.elapsed_seconds, self.step_seconds_avg, tokens_per_second
+        )
 
     def beat(self, state: str) -> None:
         st = self.state
@@ -341,10 +334,15 @@ class Trainer:
         )
 
     def save(self, reason: str) -> None:
+        """Collective. Step 0 is never saved: nothing has been learned, and a restart from the seed is the
+        same run (exact resume needs no checkpoint for it)."""
         st = self.state
+        if st.step == 0:
+            return
         st.loader = self.loader.state_dict()
         st.early_stopping = self.early.state_dict()
         st.spikes = self.spikes.state_dict()
+        st.bad_steps = self.bad_steps.state_dict()
         st.spent_usd = self.budget.spent_usd(st.spent_usd)
         meta = {
             "config": self.cfg.to_dict(),
@@ -375,25 +373,12 @@ class Trainer:
 
     # ------------------------------------------------------------ the loop
 
-    def _seconds_to_planned_end(self, tps: float) -> float:
-        t, st = self.cfg.train, self.state
-        left = [(t.max_steps - st.step) * self.step_seconds_avg]
-        if t.max_tokens and tps > 0:
-            left.append((t.max_tokens - st.tokens) / tps)
-        if t.max_hours:
-            left.append(t.max_hours * 3600 - st.elapsed_seconds)
-        return max(0.0, min(left))
-
     def run(self) -> int:
         cfg, st = self.cfg, self.state
-        self.stopper.signals.install()
-        if st.step == 0 and cfg.train.eval_every:
-            self.evaluate()
         self.report.open_progress(cfg.train.max_steps, st.step)
         self.beat("running")
         start = time.monotonic()
         elapsed_before = st.elapsed_seconds
-        window_tokens, window_start = 0, time.perf_counter()
         while True:
             now = time.monotonic()
             st.elapsed_seconds = elapsed_before + (now - start)
@@ -407,6 +392,9 @@ class Trainer:
             )
             if decision.cause != StopCause.NONE:
                 break
+            if st.step == 0 and cfg.train.eval_every and self.last_eval_step != 0:
+                self.evaluate()  # after the first agreement: a stop during setup skips it
+                self.report.reset_window()
             if decay and not st.budget_decay:
                 st.budget_decay = {"start_step": st.step, "steps": decay}
                 self.log(f"budget: starting the LR decay now, {decay} steps before the cap")
@@ -414,19 +402,13 @@ class Trainer:
                 self.save("every_minutes")
             m = self.train_step()
             self.report.step_done(st.step, self.tokens_per_step)
-            window_tokens += self.tokens_per_step
-            if st.step % cfg.train.log_every == 0 or m["spike"]:
-                t = time.perf_counter()
-                tps = window_tokens / max(t - window_start, 1e-9)
-                window_tokens, window_start = 0, t
-                mfu = self.flops_per_token * tps / (self.peak * self.env.world_size) if self.peak else None
-                self.report.train(
-                    st.step, st.tokens, m, tps, mfu, time.time() + self._seconds_to_planned_end(tps)
-                )
+            if st.step % cfg.train.log_every == 0 or m["spike"] or m["bad"]:
+                self.report.train(st.step, st.tokens, m, self.planned_end_in)
             if cfg.train.eval_every and st.step % cfg.train.eval_every == 0:
                 self.evaluate()
             if cfg.train.sample_every and st.step % cfg.train.sample_every == 0:
-                text = self.sample_text()  # every rank: FSDP's forward gathers shards from all of them
+                # every rank: FSDP's forward gathers shards from all of them
+                text = sample_text(self.model, self.data_dir, cfg.train.seed + st.step, self.device)
                 self.log(f"sample at step {st.step}: {text!r}")
             if cfg.checkpoint.every_steps and st.step % cfg.checkpoint.every_steps == 0:
                 self.save("every_steps")
@@ -447,12 +429,12 @@ class Trainer:
         ):
             self.evaluate()
         if decision.saves and self.last_saved_step != st.step:
-            self.save(decision.cause.name.lower())
+            self.save(decision.name)
         self.report.event(
             "event",
             st.step,
             event="stop",
-            cause=decision.cause.name.lower(),
+            cause=decision.name,
             reason=decision.reason,
             exit_code=decision.exit_code,
         )
@@ -460,26 +442,29 @@ class Trainer:
             consume_stop_file(self.stop_file)
         self.beat("done" if decision.exit_code == 0 else "preempted")
         if self.rank0:
-            verify = self.cfg.checkpoint.verify
-            self.log(
-                f"latest checkpoint: {ckpt.describe(ckpt.resolve_latest(self.run_dir, verify, self.log))}"
-            )
-            self.log(f"best checkpoint:   {ckpt.describe(ckpt.resolve_best(self.run_dir, verify, self.log))}")
+            for line in ckpt.summary(self.run_dir, self.cfg.checkpoint.verify, self.warn):
+                self.log(line)
         return decision.exit_code
 
     def close(self) -> None:
-        if hasattr(self, "stopper"):
-            self.stopper.signals.uninstall()
         if self.report is not None:
             self.report.close()
 
 
 def train(cfg: Config, args: RunArgs) -> int:
+    # Signals are recorded from the start: a SIGTERM during setup (model build, resume, the data build) is
+    # taken at the first stop agreement, by every rank at the same step, instead of killing one rank.
+    signals = SignalFlag()
+    signals.install()
     env = init_distributed("cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu")
     trainer = None
     budget = None
     try:
         device = pick_device(cfg, env.local_rank)
+        if check_fresh_start(args.out, args.resume, args.overwrite):
+            if env.is_rank0:
+                move_run_aside(args.out, print)
+            env.barrier()
         stop_file = args.stop_file or Path(args.out) / "stop.json"
         try:
             budget = BudgetLink(cfg, Path(args.out), stop_file, env.is_rank0, env.world_size)
@@ -489,14 +474,20 @@ def train(cfg: Config, args: RunArgs) -> int:
                 Path(args.out).mkdir(parents=True, exist_ok=True)
                 Heartbeat(Path(args.out)).write("done")  # tells a sidecar watcher we are done
             return 0
-        trainer = Trainer(cfg, args, env, device, budget)
+        trainer = Trainer(cfg, args, env, device, budget, signals)
         trainer.setup()
         return trainer.run()
+    except BaseException:
+        if trainer is not None:  # the watcher must not go on reading "running" from a dead trainer
+            with contextlib.suppress(Exception):
+                trainer.beat("failed")
+        raise
     finally:
         if trainer is not None:
             trainer.close()
         if budget is not None:
             budget.close()
+        signals.uninstall()
         shutdown_distributed()
 
 
@@ -506,7 +497,8 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         return print_config(cfg)
     stop_file = Path(args.stop_file) if args.stop_file else None
-    return train(cfg, RunArgs(Path(args.out), args.resume, stop_file))
+    out = Path(args.out or f"runs/{cfg.preset}")
+    return train(cfg, RunArgs(out, args.resume, stop_file, args.overwrite))
 
 
 def main(argv: list[str] | None = None) -> int:

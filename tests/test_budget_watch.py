@@ -189,7 +189,10 @@ def test_dry_run_of_a_spent_budget_says_the_trainer_would_refuse(tmp_path, capsy
             ["--cap-usd", "10", "--source", "opencost", "--opencost-url", "http://x", "--run-dir", "R"],
             "selector",
         ),
-        (["--cap-usd", "10", "--source", "bogus", "--run-dir", "R"], "static, file, opencost"),
+        (
+            ["--cap-usd", "10", "--source", "bogus", "--run-dir", "R"],
+            "choose from 'static', 'file', 'opencost'",
+        ),
         (
             [
                 "--cap-usd",
@@ -207,7 +210,7 @@ def test_dry_run_of_a_spent_budget_says_the_trainer_would_refuse(tmp_path, capsy
         ),
         (
             ["--cap-usd", "10", "--gpu-type", "h100", "--gpus", "1", "--kube", "maybe", "--run-dir", "R"],
-            "auto, on, off",
+            "choose from 'auto', 'on', 'off'",
         ),
     ],
 )

@@ -110,9 +110,9 @@ def test_resuming_with_a_different_shape_is_refused_in_one_line(tmp_path):
     assert pretrain("train", "--out", str(run), "--max-steps", "2", *FAST).returncode == 0
     proc = pretrain("train", "--out", str(run), "--max-steps", "4", *FAST, "--set", "model.d_model=128")
     assert proc.returncode == 2
-    assert "does not fit the configured model" in proc.stderr and "--resume never" in proc.stderr
+    assert "does not fit the configured model" in proc.stderr and "--overwrite" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
-    fresh = pretrain(
+    fresh = [
         "train",
         "--out",
         str(run),
@@ -123,5 +123,10 @@ def test_resuming_with_a_different_shape_is_refused_in_one_line(tmp_path):
         "model.d_model=128",
         "--resume",
         "never",
-    )
-    assert fresh.returncode == 0, fresh.stderr
+    ]
+    refused = pretrain(*fresh)
+    assert refused.returncode == 2 and "already holds a run" in refused.stderr  # the advice is followed below
+    moved = pretrain(*fresh, "--overwrite")
+    assert moved.returncode == 0, moved.stderr
+    (old,) = run.glob("previous-*")
+    assert ckpt.resolve_latest(old).step == 2 and ckpt.resolve_latest(run).step == 1

@@ -38,7 +38,7 @@ DEFAULT_METRICS_PORT = 9401
 
 # flag dest -> BudgetConfig field
 FIELD_FLAGS = {
-    "cap_usd": ("--cap-usd", float, "budget cap in USD (required, > 0)"),
+    "cap_usd": ("--cap-usd", float, "budget cap in USD, > 0"),
     "gpu_type": ("--gpu-type", str, "GPU type for the built-in price table, e.g. h100-sxm, a100-80gb"),
     "price_per_gpu_hour": ("--price-per-gpu-hour", float, "USD per GPU-hour; overrides the price table"),
     "gpus": ("--gpus", int, "GPUs billed (all nodes x GPUs per node); required with a price"),
@@ -84,9 +84,19 @@ FIELD_FLAGS = {
 }
 
 
+CHOICES = {"source": ("static", "file", "opencost"), "kube": ("auto", "on", "off")}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    required = parser.add_argument_group("required (here or in the --config file's budget: section)")
+    defaults = BudgetConfig()
     for dest, (flag, typ, help_) in FIELD_FLAGS.items():
-        parser.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
+        group = required if dest == "cap_usd" else parser
+        default = getattr(defaults, dest)
+        shown = "" if dest == "cap_usd" or default in ("", 0) else f" (default: {default})"
+        group.add_argument(
+            flag, dest=dest, type=typ, default=None, choices=CHOICES.get(dest), help=help_ + shown
+        )
     parser.add_argument(
         "--config", default=None, help="run config YAML; its `budget:` section sets the defaults"
     )

@@ -17,7 +17,7 @@ import torch
 
 from app.config import DataConfig, ModelConfig
 from app.data.manifest import Manifest
-from app.data.shards import open_shard
+from app.data.shards import open_shard, verify_shard
 from app.errors import UserError
 
 
@@ -36,13 +36,17 @@ class LoaderState:
 class TokenWindows:
     """All windows of one split, addressable by a global window index."""
 
-    def __init__(self, data_dir: Path, split: str, seq_len: int) -> None:
+    def __init__(self, data_dir: Path, split: str, seq_len: int, vocab_size: int = 0) -> None:
         self.data_dir = Path(data_dir)
         self.manifest = Manifest.load(self.data_dir)
-        self.seq_len = seq_len
+        self.seq_len, self.split, self.vocab_size = seq_len, split, vocab_size
         shards = self.manifest.split(split)
         if not shards:
             raise UserError(f"{data_dir} has no '{split}' shards; re-run `pretrain prepare`")
+        dtype = np.dtype(self.manifest.dtype)
+        for s in shards:  # sizes and headers against the manifest: cheap, catches a truncated or swapped file
+            if why := verify_shard(self.data_dir / s.file, dtype, s.tokens):
+                raise UserError(f"data {data_dir}: {why}; re-run `pretrain prepare --out {data_dir}`")
         self.arrays = [open_shard(self.data_dir / s.file) for s in shards]
         counts = np.array([max(0, (a.size - 1) // seq_len) for a in self.arrays], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(counts)])
@@ -61,15 +65,27 @@ class TokenWindows:
 
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         rows = np.stack([self.window(int(i)) for i in indices]).astype(np.int64)
+        if self.vocab_size and (top := int(rows.max())) >= self.vocab_size:
+            raise UserError(
+                f"the '{self.split}' shards of {self.data_dir} hold token id {top}, beyond the model's vocab "
+                f"size {self.vocab_size}: they do not match their tokenizer; re-run `pretrain prepare`"
+            )
         t = torch.from_numpy(rows)
         return t[:, :-1], t[:, 1:]
 
 
 class TrainLoader:
     def __init__(
-        self, data_dir: Path, seq_len: int, micro_batch_size: int, rank: int, world_size: int, seed: int
+        self,
+        data_dir: Path,
+        seq_len: int,
+        micro_batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        vocab_size: int = 0,
     ) -> None:
-        self.windows = TokenWindows(data_dir, "train", seq_len)
+        self.windows = TokenWindows(data_dir, "train", seq_len, vocab_size)
         self.B, self.rank, self.world, self.seed = micro_batch_size, rank, world_size, seed
         self.state = LoaderState(0, world_size, micro_batch_size)
         self._perm_epoch = -1
@@ -116,13 +132,19 @@ class TrainLoader:
 
 
 def val_batches(
-    data_dir: Path, seq_len: int, micro_batch_size: int, batches: int, rank: int, world_size: int
+    data_dir: Path,
+    seq_len: int,
+    micro_batch_size: int,
+    batches: int,
+    rank: int,
+    world_size: int,
+    vocab_size: int = 0,
 ):
     """The same fixed validation windows at every eval, spread evenly over the split, split by rank.
 
     Every rank gets the same number of batches (FSDP runs a collective per forward), repeating a
     window when the split has fewer windows than ranks need."""
-    windows = TokenWindows(data_dir, "val", seq_len)
+    windows = TokenWindows(data_dir, "val", seq_len, vocab_size)
     per_rank = -(-min(windows.count, batches * micro_batch_size * world_size) // world_size)
     chosen = np.linspace(0, windows.count - 1, per_rank * world_size).astype(np.int64)
     mine = chosen[rank::world_size]

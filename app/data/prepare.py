@@ -68,6 +68,7 @@ class _DirLock:
     """One writer per data dir; also proves the dir is writable before any work starts."""
 
     def __init__(self, out: Path) -> None:
+        self.out, self.created = out, not out.exists()
         try:
             out.mkdir(parents=True, exist_ok=True)
             self._f = open(out / LOCK, "a+")  # noqa: SIM115 - closed in release
@@ -86,6 +87,10 @@ class _DirLock:
     def release(self) -> None:
         fcntl.flock(self._f, fcntl.LOCK_UN)
         self._f.close()
+        # A run that failed before writing anything leaves no trace: not even the dir it created.
+        if self.created and [p.name for p in self.out.iterdir()] == [LOCK]:
+            (self.out / LOCK).unlink(missing_ok=True)
+            self.out.rmdir()
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ from app.errors import UserError
 
 TXT_SPLITS = ("file", "line", "paragraph")
 _BATCH_CHARS = 1 << 20  # a yielded batch holds about this much text at most
+MAX_UNDECODABLE_FRACTION = 0.001  # of a txt file's characters; beyond it the file is refused
+MAX_UNDECODABLE_CHARS = 16  # ... once more than this many did not decode
 
 
 @dataclass(frozen=True)
@@ -259,11 +261,30 @@ def _read_jsonl(path: Path, f: SourceFile, opts: ReadOptions) -> Iterator[tuple[
             yield batch, raw.tell()
 
 
+class _Utf8Check:
+    """Counts characters that did not decode (U+FFFD from errors="replace"): a few are tolerated (a stray
+    byte in a large text), a binary file or another encoding is refused, naming the file."""
+
+    def __init__(self, label: str) -> None:
+        self.label, self.chars, self.bad = label, 0, 0
+
+    def add(self, text: str) -> None:
+        self.chars += len(text)
+        self.bad += text.count("\ufffd")
+        if self.bad > MAX_UNDECODABLE_CHARS and self.bad > MAX_UNDECODABLE_FRACTION * self.chars:
+            raise UserError(
+                f"{self.label} is not UTF-8 text ({self.bad:,} of its first {self.chars:,} characters do not "
+                "decode); convert it to UTF-8 or leave it out"
+            )
+
+
 def _read_txt(path: Path, f: SourceFile, opts: ReadOptions) -> Iterator[tuple[list[str], int]]:
     stream, raw = _open_binary(path, f.compression)
+    check = _Utf8Check(f.label)
     with raw, io.TextIOWrapper(stream, encoding="utf-8", errors="replace", newline=None) as text:
         if opts.txt_split == "file":
             doc = text.read()
+            check.add(doc)
             if doc.strip():
                 yield [doc], f.size
             return
@@ -271,6 +292,7 @@ def _read_txt(path: Path, f: SourceFile, opts: ReadOptions) -> Iterator[tuple[li
         batch: list[str] = []
         chars = 0
         for doc in docs:
+            check.add(doc)
             batch.append(doc)
             chars += len(doc)
             if len(batch) >= opts.batch_rows or chars >= _BATCH_CHARS:

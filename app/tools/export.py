@@ -77,19 +77,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "-o",
         required=True,
         metavar="DIR",
-        help="directory to write manifest.json, metrics.csv, plots and final.safetensors into",
+        help="directory to write manifest.json, metrics.csv, plots and final.safetensors into; it must be "
+        "empty or new unless --force",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a non-empty --output, replacing files of the same names",
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    out = export(Path(args.run_dir), Path(args.output))
+    out = export(Path(args.run_dir), Path(args.output), force=args.force)
     m = json.loads((out / "manifest.json").read_text())
     spend = m["spend"]["total_usd"]
-    val = m["val_loss"]["latest"]
+    val, at = m["val_loss"]["latest"], m["val_loss"]["latest_step"]  # evals up to the exported step only
     tokens = f", {m['tokens']:,} tokens" if isinstance(m["tokens"], int) else ""
     print(
-        f"exported {args.run_dir} -> {out}: step {m['step']}{tokens}"
-        + (f", val loss {val:.4f}" if val is not None else "")
+        f"exported {args.run_dir} -> {out}: checkpoint step {m['step']}{tokens}"
+        + (f", val loss {val:.4f} (eval at step {at})" if val is not None else ", no eval logged")
         + (f", ${spend:.4f} spent" if spend is not None else "")
     )
     for name in m["files"]:
@@ -376,7 +382,7 @@ def _sha256(path: Path) -> str:
     return sha256_file(path)
 
 
-def export(run_dir: Path, out: Path) -> Path:
+def export(run_dir: Path, out: Path, force: bool = False) -> Path:
     """Write the export of `run_dir` into `out`; UserError (one line) on bad input."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -388,21 +394,27 @@ def export(run_dir: Path, out: Path) -> Path:
     log_path = run_dir / "metrics.jsonl"
     if not log_path.is_file():
         raise UserError(f"{run_dir} has no metrics.jsonl; is it a run dir written by `pretrain train --out`?")
-    warnings: list[str] = []
-    info = ckpt.resolve_latest(run_dir, "sha256", warn=warnings.append)
-    for w in warnings:
-        print(w)
+    info = ckpt.resolve_latest(run_dir, "sha256")
     if info is None:
         raise UserError(f"no usable checkpoint under {run_dir / ckpt.CKPT_DIR}; nothing to export")
     out = Path(out)
     if out.resolve() == run_dir.resolve():
         raise UserError("--output must differ from RUN_DIR")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise UserError(
+            f"--output {out} is not empty; choose a new directory, or add --force to replace its files"
+        )
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output {out} exists and is not a directory")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create --output {out}: {e.strerror}") from None
 
-    rows = effective_rows(read_rows(log_path))
+    logged = effective_rows(read_rows(log_path))
+    # Rows past the exported step (after the last checkpoint, or of checkpoints that failed verification)
+    # are not the exported model's history: the CSV, plots and val losses stop at its step.
+    rows = [r for r in logged if r["step"] <= info.step]
     meta = info.meta
     config = meta.get("config") or {}
     trainer_state = _read_json(info.path / "trainer_state.json") or {}
@@ -418,7 +430,7 @@ def export(run_dir: Path, out: Path) -> Path:
 
     evals = [r for r in rows if r.get("kind") == "eval" and _number(r.get("val_loss")) is not None]
     best_eval = min(evals, key=lambda r: r["val_loss"]) if evals else None
-    trains = [r for r in rows if r.get("kind") == "train"]
+    trains = [r for r in logged if r.get("kind") == "train"]
     starts = [r for r in rows if r.get("kind") == "event" and r.get("event") == "start"]
     stops = [r for r in rows if r.get("kind") == "event" and r.get("event") == "stop"]
     best_ckpt = ckpt.resolve_best(run_dir, "size", warn=lambda m: None)

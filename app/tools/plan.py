@@ -189,7 +189,9 @@ def preset_table(args: argparse.Namespace) -> list[str]:
     ]
     for n in counts:
         for gpu in gpus_list:
-            r = preset_row(cfg, gpu, n, steps, args.mfu, args.price_per_gpu_hour, args.peak_tflops)
+            r = preset_row(
+                cfg, gpu, n, steps, args.mfu, args.price_per_gpu_hour or 0.0, args.peak_tflops or 0.0
+            )
             lay = r.layout
             if not lay.fits:
                 lines.append(f"  {n:>4}  {lay.gpu_type:<10} {'does not fit (even micro-batch 1 + AC)':>40}")
@@ -232,13 +234,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "train.max_steps - N",
     )
     parser.add_argument(
-        "--price-per-gpu-hour", type=float, default=0.0, help="USD per GPU-hour (default: built-in table)"
+        "--price-per-gpu-hour", type=float, help="USD per GPU-hour, > 0 (default: the built-in table)"
     )
     parser.add_argument(
-        "--mfu", type=float, default=DEFAULT_MFU, help="expected model FLOPs utilisation, 0..1"
+        "--mfu",
+        type=float,
+        default=DEFAULT_MFU,
+        help=f"expected model FLOPs utilisation in (0, 1] (default {DEFAULT_MFU})",
     )
     parser.add_argument(
-        "--peak-tflops", type=float, default=0.0, help="dense bf16 TFLOP/s per GPU for an unlisted GPU"
+        "--peak-tflops",
+        type=float,
+        help="dense bf16 TFLOP/s per GPU, > 0, for an unlisted GPU (default: table)",
     )
 
 
@@ -276,6 +283,14 @@ def format_plan(plan: Plan, presets: dict[str, float]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    for flag, value in (
+        ("--price-per-gpu-hour", args.price_per_gpu_hour),
+        ("--peak-tflops", args.peak_tflops),
+    ):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise UserError(
+                f"{flag} must be a number > 0, got {value}; leave it out to use the built-in table"
+            )
     if args.preset:
         for line in preset_table(args):
             print(line)
@@ -285,7 +300,12 @@ def run(args: argparse.Namespace) -> int:
             "pass --budget-usd X --gpu T (what a budget buys) or --preset NAME (time and cost of a preset)"
         )
     plan = make_plan(
-        args.budget_usd, args.gpu, args.gpus or 1, args.price_per_gpu_hour, args.mfu, args.peak_tflops
+        args.budget_usd,
+        args.gpu,
+        args.gpus or 1,
+        args.price_per_gpu_hour or 0.0,
+        args.mfu,
+        args.peak_tflops or 0.0,
     )
     for line in format_plan(plan, preset_params()):
         print(line)

@@ -36,6 +36,12 @@ def sample(
 ) -> list[str]:
     if max_new_tokens <= 0:
         raise UserError(f"--max-new-tokens must be > 0, got {max_new_tokens}")
+    if not temperature >= 0:  # NaN too
+        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k < 0:
+        raise UserError(f"--top-k must be >= 0 (0 = all tokens), got {top_k}")
+    if num_samples < 1:
+        raise UserError(f"--num-samples must be >= 1, got {num_samples}")
     model, tok, _ = load_for_inference(spec)
     ids = tok.encode(prompt) or [tok.eot_id]
     g = torch.Generator().manual_seed(seed)
@@ -61,7 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-new-tokens", type=int, default=200, metavar="N", help="tokens to generate (default 200)"
     )
-    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (default 0.8)")
+    p.add_argument(
+        "--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default 0.8)"
+    )
     p.add_argument(
         "--top-k", type=int, default=50, help="sample among the k likeliest tokens (default 50; 0 = all)"
     )

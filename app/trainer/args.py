@@ -26,9 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--out",
-        default="runs/tiny",
         metavar="RUN_DIR",
-        help="run directory: checkpoints/, metrics.jsonl, status.json, budget/ (default: runs/tiny)",
+        help="run directory: checkpoints/, metrics.jsonl, status.json, budget/ (default: runs/<preset>)",
     )
     p.add_argument(
         "--max-steps", type=int, metavar="N", help="planned end after N optimizer steps (train.max_steps)"
@@ -39,6 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="auto|never|PATH",
         help="auto: continue from the newest valid checkpoint in RUN_DIR (default); never: start "
         "fresh; PATH: a run dir or a checkpoints/step_NNNNNN dir",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="with --resume never (or PATH from another run) in a RUN_DIR that holds checkpoints: move the "
+        "old run (checkpoints, metrics.jsonl, budget) aside into RUN_DIR/previous-<time>/ instead of refusing",
     )
     p.add_argument(
         "--stop-file",

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import platform
 import random
+import re
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +40,7 @@ from app.files import write_json_durable as write_json
 
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
+STEP_DIR = re.compile(r"^step_\d{6,}$")
 META = "meta.json"
 FORMAT_VERSION = 1
 OPTIMIZER_FILES = ("optimizer.safetensors", "optimizer.json")
@@ -288,10 +292,20 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = checkpoints_root(run_dir)
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)), reverse=True)
+    return sorted((p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)), reverse=True)
 
 
-def resolve_latest(run_dir: Path, mode: str = "sha256", warn=print) -> CheckpointInfo | None:
+def warn_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def finite_val_loss(meta: dict | None) -> float | None:
+    """The checkpoint's val loss when it is a real number (a diverged eval's NaN never ranks as best)."""
+    val = (meta or {}).get("val_loss")
+    return float(val) if isinstance(val, (int, float)) and math.isfinite(val) else None
+
+
+def resolve_latest(run_dir: Path, mode: str = "sha256", warn=warn_stderr) -> CheckpointInfo | None:
     """Newest checkpoint that verifies; corrupt or partial ones are skipped with a warning."""
     for path in list_checkpoints(run_dir):
         info, why = verify(path, mode)
@@ -301,13 +315,13 @@ def resolve_latest(run_dir: Path, mode: str = "sha256", warn=print) -> Checkpoin
     return None
 
 
-def resolve_best(run_dir: Path, mode: str = "sha256", warn=print) -> CheckpointInfo | None:
-    """Lowest val loss among checkpoints that verify."""
+def resolve_best(run_dir: Path, mode: str = "sha256", warn=warn_stderr) -> CheckpointInfo | None:
+    """Lowest (finite) val loss among checkpoints that verify."""
     candidates = []
     for path in list_checkpoints(run_dir):
         meta = read_meta(path)
-        if meta and meta.get("val_loss") is not None:
-            candidates.append((float(meta["val_loss"]), -int(meta["step"]), path))
+        if (val := finite_val_loss(meta)) is not None:
+            candidates.append((val, -int(meta["step"]), path))
     for _, _, path in sorted(candidates):
         info, why = verify(path, mode)
         if info:
@@ -316,7 +330,7 @@ def resolve_best(run_dir: Path, mode: str = "sha256", warn=print) -> CheckpointI
     return None
 
 
-def resolve(spec: str | Path, mode: str = "sha256", warn=print) -> CheckpointInfo:
+def resolve(spec: str | Path, mode: str = "sha256", warn=warn_stderr) -> CheckpointInfo:
     """A run dir (its latest checkpoint) or a step dir -> a verified checkpoint, else UserError."""
     path = Path(spec)
     if (path / META).exists():
@@ -382,7 +396,7 @@ def check_compatible(model: torch.nn.Module, state: dict[str, torch.Tensor], pat
         what = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"
         raise UserError(
             f"checkpoint {path} does not fit the configured model ({what}); "
-            f"use the config it was trained with or --resume never"
+            "use the config it was trained with, or a new --out (or --resume never --overwrite to move that run aside)"
         )
     for name, t in own.items():
         if tuple(state[name].shape) != tuple(t.shape):
@@ -390,7 +404,7 @@ def check_compatible(model: torch.nn.Module, state: dict[str, torch.Tensor], pat
             raise UserError(
                 f"checkpoint {path} does not fit the configured model: {name} is "
                 f"{tuple(state[name].shape)} there, {tuple(t.shape)} here{hint}; "
-                f"use the config it was trained with or --resume never"
+                "use the config it was trained with, or a new --out (or --resume never --overwrite to move that run aside)"
             )
 
 
@@ -398,13 +412,14 @@ def check_compatible(model: torch.nn.Module, state: dict[str, torch.Tensor], pat
 
 
 def apply_retention(run_dir: Path, keep_last: int, keep_best: bool, drop_optimizer_older: bool) -> list[Path]:
-    """Keep the newest `keep_last` and the best; returns the removed dirs. Reads meta.json only."""
+    """Keep the newest `keep_last` complete checkpoints and the best; returns the removed dirs. Checks
+    sizes only (no hashing); a checkpoint that fails even that is left alone and takes no slot."""
     paths = list_checkpoints(run_dir)
     metas = {p: read_meta(p) for p in paths}
-    complete = [p for p in paths if metas[p] is not None]
+    complete = [p for p in paths if metas[p] is not None and verify(p, "size")[0] is not None]
     keep = set(complete[:keep_last])
     if keep_best:
-        scored = [(metas[p]["val_loss"], p) for p in complete if metas[p].get("val_loss") is not None]
+        scored = [(v, p) for p in complete if (v := finite_val_loss(metas[p])) is not None]
         if scored:
             keep.add(min(scored)[1])
     removed = []
@@ -428,6 +443,30 @@ def _drop_optimizer(path: Path, meta: dict) -> None:
     os.replace(tmp, path / META)
     for f in OPTIMIZER_FILES:
         (path / f).unlink(missing_ok=True)
+
+
+def set_aside_newer(run_dir: Path, step: int, warn=warn_stderr) -> list[Path]:
+    """Rank 0, after resuming from `step`: step dirs newer than it failed verification and belong to an
+    abandoned future. Renamed to checkpoints/corrupt-step_NNNNNN (kept for inspection, no longer listed),
+    so they neither shadow the run's new checkpoints nor take a retention slot."""
+    moved = []
+    for path in list_checkpoints(run_dir):
+        if int(path.name[len(PREFIX) :]) > step:
+            dest = path.with_name(f"corrupt-{path.name}")
+            if dest.exists():
+                shutil.rmtree(dest, ignore_errors=True)
+            os.replace(path, dest)
+            warn(f"warning: moved unusable checkpoint {path} aside to {dest}")
+            moved.append(dest)
+    return moved
+
+
+def summary(run_dir: Path, mode: str, warn=warn_stderr) -> list[str]:
+    """The lines a finished run prints: its latest and best checkpoints."""
+    return [
+        f"latest checkpoint: {describe(resolve_latest(run_dir, mode, warn))}",
+        f"best checkpoint:   {describe(resolve_best(run_dir, mode, warn))}",
+    ]
 
 
 def describe(info: CheckpointInfo | None) -> str:

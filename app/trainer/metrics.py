@@ -116,7 +116,7 @@ class TrainerMetrics:
             )
             self.stop_state = g(
                 "pretrain_stop_state",
-                "0 running, 1 planned end, 2 early stop, 3 budget/graceful, 4 preempted, 5 immediate",
+                "0 running, 1 planned end, 2 early stop, 3 budget/graceful, 4 preempted, 5 immediate, 6 diverged",
             )
             self.gpu_mem = g("pretrain_gpu_memory_bytes", "Peak CUDA memory allocated")
             self.loop_loss = Gauge(

@@ -234,11 +234,16 @@ def model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
     """Collective: the full optimizer state on CPU on rank 0, keyed by parameter names
-    ({"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}); {} on other ranks."""
+    ({"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}); {} on other ranks; None on
+    every rank before the first optimizer step."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+    if not optimizer.state:
+        # Before the first step there is nothing to save, and torch's state-dict API would first run a
+        # zero-lr step to create the state: AdamW's step count would then be 1 before any real update.
+        return None
     return get_optimizer_state_dict(unwrap(model), optimizer, options=_options(cpu_offload=True))
 
 

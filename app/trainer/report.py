@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from app.config import Config
+from app.errors import UserError
 from app.trainer import supervision
 from app.trainer.metrics import JsonlLog, TrainerMetrics
 from app.trainer.parallel import DistEnv
@@ -21,14 +22,30 @@ class Reporter:
     def __init__(self, cfg: Config, env: DistEnv, run_dir: Path, with_mfu: bool) -> None:
         self.cfg, self.env, self.rank0 = cfg, env, env.is_rank0
         self.progress = None
+        self.flops_per_token, self.peak = 0.0, 0.0
+        self.reset_window()
         self.metrics: TrainerMetrics | None = None
         self.jsonl: JsonlLog | None = None
         if cfg.metrics.port and env.is_local_rank0:
-            self.metrics = TrainerMetrics(
-                cfg.metrics.port, env.node, serve_global=self.rank0, with_mfu=with_mfu, addr=cfg.metrics.addr
-            )
+            try:
+                self.metrics = TrainerMetrics(
+                    cfg.metrics.port,
+                    env.node,
+                    serve_global=self.rank0,
+                    with_mfu=with_mfu,
+                    addr=cfg.metrics.addr,
+                )
+            except OSError as e:
+                raise UserError(
+                    f"metrics port {cfg.metrics.addr}:{cfg.metrics.port} is not available ({e.strerror}); "
+                    "pick another --metrics-port, or 0 for none"
+                ) from None
         if self.rank0:
             self.jsonl = JsonlLog(Path(run_dir) / "metrics.jsonl")
+
+    def throughput(self, flops_per_token: float, peak_flops: float) -> None:
+        """MFU is reported when the device's peak is known (0: unknown, MFU stays absent)."""
+        self.flops_per_token, self.peak = flops_per_token, peak_flops
 
     @property
     def global_metrics(self) -> TrainerMetrics | None:
@@ -44,7 +61,20 @@ class Reporter:
             else:
                 print(msg, flush=True)
 
+    def warn(self, msg: str) -> None:
+        """Warnings go to stderr (rank 0), above the progress bar."""
+        if self.rank0:
+            if self.progress is not None:
+                self.progress.write(msg, file=sys.stderr)
+            else:
+                print(msg, file=sys.stderr, flush=True)
+
+    def reset_window(self) -> None:
+        """Start measuring throughput afresh (after setup or the step-0 eval)."""
+        self.window_tokens, self.window_start = 0, time.perf_counter()
+
     def open_progress(self, total: int, initial: int) -> None:
+        self.reset_window()
         if self.rank0 and self.cfg.metrics.progress and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -77,6 +107,7 @@ class Reporter:
 
     def step_done(self, step: int, tokens_per_step: int) -> None:
         """Every step, cheap: what the stalled-training alert and the token counter need."""
+        self.window_tokens += tokens_per_step
         if self.progress is not None:
             self.progress.update(1)
         g = self.global_metrics
@@ -85,9 +116,13 @@ class Reporter:
             g.tokens.inc(tokens_per_step)
             g.last_step_time.set(time.time())
 
-    def train(
-        self, step: int, tokens: int, m: dict, tps: float, mfu: float | None, planned_end_unix: float
-    ) -> None:
+    def train(self, step: int, tokens: int, m: dict, planned_end_in) -> None:
+        """A train record; throughput is measured over the steps since the previous one.
+        `planned_end_in(tokens_per_second)` gives the seconds left to the planned end."""
+        now = time.perf_counter()
+        tps = self.window_tokens / max(now - self.window_start, 1e-9)
+        self.window_tokens, self.window_start = 0, now
+        mfu = self.flops_per_token * tps / (self.peak * self.env.world_size) if self.peak else None
         loops = m["loop_losses"]
         refinement = supervision.refinement(loops) if loops else None
         terms = None
@@ -115,6 +150,8 @@ class Reporter:
             row["improvement_reward"] = terms.improvement
         if m["spike"]:
             row["spike"] = True
+        if m.get("bad"):
+            row["skipped_nonfinite"] = True
         if m["injected"]:
             row["injected_spike"] = True
         self.event("train", step, **row)
@@ -130,7 +167,7 @@ class Reporter:
                 g.mfu.set(mfu)
             g.step_seconds.set(m["step_seconds"])
             g.data_wait.set(m["data_wait_seconds"])
-            g.planned_end.set(planned_end_unix)
+            g.planned_end.set(time.time() + planned_end_in(tps))
             g.spike.set(1 if m["spike"] else 0)
             if m["spike"]:
                 g.spikes.inc()

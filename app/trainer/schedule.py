@@ -61,3 +61,19 @@ def budget_decay_steps(
     if affordable <= decay_fraction / (1 - decay_fraction) * step:
         return max(1, affordable)
     return 0
+
+
+def resume_change(old: tuple, new: tuple, step: int, budget_decay: DecayPlan | None) -> str | None:
+    """A line for the log when a resumed run's schedule differs from the checkpoint's at the resumed step
+    (e.g. a larger max_steps stretches the cosine and lifts the LR back up); None when the LR is unchanged.
+    `old` and `new` are (ScheduleConfig, OptimConfig, max_steps)."""
+    lr_old = lr_at(step, old[0], old[1], old[2], budget_decay)
+    lr_new = lr_at(step, new[0], new[1], new[2], budget_decay)
+    if math.isclose(lr_old, lr_new, rel_tol=1e-9, abs_tol=1e-12):
+        return None
+    what = f"max_steps {old[2]} -> {new[2]}" if old[2] != new[2] else "the schedule settings changed"
+    return (
+        f"note: {what}: the {new[0].name} schedule is recomputed; the LR at step {step} goes from "
+        f"{lr_old:.3g} to {lr_new:.3g}. To extend a run without re-warming, train with schedule.name=wsd and "
+        "resume from a checkpoint taken before its decay (README: Extending a run)"
+    )

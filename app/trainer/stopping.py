@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 PROCESS_START = time.time()  # stop files older than this process are stale
+EXIT_DIVERGED = 3  # permanent (1-127) under the PyTorchJob ExitCode policy: a restart would diverge again
+STOP_FILE_MODES = ("graceful", "immediate")
 
 
 class StopCause(IntEnum):
@@ -30,6 +32,7 @@ class StopCause(IntEnum):
     BUDGET = 3  # graceful stop file (budget watcher or a user)
     PREEMPTED = 4  # SIGTERM / SIGINT
     IMMEDIATE = 5  # immediate stop file: exit now, no checkpoint
+    DIVERGED = 6  # train.max_bad_steps non-finite steps in a row: save the last good weights, exit 3
 
 
 @dataclass
@@ -37,6 +40,11 @@ class StopDecision:
     cause: StopCause
     detail: int = 0  # the signal number for PREEMPTED
     reason: str = ""
+    label: str = ""  # how logs name the cause; default: the cause's name (a stop file names its own)
+
+    @property
+    def name(self) -> str:
+        return self.label or self.cause.name.lower()
 
     @property
     def saves(self) -> bool:
@@ -47,6 +55,8 @@ class StopDecision:
         """0: done, Kubernetes must not restart; 128 + signal: preempted, the ExitCode policy retries."""
         if self.cause == StopCause.PREEMPTED:
             return 128 + self.detail
+        if self.cause == StopCause.DIVERGED:
+            return EXIT_DIVERGED
         return 0
 
     def encode(self) -> int:
@@ -80,31 +90,42 @@ class SignalFlag:
             self.signum = signum
 
 
-def read_stop_file(path: Path, not_before: float = 0.0) -> StopDecision | None:
-    """A stop file's request; an unreadable one (e.g. `touch stop.json`) means a graceful stop.
-    A request stamped (`written_unix`) before `not_before` is stale, left by an earlier process: the
-    budget case does not need it, since the trainer refuses to start when the ledger says stop."""
+def read_stop_file(path: Path, not_before: float = 0.0, warn=print) -> StopDecision | None:
+    """A stop file's request. Anything that is not a well-formed request (e.g. `touch stop.json`, broken
+    JSON, an unknown mode) still stops the run gracefully: someone asked for a stop. It is logged as
+    cause "stop-file" with a warning for the malformed cases. A request stamped (`written_unix`) before
+    `not_before` is stale, left by an earlier process: the budget case does not need it, since the
+    trainer refuses to start when the ledger says stop."""
     try:
         raw = path.read_text()
     except FileNotFoundError:
         return None
-    except OSError:
-        return StopDecision(StopCause.BUDGET, 0, f"stop file {path} (unreadable): graceful stop")
+    except OSError as e:
+        warn(f"warning: stop file {path} cannot be read ({e.strerror}); stopping gracefully")
+        return StopDecision(StopCause.BUDGET, 0, f"stop file {path} (unreadable): graceful stop", "stop-file")
+    if not raw.strip():  # touched
+        return StopDecision(StopCause.BUDGET, 0, f"stop file {path}: graceful stop", "stop-file")
     try:
-        data = json.loads(raw) if raw.strip() else {}
+        data = json.loads(raw)
     except json.JSONDecodeError:
-        data = {}
+        data = None
     if not isinstance(data, dict):
-        data = {}
+        warn(f"warning: stop file {path} is not a JSON object; stopping gracefully (see docs/contracts.md)")
+        return StopDecision(StopCause.BUDGET, 0, f"stop file {path} (not JSON): graceful stop", "stop-file")
     written = data.get("written_unix")
     if isinstance(written, (int, float)) and written < not_before:
         return None
     mode = str(data.get("mode", "graceful"))
+    cause = str(data.get("cause") or "stop-file")
     reason = str(data.get("reason") or f"stop file {path}")
-    cause = str(data.get("cause", "user"))
+    if mode not in STOP_FILE_MODES:
+        warn(
+            f"warning: stop file {path} has unknown mode {mode!r} (graceful | immediate); stopping gracefully"
+        )
+        return StopDecision(StopCause.BUDGET, 0, f"{cause}: {reason} (mode {mode!r}: graceful)", "stop-file")
     if mode == "immediate":
-        return StopDecision(StopCause.IMMEDIATE, 0, f"{cause}: {reason}")
-    return StopDecision(StopCause.BUDGET, 0, f"{cause}: {reason}")
+        return StopDecision(StopCause.IMMEDIATE, 0, f"{cause}: {reason}", cause)
+    return StopDecision(StopCause.BUDGET, 0, f"{cause}: {reason}", cause)
 
 
 def consume_stop_file(path: Path) -> None:
@@ -128,6 +149,17 @@ class PlannedEnd:
             hours = self.max_seconds / 3600
             return StopDecision(StopCause.PLANNED, 0, f"planned end: reached max_hours={hours:g}")
         return None
+
+    def seconds_left(
+        self, step: int, tokens: int, elapsed: float, step_seconds: float, tokens_per_second: float
+    ) -> float:
+        """Time to the planned end at the current pace (whichever limit comes first)."""
+        left = [(self.max_steps - step) * step_seconds]
+        if self.max_tokens and tokens_per_second > 0:
+            left.append((self.max_tokens - tokens) / tokens_per_second)
+        if self.max_seconds:
+            left.append(self.max_seconds - elapsed)
+        return max(0.0, min(left))
 
 
 class EarlyStopping:
@@ -158,6 +190,41 @@ class EarlyStopping:
         self.best, self.bad_evals = float(state["best"]), int(state["bad_evals"])
 
 
+class BadSteps:
+    """Counts optimizer steps whose loss or gradient norm is not finite (their updates are skipped) and
+    stops the run after `max_bad` in a row: NaN weights must never be saved, let alone as "best"."""
+
+    def __init__(self, max_bad: int) -> None:
+        self.max_bad = max_bad
+        self.in_a_row = 0
+        self.total = 0
+
+    def update(self, finite: bool) -> bool:
+        """Record a step; True when its update must be skipped."""
+        if finite:
+            self.in_a_row = 0
+            return False
+        self.in_a_row += 1
+        self.total += 1
+        return True
+
+    def state_dict(self) -> dict:
+        return {"in_a_row": self.in_a_row, "total": self.total}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.in_a_row, self.total = int(state["in_a_row"]), int(state["total"])
+
+    def check(self) -> StopDecision | None:
+        if self.in_a_row >= self.max_bad:
+            return StopDecision(
+                StopCause.DIVERGED,
+                0,
+                f"diverged: {self.in_a_row} steps in a row with a non-finite loss or gradient (updates skipped); "
+                "lower optim.lr or raise schedule.warmup_steps, then resume from the last checkpoint",
+            )
+        return None
+
+
 class StopAgreement:
     """Collects this rank's causes and agrees with the other ranks in one all-reduce per step."""
 
@@ -168,11 +235,16 @@ class StopAgreement:
         early: EarlyStopping,
         is_rank0: bool,
         device: torch.device,
+        signals: SignalFlag | None = None,
+        bad_steps: BadSteps | None = None,
+        warn=print,
     ) -> None:
         self.stop_file = stop_file if is_rank0 else None  # in Kubernetes only the master pod has it
         self.started_unix = PROCESS_START
         self.planned, self.early = planned, early
-        self.signals = SignalFlag()
+        self.signals = signals or SignalFlag()
+        self.bad_steps = bad_steps
+        self.warn = warn
         self.device = device
         self._buf = torch.zeros(3, dtype=torch.int64, device=device)
         self._reasons: dict[int, str] = {}
@@ -181,7 +253,8 @@ class StopAgreement:
         candidates = [
             self.planned.check(step, tokens, elapsed),
             self.early.check(),
-            read_stop_file(self.stop_file, self.started_unix) if self.stop_file else None,
+            self.bad_steps.check() if self.bad_steps else None,
+            read_stop_file(self.stop_file, self.started_unix, self.warn) if self.stop_file else None,
         ]
         if self.signals.signum:
             name = signal.Signals(self.signals.signum).name
