@@ -224,14 +224,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(narrow with --gpu / --gpus)",
     )
     parser.add_argument("--gpu", help=f"GPU type: {pricing.known_types()}")
-    parser.add_argument("--gpus", type=int, help="GPUs trained on, all nodes (budget plan default: 1)")
+    parser.add_argument(
+        "--gpus", type=int, help="GPUs trained on, all nodes (default 1; with --preset: 8 and 4)"
+    )
     parser.add_argument(
         "--from-step",
         type=int,
         default=0,
         metavar="N",
         help="--preset: steps already done (a phase that resumes another's checkpoint); time and cost count "
-        "train.max_steps - N",
+        "train.max_steps - N (default 0)",
     )
     parser.add_argument(
         "--price-per-gpu-hour", type=float, help="USD per GPU-hour, > 0 (default: the built-in table)"
