@@ -225,7 +225,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--gpu", help=f"GPU type: {pricing.known_types()}")
     parser.add_argument(
-        "--gpus", type=int, help="GPUs trained on, all nodes (default 1; with --preset: 8 and 4)"
+        "--gpus",
+        type=int,
+        help="GPUs trained on, all nodes (default 1); with --preset, the table covers 8 and 4",
     )
     parser.add_argument(
         "--from-step",
