@@ -32,7 +32,9 @@ class LoopConfig:
     coda: int = 0
     recurrence: int = 1
     deep_supervision: bool = False  # a loss at the output of every recurrence
-    loss_weights: list[float] = field(default_factory=list)  # per recurrence; empty = equal weights
+    loss_weights: list[float] = field(default_factory=list)  # per recurrence; overrides the two below
+    supervision_weight_base: float = 1.0  # loop i weighs base^i (normalised); 1 = equal (docs/recipes.md)
+    improvement_reward_scale: float = 0.0  # reward each read-out's relative gain over the previous one
 
 
 @dataclass
@@ -118,7 +120,8 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
+    name: str = "adamw"  # adamw | muon (Muon for hidden matrices, AdamW for the rest; docs/recipes.md)
+    lr: float = 1e-3  # peak LR of norms/biases, and of every group whose own LR below is 0
     min_lr: float = 1e-4
     beta1: float = 0.9
     beta2: float = 0.95
@@ -126,6 +129,11 @@ class OptimConfig:
     weight_decay: float = 0.1  # not applied to norms and embeddings
     grad_clip: float = 1.0  # 0 = off
     fused: str = "auto"  # auto | true | false
+    matrix_lr: float = 0.0  # peak LR of the 2-D weights inside the blocks (Muon or AdamW); 0 = lr
+    embedding_lr: float = 0.0  # peak LR of the token embedding (and a tied head); 0 = lr
+    head_lr: float = 0.0  # peak LR of an untied output head; 0 = lr
+    muon_momentum: float = 0.95
+    muon_lr_adjust: str = "match_rms_adamw"  # match_rms_adamw | original (torch.optim.Muon adjust_lr_fn)
 
 
 @dataclass
@@ -402,6 +410,10 @@ def validate(cfg: Config) -> None:
         ("checkpoint.lease_wait_seconds", c.lease_wait_seconds),
         ("optim.weight_decay", o.weight_decay),
         ("optim.grad_clip", o.grad_clip),
+        ("optim.matrix_lr", o.matrix_lr),
+        ("optim.embedding_lr", o.embedding_lr),
+        ("optim.head_lr", o.head_lr),
+        ("model.loop.improvement_reward_scale", m.loop.improvement_reward_scale),
         ("budget.cap_usd", b.cap_usd),
         ("budget.price_per_gpu_hour", b.price_per_gpu_hour),
         ("budget.gpus", b.gpus),
@@ -435,7 +447,17 @@ def validate(cfg: Config) -> None:
     )
     head_dim = m.d_model // m.n_head
     _check(head_dim % 2 == 0, f"head dim d_model/n_head = {head_dim} must be even for RoPE")
+    _check(
+        o.lr > 0, f"optim.lr must be > 0, got {o.lr} (the schedule scales every group by lr_at / optim.lr)"
+    )
     _check(0 <= o.min_lr <= o.lr, f"optim.min_lr={o.min_lr} must be between 0 and optim.lr={o.lr}")
+    _one_of(o.name, "optim.name", ("adamw", "muon"))
+    _one_of(o.muon_lr_adjust, "optim.muon_lr_adjust", ("match_rms_adamw", "original"))
+    _check(0 <= o.muon_momentum < 1, f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}")
+    _check(
+        m.loop.supervision_weight_base > 0,
+        f"model.loop.supervision_weight_base must be > 0, got {m.loop.supervision_weight_base} (1 = equal weights)",
+    )
     _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
     _check(0 < s.decay_fraction <= 1, f"schedule.decay_fraction must be in (0, 1], got {s.decay_fraction}")
     _check(0 < b.decay_fraction < 1, f"budget.decay_fraction must be in (0, 1), got {b.decay_fraction}")

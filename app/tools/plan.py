@@ -95,23 +95,18 @@ def _analytic_params(m) -> float:
 
 
 def _model_params(cfg) -> float:
-    """Count on the meta device with app.model when it exists (no memory, exact), else analytically."""
-    try:
-        import torch
+    """Exact parameter count from the config (app/trainer/memory.py's split of this repo's GPT): no torch,
+    so `pretrain plan` starts in a fraction of a second."""
+    from app.trainer.memory import param_split
 
-        from app.trainer import model as model_mod
+    _set_vocab(cfg)
+    return float(param_split(cfg.model).total)
 
-        m = cfg.model
-        if not m.vocab_size:
-            m.vocab_size = cfg.data.vocab_size if cfg.data.dataset == "embedded" else 50257
-        if hasattr(model_mod, "count_parameters"):
-            counts = model_mod.count_parameters(m)  # ParamCounts(total, non_embedding), built on meta
-            return float(getattr(counts, "total", counts))
-        with torch.device("meta"):
-            net = model_mod.GPT(m)
-        return float(sum(p.numel() for p in net.parameters()))
-    except Exception:
-        return _analytic_params(cfg.model)
+
+def _set_vocab(cfg) -> None:
+    m = cfg.model
+    if not m.vocab_size:
+        m.vocab_size = cfg.data.vocab_size if cfg.data.dataset == "embedded" else 50257
 
 
 def preset_params() -> dict[str, float]:
@@ -136,13 +131,112 @@ def nearest_preset(n_params: float, presets: dict[str, float]) -> tuple[str, flo
     return name, presets[name]
 
 
+# ---------------------------------------------------------------- a preset per GPU type and count
+
+PRESET_GPUS = ("b200", "h200", "h100-sxm", "a100-80gb")
+PRESET_COUNTS = (8, 4)
+
+
+@dataclass(frozen=True)
+class PresetRow:
+    layout: object  # app.trainer.layout.Layout
+    tokens_per_step: int
+    hours: float
+    cost_usd: float
+    price_per_gpu_hour: float
+
+
+def preset_row(
+    cfg, gpu: str, gpus: int, steps: int, mfu: float, price: float = 0.0, peak: float = 0.0
+) -> PresetRow:
+    """Time and cost of `steps` optimizer steps of a preset on `gpus` x `gpu`, at the layout that fits.
+    Time = steps x tokens/step x training FLOPs/token / (gpus x peak x MFU)."""
+    from app.trainer.layout import fit
+    from app.trainer.metrics import flops_per_token
+
+    lay = fit(cfg, gpu, gpus)
+    key = pricing.normalize(gpu)
+    price = pricing.price_per_gpu_hour(key, price)
+    peak = peak or pricing.peak_tflops(key)
+    per_step = cfg.train.batch_tokens or lay.micro_batch * cfg.model.seq_len * gpus
+    flops = steps * per_step * flops_per_token(cfg.model)
+    hours = flops / (gpus * peak * 1e12 * mfu) / 3600
+    return PresetRow(lay, per_step, hours, hours * gpus * price, price)
+
+
+def preset_table(args: argparse.Namespace) -> list[str]:
+    from app.config import load_config
+    from app.trainer.metrics import flops_per_token
+
+    if not 0 < args.mfu <= 1:
+        raise UserError(f"--mfu is a fraction of peak in (0, 1], e.g. 0.4; got {args.mfu}")
+    cfg = load_config(preset=args.preset)
+    _set_vocab(cfg)
+    steps = cfg.train.max_steps - args.from_step
+    if steps <= 0 or args.from_step < 0:
+        raise UserError(
+            f"--from-step must be in [0, train.max_steps={cfg.train.max_steps}), got {args.from_step}"
+        )
+    gpus_list = (args.gpu,) if args.gpu else PRESET_GPUS
+    counts = (args.gpus,) if args.gpus else PRESET_COUNTS
+    done = f" from step {args.from_step}" if args.from_step else ""
+    lines = [
+        f"pretrain plan --preset {cfg.preset}: {_si(_model_params(cfg))} params, {steps:,} steps{done} "
+        f"(to train.max_steps={cfg.train.max_steps:,}), {flops_per_token(cfg.model) / 1e9:.2f} GFLOPs/token, "
+        f"optim.name={cfg.optim.name}, MFU {args.mfu:.0%} (--mfu); built-in prices, approximate",
+        f"  {'gpus':>4}  {'gpu':<10} {'micro x accum':>13}  {'mode':<12} {'GB/GPU':>9} {'tokens':>7} "
+        f"{'hours':>7} {'$/GPU-h':>8} {'cost $':>9}",
+    ]
+    for n in counts:
+        for gpu in gpus_list:
+            r = preset_row(
+                cfg, gpu, n, steps, args.mfu, args.price_per_gpu_hour or 0.0, args.peak_tflops or 0.0
+            )
+            lay = r.layout
+            if not lay.fits:
+                lines.append(f"  {n:>4}  {lay.gpu_type:<10} {'does not fit (even micro-batch 1 + AC)':>40}")
+                continue
+            mode = lay.mode.upper() + (" + AC" if lay.checkpointing else "")
+            lines.append(
+                f"  {n:>4}  {lay.gpu_type:<10} {f'{lay.micro_batch} x {lay.accum}':>13}  {mode:<12} "
+                f"{f'{lay.gb_per_gpu:.0f}/{lay.device_gb:.0f}':>9} {_si(steps * r.tokens_per_step):>7} "
+                f"{r.hours:>7.2f} {r.price_per_gpu_hour:>8.2f} {r.cost_usd:>9,.0f}"
+            )
+    lines.append(
+        f"  train with one of these layouts: pretrain train --preset {cfg.preset} --gpu-type GPU --gpus N"
+        + (" --resume PHASE1_RUN" if args.from_step else "")
+    )
+    return lines
+
+
 # ---------------------------------------------------------------- CLI
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--budget-usd", type=float, required=True, help="the dollars to spend on training")
-    parser.add_argument("--gpu", required=True, help=f"GPU type: {pricing.known_types()}")
-    parser.add_argument("--gpus", type=int, default=1, help="GPUs trained on, all nodes (default 1)")
+    parser.add_argument(
+        "--budget-usd", type=float, help="the dollars to spend on training (the Chinchilla plan; needs --gpu)"
+    )
+    parser.add_argument(
+        "--preset",
+        metavar="NAME",
+        help="instead of a budget: time, cost and the batch x accumulation that fits memory for this "
+        f"preset on {', '.join(f'{n}x' for n in PRESET_COUNTS)} of {', '.join(PRESET_GPUS)} "
+        "(narrow with --gpu / --gpus)",
+    )
+    parser.add_argument("--gpu", help=f"GPU type: {pricing.known_types()}")
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        help="GPUs trained on, all nodes (default 1); with --preset, the table covers 8 and 4",
+    )
+    parser.add_argument(
+        "--from-step",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--preset: steps already done (a phase that resumes another's checkpoint); time and cost count "
+        "train.max_steps - N (default 0)",
+    )
     parser.add_argument(
         "--price-per-gpu-hour", type=float, help="USD per GPU-hour, > 0 (default: the built-in table)"
     )
@@ -201,10 +295,18 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(
                 f"{flag} must be a number > 0, got {value}; leave it out to use the built-in table"
             )
+    if args.preset:
+        for line in preset_table(args):
+            print(line)
+        return 0
+    if args.budget_usd is None or not args.gpu:
+        raise UserError(
+            "pass --budget-usd X --gpu T (what a budget buys) or --preset NAME (time and cost of a preset)"
+        )
     plan = make_plan(
         args.budget_usd,
         args.gpu,
-        args.gpus,
+        args.gpus or 1,
         args.price_per_gpu_hour or 0.0,
         args.mfu,
         args.peak_tflops or 0.0,

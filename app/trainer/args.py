@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from app.config import Config, load_config, preset_names
 
@@ -80,6 +81,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="USD",
         help="launch price guard: do not start (exit 0) while a GPU-hour costs more (budget.max_price_per_gpu_hour)",
     )
+    p.add_argument(
+        "--gpu-type",
+        metavar="T",
+        help="GPU type (b200, h200, h100-sxm, a100-80gb, ...): prices the run (budget.gpu_type), sets the "
+        "MFU peak (metrics.gpu_type) and picks the micro-batch x accumulation that fits its memory at "
+        "--gpus N (or the torchrun world size), as `pretrain plan --preset P` prints it; an explicit "
+        "--set train.micro_batch_size wins",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -94,14 +103,36 @@ def config_from_args(args: argparse.Namespace) -> Config:
             "budget.price_per_gpu_hour": args.price_per_gpu_hour,
             "budget.gpus": args.gpus,
             "budget.max_price_per_gpu_hour": args.max_price_per_gpu_hour,
+            "budget.gpu_type": args.gpu_type,
+            "metrics.gpu_type": args.gpu_type,
         },
     )
+    if args.gpu_type:
+        _apply_layout(cfg, args)
     if cfg.metrics.port and cfg.budget.cap_usd and not cfg.budget.metrics_port:
         cfg.budget.metrics_port = cfg.metrics.port + 1  # the in-process watcher's own /metrics
     from app.trainer.trackers import check_trackers
 
     check_trackers(cfg.metrics.trackers)  # a missing extra: exit 2 before any work, on every rank
     return cfg
+
+
+def _apply_layout(cfg: Config, args: argparse.Namespace) -> None:
+    """--gpu-type: the batch layout for that GPU at the planned world size (app/trainer/layout.py)."""
+    import dataclasses
+
+    from app.trainer import layout
+    from app.trainer.memory import planned_world_size
+
+    if any(o.strip().startswith("train.micro_batch_size") for o in args.overrides):
+        return
+    sized = dataclasses.replace(cfg.model)  # the estimate needs a vocabulary; the data's is not known yet
+    if not sized.vocab_size:
+        sized.vocab_size = cfg.data.vocab_size if cfg.data.tokenizer == "bpe" else 128
+    chosen = layout.fit(dataclasses.replace(cfg, model=sized), cfg.budget.gpu_type, planned_world_size(cfg))
+    layout.apply(cfg, chosen)
+    if os.environ.get("RANK", "0") == "0":  # a YAML comment, so --print-config's output stays YAML
+        print(f"# batch layout for --gpu-type: {chosen.describe()}", flush=True)
 
 
 def print_config(cfg: Config) -> int:
@@ -121,4 +152,8 @@ def print_config(cfg: Config) -> int:
     print(f"# parameters: {counts.total:,} total, {counts.non_embedding:,} non-embedding{note}")
     print(f"# training FLOPs per token: {flops_per_token(cfg.model):,.0f}")
     print("\n".join(print_lines(cfg, planned_world_size(cfg))))
+    from app.trainer.model import build_model
+    from app.trainer.optim import describe_groups
+
+    print("\n".join(describe_groups(build_model(cfg.model, "meta"), cfg.optim)))
     return 0

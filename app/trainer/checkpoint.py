@@ -264,17 +264,21 @@ def open_reader(info: CheckpointInfo, kind: str = "model") -> ShardReader:
     return ShardReader.open(info.path, kind)
 
 
-def load_into(info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+def load_into(
+    info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> list[str]:
     """Restore weights (and optimizer state, when the checkpoint has it) in place, whatever world size and
     mode wrote them: every rank reads only the boxes it holds (its FSDP shards, or whole tensors under DDP
-    and in one process), one tensor at a time. No communication, no full copy anywhere."""
+    and in one process), one tensor at a time. No communication, no full copy anywhere. Returns lines
+    to log (an optimizer state converted between modes)."""
     from app.trainer.parallel import load_model, load_optimizer
 
     with open_reader(info) as reader:
         load_model(model, reader)
     if optimizer is not None and info.has_optimizer:
         with open_reader(info, "optimizer") as reader:
-            load_optimizer(model, optimizer, reader)
+            return load_optimizer(model, optimizer, reader)  # notes of a converted optimizer mode
+    return []
 
 
 def load_model_shapes(info: CheckpointInfo) -> dict[str, torch.Tensor]:

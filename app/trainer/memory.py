@@ -6,6 +6,8 @@ The counts follow this repo's model and trainer exactly (app/trainer/model.py, A
     weights      fp32 master weights                      DDP 4P      FSDP 4P/N
     grads        fp32 gradients (DDP grads are bucket views) DDP 4P    FSDP 4P/N
     optimizer    AdamW exp_avg + exp_avg_sq, fp32          DDP 8P      FSDP 8P/N
+                 (optim.name=muon: the block matrices M keep one fp32 momentum: 8P - 4M; under FSDP
+                 each step also gathers one full matrix and its bf16 Newton-Schulz copies: a buffer)
     activations  tensors autograd keeps for backward at the configured micro-batch and sequence length,
                  counted op by op (below); with activation checkpointing only each block's input, plus
                  the larger of the read-out and one block being recomputed
@@ -152,6 +154,7 @@ def estimate(
     checkpointing: bool = False,
     cuda: bool = True,
     bf16: bool = True,
+    optimizer: str = "adamw",
 ) -> MemoryEstimate:
     """Bytes per GPU. `bf16` means bf16 autocast (DDP) / bf16 parameters (FSDP mixed precision), which the
     trainer uses on CUDA only; on CPU everything is fp32."""
@@ -161,24 +164,29 @@ def estimate(
     P = ps.total
     act = activation_bytes(m, micro_batch, mixed, checkpointing)
     logit_grads = micro_batch * m.seq_len * m.vocab_size * 4 * 2  # d(log-softmax), d(logits)
+    muon = m.n_blocks * (ps.block - 2 * m.d_model) if optimizer == "muon" else 0  # block matrices
+    opt_bytes = 8 * P - 4 * muon
     if mode == "fsdp" and n > 1:
         pb = 2 if mixed else 4  # unsharded parameter dtype
         shard = -(-P // n)
         # root params stay unsharded from forward to backward; two blocks in flight (current + prefetch);
         # one block's unsharded gradients in param dtype plus fp32 for the reduce-scatter
         buffers = pb * ps.root + 2 * pb * ps.block + (pb + 4) * ps.block + logit_grads
+        if muon:  # the gathered update (fp32) and Newton-Schulz's bf16 iterate, Gram matrix and product
+            big = max(m.d_model, m.ffn_dim) * max(m.d_model, m.kv_heads * (m.d_model // m.n_head), m.ffn_dim)
+            buffers += 4 * big + 3 * 2 * big
         return MemoryEstimate(
             "fsdp",
             n,
             4 * shard,
             4 * shard,
-            8 * shard,
+            -(-opt_bytes // n),
             act,
             buffers,
             CUDA_OVERHEAD if cuda else 0,
         )
     buffers = (2 * ps.linear if mixed else 0) + logit_grads  # autocast's bf16 weight copies
-    return MemoryEstimate("ddp", n, 4 * P, 4 * P, 8 * P, act, buffers, CUDA_OVERHEAD if cuda else 0)
+    return MemoryEstimate("ddp", n, 4 * P, 4 * P, opt_bytes, act, buffers, CUDA_OVERHEAD if cuda else 0)
 
 
 def estimates(cfg: Config, world_size: int, cuda: bool) -> dict[str, MemoryEstimate]:
@@ -193,6 +201,7 @@ def estimates(cfg: Config, world_size: int, cuda: bool) -> dict[str, MemoryEstim
             checkpointing=cfg.train.activation_checkpointing,
             cuda=cuda,
             bf16=bf16,
+            optimizer=cfg.optim.name,
         )
         for mode in ("ddp", "fsdp")
     }

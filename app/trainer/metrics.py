@@ -125,6 +125,16 @@ class TrainerMetrics:
             self.refinement = g(
                 "pretrain_refinement_ratio", "(loss_first - loss_last) / loss_first over loops"
             )
+            self.loop_monotone = g(
+                "pretrain_loop_monotone", "1 when every loop lowered the loss (loss_0 > loss_1 > ...), else 0"
+            )
+            self.supervision_loss = g(
+                "pretrain_supervision_loss", "Deep supervision: weighted per-loop loss S = sum_i w_i L_i"
+            )
+            self.improvement_reward = g(
+                "pretrain_improvement_reward",
+                "Deep supervision: mean relative gain of a read-out over the previous one (I)",
+            )
             self.spikes = Counter("pretrain_loss_spikes", "Loss spikes detected", registry=r)
             self.spike = g("pretrain_loss_spike", "1 while the last step was a loss spike")
             self.info = Info("pretrain", "Run description", registry=r)

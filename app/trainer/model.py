@@ -4,7 +4,8 @@ variant whose middle blocks share weights and run several times.
 Plain model:   embed -> blocks[0 .. n_layer) -> norm -> head
 Looped model:  embed -> prelude -> (recurrent blocks) x r -> coda -> norm -> head
 With deep supervision the coda, norm and head also read out after every recurrence, giving one loss
-per loop: a model that learns to refine its answer shows loss_0 > loss_1 > ... > loss_{r-1}.
+per loop: a model that learns to refine its answer shows loss_0 > loss_1 > ... > loss_{r-1}. In training
+they combine into one objective (app/trainer/supervision.py); in eval mode the loss is the last read-out's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from app.config import ModelConfig
+from app.trainer.supervision import loop_weights, objective
 
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
 
@@ -136,7 +138,7 @@ class Block(nn.Module):
 @dataclass
 class ModelOutput:
     logits: torch.Tensor | None  # last read-out's logits (None when only the loss was asked for)
-    loss: torch.Tensor | None  # the training objective (weighted over loops with deep supervision)
+    loss: torch.Tensor | None  # training: the objective (deep supervision: S - s*I); eval: last read-out's CE
     loop_losses: list[torch.Tensor] = field(default_factory=list)  # per recurrence, detached
 
 
@@ -217,9 +219,12 @@ class GPT(nn.Module):
             losses.append(F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1)))
         if len(losses) == 1:
             return ModelOutput(logits, losses[0])
-        w = self.cfg.loop.loss_weights or [1.0] * len(losses)
-        loss = sum(wi * li for wi, li in zip(w, losses, strict=True)) / sum(w)
-        return ModelOutput(logits, loss, [li.detach() for li in losses])
+        loop_losses = [li.detach() for li in losses]
+        if not self.training:  # evaluation: the last read-out is the model's prediction (what sampling uses)
+            return ModelOutput(logits, losses[-1], loop_losses)
+        lp = self.cfg.loop  # deep supervision: weights and improvement term in app/trainer/supervision.py
+        terms = objective(losses, loop_weights(lp, len(losses)), lp.improvement_reward_scale)
+        return ModelOutput(logits, terms.total, loop_losses)
 
     # ------------------------------------------------------------ generation
 

@@ -381,31 +381,19 @@ def read_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     return {"state": state, "param_groups": groups}
 
 
-def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, reader) -> None:
-    """Restore the optimizer from a checkpoint reader (read_optimizer_state), hyperparameters included;
-    the saved param groups must match this optimizer's, group by group."""
-    from app.errors import UserError
+def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, reader) -> list[str]:
+    """Restore the optimizer from a checkpoint reader (read_optimizer_state). The state is fitted to this
+    run's optimizer (app.trainer.optim.fit_state: the same mode is kept as is, AdamW <-> Muon converts, an
+    unknown optimizer is refused in one line), the param groups become this run's. Returns lines to log."""
+    from app.trainer.optim import fit_state
 
-    saved = read_optimizer_state(model, optimizer, reader)
-    order = _param_names(unwrap(model), optimizer)
-    index = {name: i for i, name in enumerate(order)}
-    groups, i = [], 0
-    if len(saved["param_groups"]) != len(optimizer.param_groups):
-        raise UserError(
-            f"the checkpoint has {len(saved['param_groups'])} optimizer parameter groups, this optimizer "
-            f"{len(optimizer.param_groups)}; use the optimizer it was trained with or --resume never"
-        )
-    for g, current in zip(saved["param_groups"], optimizer.param_groups, strict=True):
-        n = len(current["params"])
-        if sorted(g["params"]) != sorted(order[i : i + n]):
-            raise UserError(
-                "the checkpoint's optimizer parameter groups do not match this model's; use the config it "
-                "was trained with or --resume never"
-            )
-        groups.append({**g, "params": list(range(i, i + n))})
-        i += n
+    gpt = unwrap(model)
+    saved, notes = fit_state(read_optimizer_state(model, optimizer, reader), optimizer, gpt)
+    index = {name: i for i, name in enumerate(_param_names(gpt, optimizer))}
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in saved["param_groups"]]
     state = {index[name]: entry for name, entry in saved["state"].items()}
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return notes
 
 
 def all_reduce_mean(t: torch.Tensor, env: DistEnv) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 
 from app.config import Config
 from app.errors import UserError
+from app.trainer import supervision
 from app.trainer.metrics import JsonlLog, TrainerMetrics
 from app.trainer.parallel import DistEnv
 
@@ -145,7 +146,13 @@ class Reporter:
         self.window_tokens, self.window_start = 0, now
         mfu = self.flops_per_token * tps / (self.peak * self.env.world_size) if self.peak else None
         loops = m["loop_losses"]
-        refinement = (loops[0] - loops[-1]) / loops[0] if loops else None
+        refinement = supervision.refinement(loops) if loops else None
+        terms = None
+        if loops:  # the objective's terms, from this step's mean per-loop losses (app/trainer/supervision.py)
+            lp = self.cfg.model.loop
+            terms = supervision.objective(
+                loops, supervision.loop_weights(lp, len(loops)), lp.improvement_reward_scale
+            )
         row = {
             "loss": m["loss"],
             "lr": m["lr"],
@@ -160,6 +167,9 @@ class Reporter:
         if loops:
             row["loop_losses"] = loops
             row["refinement"] = refinement
+            row["loop_monotone"] = supervision.monotone(loops)
+            row["supervision_loss"] = terms.supervision
+            row["improvement_reward"] = terms.improvement
         if m["spike"]:
             row["spike"] = True
         if m.get("bad"):
@@ -187,6 +197,9 @@ class Reporter:
                 g.loop_loss.labels(loop=str(i)).set(v)
             if loops:
                 g.refinement.set(refinement)
+                g.loop_monotone.set(1 if supervision.monotone(loops) else 0)
+                g.supervision_loss.set(terms.supervision)
+                g.improvement_reward.set(terms.improvement)
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 g.gpu_mem.set(torch.cuda.max_memory_allocated())
         if self.progress is not None:

@@ -40,9 +40,11 @@ def restore_weights(
     log,
 ) -> None:
     """Every rank reads only the boxes it holds (its FSDP shards, or whole tensors under DDP), from
-    whatever world size and mode wrote them: no broadcast, no full copy anywhere."""
+    whatever world size and mode wrote them: no broadcast, no full copy anywhere. An optimizer state of
+    another mode (AdamW <-> Muon) is converted, with a line saying so."""
     ckpt.check_compatible(model, ckpt.load_model_shapes(info), info.path)  # every rank, index only
-    ckpt.load_into(info, model, optimizer)
+    for note in ckpt.load_into(info, model, optimizer):
+        (warn if note.startswith("warning:") else log)(note)
     if not info.has_optimizer:
         warn(f"warning: {info.path} has no optimizer state; the optimizer restarts from zero moments")
     saved_world = info.meta.get("world_size")

@@ -1,0 +1,239 @@
+"""The optimizer: which parameters go to which group, per-group LRs under the schedule, Muon under FSDP2
+equal to the single-process update bit for bit, exact resume with Muon, and resuming another mode."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from app.config import ModelConfig, OptimConfig, ScheduleConfig
+from app.errors import UserError
+from app.trainer.model import build_model
+from app.trainer.optim import build_optimizer, fit_state, param_groups, set_lr
+from app.trainer.parallel import load_state, model_state_dict, optimizer_state_dict
+from app.trainer.schedule import lr_at
+from tests.conftest import FAST, REPO, cli_env, losses_by_step, pretrain, torchrun
+from tests.test_resume import assert_same_run
+
+CPU = torch.device("cpu")
+MUON = ["--set", "optim.name=muon", "--set", "optim.matrix_lr=0.004", "--set", "optim.embedding_lr=0.01"]
+
+
+def small(tie: bool = False) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=64, seq_len=16, n_layer=2, d_model=32, n_head=4, n_kv_head=2, tie_embeddings=tie
+    )
+
+
+def names_by_group(model, cfg: OptimConfig) -> dict[str, tuple[str, set[str]]]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {
+        g["name"]: (g["optimizer"], {names[id(p)] for p in g["params"]}) for g in param_groups(model, cfg)
+    }
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(tie):
+    model = build_model(small(tie))
+    groups = names_by_group(model, OptimConfig(name="muon"))
+    kind, matrices = groups["matrix"]
+    assert kind == "muon"
+    assert matrices == {
+        f"blocks.{b}.{m}.weight"
+        for b in range(2)
+        for m in ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w_gate", "mlp.w_up", "mlp.w_down")
+    }
+    assert groups["embedding"] == ("adamw", {"tok_emb.weight"})
+    assert groups["other"] == (
+        "adamw",
+        {"norm.weight"} | {f"blocks.{b}.{n}.weight" for b in range(2) for n in ("attn_norm", "mlp_norm")},
+    )
+    if tie:
+        assert "head" not in groups  # the tied head is the embedding: one tensor, one group
+    else:
+        assert groups["head"] == ("adamw", {"head.weight"})
+    # every trainable parameter is in exactly one group
+    seen = [n for _, ns in groups.values() for n in ns]
+    assert sorted(seen) == sorted(n for n, _ in model.named_parameters())
+    # AdamW mode: the same groups, all AdamW; decay on matrices and the head only
+    adamw = param_groups(model, OptimConfig(name="adamw", weight_decay=0.1))
+    assert {g["optimizer"] for g in adamw} == {"adamw"}
+    assert {g["name"]: g["weight_decay"] for g in adamw} == {
+        "matrix": 0.1,
+        "embedding": 0.0,
+        "other": 0.0,
+        **({} if tie else {"head": 0.1}),
+    }
+
+
+def test_each_group_follows_the_schedule_from_its_own_peak():
+    cfg = OptimConfig(lr=1e-3, min_lr=1e-4, matrix_lr=4e-3, embedding_lr=1e-2, head_lr=5e-4)
+    opt = build_optimizer(build_model(small()), cfg, CPU)
+    sched = ScheduleConfig(name="cosine", warmup_steps=10)
+    for step, want_scale in [(0, 0.1), (9, 1.0), (1000, 0.1)]:  # warmup start, peak, floor (min_lr / lr)
+        lr = lr_at(step, sched, cfg, 1000)
+        assert lr == pytest.approx(1e-3 * want_scale)
+        set_lr(opt, lr)
+        got = {g["name"]: g["lr"] for g in opt.param_groups}
+        peaks = {"matrix": 4e-3, "embedding": 1e-2, "head": 5e-4, "other": 1e-3}
+        assert got == pytest.approx({k: v * want_scale for k, v in peaks.items()})
+    # default: every group at optim.lr, exactly (old runs resume bit-identically)
+    opt = build_optimizer(build_model(small()), OptimConfig(lr=3e-4), CPU)
+    set_lr(opt, 2.5e-4)
+    assert {g["lr"] for g in opt.param_groups} == {2.5e-4}
+
+
+def test_print_config_lists_the_groups():
+    proc = pretrain("train", *FAST, *MUON, "--print-config")
+    assert proc.returncode == 0, proc.stderr
+    lines = [
+        line
+        for line in proc.stdout.splitlines()
+        if line.startswith("#   matrix") or line.startswith("#   embedding")
+    ]
+    assert len(lines) == 2
+    assert "Muon" in lines[0] and "blocks.*.attn.wq.weight" in lines[0] and "lr 0.004" in lines[0]
+    assert "AdamW" in lines[1] and "tok_emb.weight" in lines[1] and "lr 0.01" in lines[1]
+
+
+def _step(model, opt, seed):
+    torch.manual_seed(seed)
+    x = torch.randint(0, 64, (2, 16))
+    model(x, x).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_resuming_adamw_state_with_muon_converts_and_back_restarts_the_moments():
+    model = build_model(small())
+    adamw = build_optimizer(model, OptimConfig(), CPU)
+    _step(model, adamw, 0)
+    saved = optimizer_state_dict(model, adamw)
+    muon = build_optimizer(model, OptimConfig(name="muon"), CPU)
+    state, notes = fit_state(saved, muon, model)
+    assert len(notes) == 1 and "14 matrices move to Muon" in notes[0]
+    load_state(model, muon, model_state_dict(model), state)
+    now = optimizer_state_dict(model, muon)["state"]
+    name = "blocks.0.attn.wq.weight"
+    assert set(now[name]) == {"momentum_buffer"}
+    assert torch.equal(now[name]["momentum_buffer"], saved["state"][name]["exp_avg"])
+    assert torch.equal(now["tok_emb.weight"]["exp_avg_sq"], saved["state"]["tok_emb.weight"]["exp_avg_sq"])
+    _step(model, muon, 1)
+    # and back: Muon has no second moment, so AdamW restarts those matrices (and says so)
+    back = build_optimizer(model, OptimConfig(), CPU)
+    state, notes = fit_state(optimizer_state_dict(model, muon), back, model)
+    assert len(notes) == 1 and notes[0].startswith("warning:") and "from zero" in notes[0]
+    load_state(model, back, model_state_dict(model), state)
+    entry = optimizer_state_dict(model, back)["state"][name]
+    assert float(entry["step"]) == 0 and not entry["exp_avg"].any()
+    _step(model, back, 2)
+    # state from another optimizer entirely is refused in one line
+    bogus = {"state": {name: {"square_avg": torch.zeros(1)}}, "param_groups": []}
+    with pytest.raises(UserError, match="blocks.0.attn.wq.weight"):
+        fit_state(bogus, back, model)
+
+
+# ---------------------------------------------------------------- FSDP2: the gathered update is exact
+
+FSDP_WORKER = """
+import torch, torch.distributed as dist
+from torch.distributed.tensor import distribute_tensor
+from app.config import ModelConfig, OptimConfig
+from app.trainer.model import build_model
+from app.trainer.optim import build_optimizer
+from app.trainer.parallel import init_distributed, optimizer_state_dict, shard_model
+
+env = init_distributed("cpu")
+# d_ff > d_model: some matrices are tall, the case torch's Muon transposes (and gets wrong on shards)
+cfg = ModelConfig(vocab_size=64, seq_len=16, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=96,
+                  tie_embeddings=False)
+oc = OptimConfig(name="muon", matrix_lr=0.02, embedding_lr=0.01, head_lr=0.004)
+torch.manual_seed(0)
+ref = build_model(cfg)
+torch.manual_seed(0)
+sharded = shard_model(build_model(cfg), torch.device("cpu"))
+o_ref, o_sh = build_optimizer(ref, oc, torch.device("cpu")), build_optimizer(sharded, oc, torch.device("cpu"))
+params = dict(ref.named_parameters())
+for step in range(3):
+    g = torch.Generator().manual_seed(100 + step)  # the same full gradients on every rank
+    for n, p in sharded.named_parameters():
+        full = torch.randn(params[n].shape, generator=g)
+        params[n].grad = full.clone()
+        p.grad = distribute_tensor(full, p.device_mesh, p.placements)
+    o_ref.step(); o_sh.step(); o_ref.zero_grad(); o_sh.zero_grad()
+bad = [n for n, p in sharded.named_parameters() if not torch.equal(p.full_tensor(), params[n].detach())]
+so_ref, so_sh = optimizer_state_dict(ref, o_ref), optimizer_state_dict(sharded, o_sh)
+if env.rank == 0:
+    for n, entry in so_ref["state"].items():
+        bad += [f"{n}.{k}" for k, v in entry.items() if not torch.equal(so_sh["state"][n][k], v)]
+    kinds = sorted({k for e in so_sh["state"].values() for k in e})
+    print("EQUAL" if not bad else f"DIFFER {bad}", kinds)
+dist.destroy_process_group()
+"""
+
+
+def test_muon_under_fsdp2_equals_the_single_process_update(tmp_path):
+    import subprocess
+
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(FSDP_WORKER))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+        cwd=REPO,
+        env=cli_env(PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "EQUAL ['exp_avg', 'exp_avg_sq', 'momentum_buffer', 'step']" in proc.stdout, proc.stdout
+
+
+# ---------------------------------------------------------------- exact resume and mode changes, real CLI
+
+
+def test_exact_resume_with_muon(tmp_path):
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    assert pretrain("train", "--out", str(straight), "--max-steps", "12", *FAST, *MUON).returncode == 0
+    assert pretrain("train", "--out", str(halves), "--max-steps", "6", *FAST, *MUON).returncode == 0
+    second = pretrain("train", "--out", str(halves), "--max-steps", "12", *FAST, *MUON)
+    assert second.returncode == 0 and "resumed from" in second.stdout
+    assert_same_run(straight, halves, 12)
+
+
+def test_an_adamw_checkpoint_resumes_under_muon(tmp_path):
+    run = tmp_path / "run"
+    assert pretrain("train", "--out", str(run), "--max-steps", "3", *FAST).returncode == 0
+    proc = pretrain("train", "--out", str(run), "--max-steps", "5", *FAST, *MUON)
+    assert proc.returncode == 0, proc.stderr
+    assert "trained with AdamW; 14 matrices move to Muon" in proc.stdout
+    assert max(losses_by_step(run)) == 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_exact_resume_with_muon_on_two_ranks(tmp_path, mode):
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    extra = [*FAST, *MUON, "--set", f"train.parallel={mode}", "--set", f"train.batch_tokens={8 * 64 * 2 * 2}"]
+    assert torchrun("--out", str(straight), "--max-steps", "8", *extra).returncode == 0
+    assert torchrun("--out", str(halves), "--max-steps", "4", *extra).returncode == 0
+    resumed = torchrun("--out", str(halves), "--max-steps", "8", *extra)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(straight, halves, 8)
+
+
+@pytest.mark.slow
+def test_muon_fsdp_training_follows_ddp(tmp_path):
+    runs = {}
+    for mode in ("ddp", "fsdp"):
+        runs[mode] = tmp_path / mode
+        proc = torchrun(
+            "--out", str(runs[mode]), "--max-steps", "6", *FAST, *MUON, "--set", f"train.parallel={mode}"
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = losses_by_step(runs["ddp"]), losses_by_step(runs["fsdp"])
+    for s in range(1, 7):
+        assert a[s] == pytest.approx(b[s], rel=1e-4), (s, a[s], b[s])
