@@ -23,12 +23,18 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /opt/pretrain
 
 # Dependencies first (cached until pyproject.toml changes): the runtime ones, the `kubernetes`
-# client of the watcher and the server of `pretrain serve` (fastapi, uvicorn), minus torch (the
-# image's) and torchx (a client-side tool).
+# client of the watcher, the server of `pretrain serve` (fastapi, uvicorn) and the experiment trackers
+# of `metrics.trackers` (tensorboard, mlflow, wandb extras), minus torch (the image's) and torchx (a
+# client-side tool). A tracker package the base image already pins in its pip constraint file (NGC
+# ships tensorboard) is kept at the image's version, as torch is, instead of conflicting with it.
 COPY pyproject.toml ./
 RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/constraints.txt \
- && python -c "import sys; toml = __import__('tomllib') if sys.version_info >= (3, 11) else __import__('pip._vendor.tomli', fromlist=['loads']); \
-p = toml.load(open('pyproject.toml', 'rb'))['project']; deps = p['dependencies'] + p['optional-dependencies']['k8s'] + p['optional-dependencies']['serve']; \
+ && python -c "import os, re, sys; toml = __import__('tomllib') if sys.version_info >= (3, 11) else __import__('pip._vendor.tomli', fromlist=['loads']); \
+name = lambda r: re.split(r'[<>=!~\\[; ]', r.strip(), maxsplit=1)[0].lower().replace('_', '-'); \
+pinned = {name(line) for c in os.environ.get('PIP_CONSTRAINT', '').split() if os.path.isfile(c) for line in open(c) if line.strip() and not line.lstrip().startswith('#')}; \
+p = toml.load(open('pyproject.toml', 'rb'))['project']; x = p['optional-dependencies']; \
+trackers = [name(d) if name(d) in pinned else d for e in ('tensorboard', 'mlflow', 'wandb') for d in x[e]]; \
+deps = p['dependencies'] + x['k8s'] + x['serve'] + trackers; \
 print('\\n'.join(d for d in deps if not d.replace(' ', '').lower().startswith(('torch>', 'torch=', 'torch<', 'torch;', 'torchx'))))" \
     > /tmp/requirements.txt \
  && python -m pip install --no-cache-dir -c /tmp/constraints.txt -r /tmp/requirements.txt \

@@ -2,6 +2,8 @@
 
     python -m app.launch <torchrun arguments> -m app.train <trainer arguments>
 
+(or any other module: the chart's benchmark job runs `-m app.tools.bench`; the exit code is its own).
+
 Plain torchrun as a pod's command breaks the stop protocol twice:
 1. On SIGTERM it forwards the signal to its workers but SIGKILLs them 30 s later (before torch 2.12
    the 30 s cannot be changed), which cuts a large checkpoint short.

@@ -23,14 +23,28 @@ therefore counts for itself, on the checkpoint volume that outlives the pods:
 - A new Helm release revision (`helm upgrade`, env PRETRAIN_RESTARTS_EPOCH) starts a new count: the
   documented way to retry after fixing the cause. Without Helm, delete RUN_DIR/restarts/.
 
-The wait-for-data initContainer cannot fail the job itself: the operator reads the exit code of the
-`pytorch` container only, and one that never ran reads as 0xbeef (48879, "retryable"). So the wait step
-writes its verdict to a file on the pod's emptyDir and exits 0, and the launcher ends with
-EXIT_DATA_NOT_READY (4, permanent) and the verdict's reason (app/data/wait.py).
+Two launchers can share one node-<R>.json: a recreated pod (same node rank) starts while the terminating
+one still saves. Every update is therefore a read-modify-write under an exclusive lock file beside it
+(node-<R>.json.lock, created with O_CREAT|O_EXCL: atomic on local filesystems and NFSv3+, where flock is
+not reliable), and each launcher finds its own attempt by id when it ends. A lock whose holder is gone
+(its process is dead in this same pid namespace, or the lock file has not changed for
+LOCK_STALE_SECONDS: a holder killed mid-update) is taken over. The newcomer may count the other's still
+open attempt as "no record"; when that one ends after all, its real code replaces the guess.
 
-Configured by environment (set by the chart; without PRETRAIN_RUN_DIR the gate does nothing):
+The pod's init steps cannot fail the job themselves: the operator reads the exit code of the `pytorch`
+container only, and one that never ran reads as 0xbeef (48879, "retryable"), which loops uncounted. So
+they leave a verdict {"code": N, "reason": ...} on the pod's emptyDir and let the pod go on, and the
+launcher ends it with that code (permanent) and the reason before torchrun starts:
+- the wait-for-data step (app/data/wait.py): EXIT_DATA_NOT_READY (4) when it gave up on the data, 2 for
+  arguments it could not use, 1 when it crashed;
+- the budget-watcher sidecar (app/budget/cli.py, `--verdict`): 2 when it cannot run (a checkpoint volume
+  it cannot write, a budget without a price), 1 when it crashed. It stays up, serving /metrics, so
+  that its startupProbe passes and the pod reaches this launcher instead of hanging in Init.
+
+Configured by environment (set by the chart; without PRETRAIN_RUN_DIR there is no retry budget):
 PRETRAIN_RUN_DIR, PRETRAIN_MAX_RESTARTS, PRETRAIN_RESTARTS_EPOCH, PRETRAIN_DATA_VERDICT,
-PET_NODE_RANK (set by the training-operator), PRETRAIN_TERMINATION_LOG (default /dev/termination-log).
+PRETRAIN_WATCHER_VERDICT, PET_NODE_RANK (set by the training-operator), PRETRAIN_TERMINATION_LOG
+(default /dev/termination-log).
 """
 
 from __future__ import annotations
@@ -42,11 +56,13 @@ import re
 import socket
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 from app.data.wait import EXIT_DATA_NOT_READY
 from app.files import atomic_write_json
+from app.trainer.lease import holder_is_dead, identity
 
 EXIT_RETRIES_SPENT = 5  # 3 is the trainer's "diverged"
 EXIT_NOT_WRITABLE = 2
@@ -54,6 +70,7 @@ EXIT_NOT_WRITABLE = 2
 # by another one (a terminating pod still writing) and gave up waiting.
 STOP_CODES = (130, 142, 143)
 KEEP_ATTEMPTS = 50
+LOCK_STALE_SECONDS = 30.0  # the lock is held for one read and one write of a small file
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -85,13 +102,99 @@ def is_failure(code: int | None) -> bool:
     return code is None or (code >= 128 and code not in STOP_CODES)
 
 
+class StateLock:
+    """Exclusive lock file for one read-modify-write of a node's retry state (see the module doc)."""
+
+    def __init__(self, path: Path, stale_seconds: float = LOCK_STALE_SECONDS, poll_seconds: float = 0.02):
+        self.path = Path(path)
+        self.stale_seconds, self.poll = stale_seconds, poll_seconds
+        self.me = {**identity(), "token": uuid.uuid4().hex}
+
+    def _read(self) -> dict | None:
+        """The lock's content, {} while it cannot be parsed (being written), None when there is none."""
+        try:
+            raw = self.path.read_text()
+        except FileNotFoundError:
+            return None
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _create(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({**self.me, "unix": time.time()}))
+        return True
+
+    def _take_over(self, stale: dict) -> bool:
+        """Move the stale lock aside (one taker's rename finds it); if what moved is not the lock judged
+        stale (a new holder's, created in between), put it back."""
+        aside = self.path.with_name(f"{self.path.name}.stale-{self.me['token']}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False
+        try:
+            moved = json.loads(aside.read_text())
+        except (OSError, ValueError):
+            moved = {}
+        if stale and moved.get("token") != stale.get("token"):
+            with contextlib.suppress(OSError):
+                os.link(aside, self.path)  # fails if yet another holder exists: then it is theirs
+        with contextlib.suppress(OSError):
+            aside.unlink()
+        return True
+
+    def __enter__(self) -> StateLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        seen: dict | None = None
+        since = time.monotonic()
+        while not self._create():
+            held = self._read()
+            if held is None:
+                continue  # released between our create and read: try again at once
+            now = time.monotonic()
+            if held != seen:
+                seen, since = held, now
+            why = ""
+            if held and holder_is_dead(held, self.me):
+                why = f"its process (pid {held.get('pid')} on this machine) is gone"
+            elif now - since >= self.stale_seconds:
+                why = f"it has not changed for {now - since:.0f} s"
+            if why and self._take_over(held):
+                print(
+                    f"launch: took over the lock {self.path} of pid {held.get('pid')} on "
+                    f"{held.get('host', '?')}: {why}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                seen, since = None, time.monotonic()
+                continue
+            time.sleep(self.poll)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        held = self._read()
+        if held is not None and held.get("token") == self.me["token"]:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+
 class RetryBudget:
     def __init__(self, run_dir: Path, max_restarts: int, node_rank: int = 0, epoch: str = "") -> None:
         self.run_dir = Path(run_dir)
         self.max_restarts = max_restarts
         self.epoch = epoch
         self.path = self.run_dir / "restarts" / f"node-{node_rank}.json"
+        self.lock = StateLock(self.path.with_name(self.path.name + ".lock"))
         self.state: dict[str, Any] = {}
+        self.attempt_id = uuid.uuid4().hex
+        self.start_step = 0
 
     @classmethod
     def from_env(cls) -> RetryBudget | None:
@@ -127,7 +230,7 @@ class RetryBudget:
             st["failures"] = 0
         if attempt["counted"]:
             st["failures"] = int(st.get("failures", 0)) + 1
-        st["checkpoint_step"] = step_now
+        st["checkpoint_step"] = max(step_now, int(st.get("checkpoint_step", 0)))
 
     def _refusal(self) -> str:
         st = self.state
@@ -147,60 +250,81 @@ class RetryBudget:
 
     def begin(self) -> str:
         """Record the start of an attempt; returns the refusal line when the budget is spent, else ""."""
-        self.state = self._load()
-        st = self.state
-        step = latest_checkpoint_step(self.run_dir)
-        if st.get("epoch", "") != self.epoch:  # a new release revision: a new count
-            st.update(epoch=self.epoch, failures=0)
-        last = st["attempts"][-1] if st["attempts"] else None
-        if last is not None and "end_unix" not in last:  # the previous attempt left no record
-            last.update(end_unix=0.0, exit_code=None)
-            self._count(last, step)
-        elif step > int(st.get("checkpoint_step", 0)):
-            st.update(failures=0, checkpoint_step=step)
-        refusal = self._refusal() if st["failures"] > self.max_restarts else ""
-        st["attempts"].append(
-            {
-                "start_unix": time.time(),
-                "checkpoint_step": step,
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                **(
-                    {"refused": True, "end_unix": time.time(), "exit_code": EXIT_RETRIES_SPENT}
-                    if refusal
-                    else {}
-                ),
-            }
-        )
-        self._save()
+        with self.lock:
+            self.state = self._load()
+            st = self.state
+            step = self.start_step = latest_checkpoint_step(self.run_dir)
+            if st.get("epoch", "") != self.epoch:  # a new release revision: a new count
+                st.update(epoch=self.epoch, failures=0)
+            last = st["attempts"][-1] if st["attempts"] else None
+            if last is not None and "end_unix" not in last:  # the previous attempt left no record
+                last.update(end_unix=0.0, exit_code=None)
+                self._count(last, step)
+            elif step > int(st.get("checkpoint_step", 0)):
+                st.update(failures=0, checkpoint_step=step)
+            refusal = self._refusal() if st["failures"] > self.max_restarts else ""
+            st["attempts"].append(
+                {
+                    "id": self.attempt_id,
+                    "epoch": self.epoch,
+                    "start_unix": time.time(),
+                    "checkpoint_step": step,
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    **(
+                        {"refused": True, "end_unix": time.time(), "exit_code": EXIT_RETRIES_SPENT}
+                        if refusal
+                        else {}
+                    ),
+                }
+            )
+            self._save()
         return refusal
 
     def end(self, code: int) -> tuple[int, str]:
         """Record the end; returns the exit code to use (EXIT_RETRIES_SPENT once the budget is spent)
-        and the line saying why ("" when the code is kept)."""
-        st = self.state
-        attempt = st["attempts"][-1]
-        attempt.update(end_unix=time.time(), exit_code=code)
-        self._count(attempt, latest_checkpoint_step(self.run_dir))
-        line = ""
-        if attempt["counted"] and st["failures"] > self.max_restarts:
-            line = self._refusal()
-            attempt["replaced_by"] = EXIT_RETRIES_SPENT
-            code = EXIT_RETRIES_SPENT
-        elif attempt["counted"]:
-            print(
-                f"launch: exit {attempt['exit_code']} without a new checkpoint: failure "
-                f"{st['failures']} of {self.max_restarts + 1} allowed in a row ({self.path})",
-                file=sys.stderr,
-                flush=True,
-            )
-        self._save()
+        and the line saying why ("" when the code is kept). Reads the file afresh: another launcher on
+        this node rank may have written it since begin()."""
+        with self.lock:
+            self.state = st = self._load()
+            attempt = next((a for a in reversed(st["attempts"]) if a.get("id") == self.attempt_id), None)
+            if attempt is None:  # dropped meanwhile (KEEP_ATTEMPTS newer ones, a deleted file)
+                attempt = {"id": self.attempt_id, "epoch": self.epoch, "checkpoint_step": self.start_step}
+                st["attempts"].append(attempt)
+            elif "end_unix" in attempt and attempt.get("counted"):
+                # a newer launcher took it for lost ("none recorded") and counted it: replace that guess
+                st["failures"] = max(0, int(st.get("failures", 0)) - 1)
+            attempt.update(end_unix=time.time(), exit_code=code)
+            if attempt.get("epoch", self.epoch) != st.get("epoch", ""):
+                attempt["counted"] = False  # a newer release revision counts for itself
+            else:
+                self._count(attempt, latest_checkpoint_step(self.run_dir))
+            line = ""
+            if attempt["counted"] and st["failures"] > self.max_restarts:
+                line = self._refusal()
+                attempt["replaced_by"] = EXIT_RETRIES_SPENT
+                code = EXIT_RETRIES_SPENT
+            elif attempt["counted"]:
+                print(
+                    f"launch: exit {attempt['exit_code']} without a new checkpoint: failure "
+                    f"{st['failures']} of {self.max_restarts + 1} allowed in a row ({self.path})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self._save()
         return code, line
 
 
-def data_verdict() -> dict[str, Any] | None:
-    """The wait-for-data step's verdict (PRETRAIN_DATA_VERDICT), when it gave up on the data."""
-    path = os.environ.get("PRETRAIN_DATA_VERDICT", "")
+# (environment variable naming the verdict file, what the launcher says, the code when the file names none)
+VERDICTS = (
+    ("PRETRAIN_WATCHER_VERDICT", "the budget watcher cannot run", EXIT_NOT_WRITABLE),
+    ("PRETRAIN_DATA_VERDICT", "no training data", EXIT_DATA_NOT_READY),
+)
+
+
+def read_verdict(env: str) -> dict[str, Any] | None:
+    """The verdict an init step left in the file named by $env, when it has one with a reason."""
+    path = os.environ.get(env, "")
     if not path:
         return None
     try:
@@ -210,6 +334,24 @@ def data_verdict() -> dict[str, Any] | None:
     return data if isinstance(data, dict) and data.get("reason") else None
 
 
+def verdict_exit(verdict: dict[str, Any], default: int) -> int:
+    """The verdict's code when it is a permanent one under ExitCode (1-127), else `default`."""
+    code = verdict.get("code")
+    return code if isinstance(code, int) and not isinstance(code, bool) and 1 <= code <= 127 else default
+
+
+def verdict_line() -> tuple[str, int] | None:
+    """(the line to end with, the exit code) for the first verdict an init step left, or None."""
+    for env, what, default in VERDICTS:
+        verdict = read_verdict(env)
+        if verdict:
+            code = verdict_exit(verdict, default)
+            if env == "PRETRAIN_DATA_VERDICT" and code != EXIT_DATA_NOT_READY:
+                what = "the wait-for-data step failed"
+            return f"launch: {what}: {verdict['reason']} -> exit {code} (permanent)", code
+    return None
+
+
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
     termination_message(line)
@@ -217,10 +359,10 @@ def _say(line: str) -> None:
 
 def before_launch() -> tuple[RetryBudget | None, int | None]:
     """(the budget to close after the run, an exit code to end with at once, or None to launch)."""
-    verdict = data_verdict()
-    if verdict:
-        _say(f"launch: no training data: {verdict['reason']} -> exit {EXIT_DATA_NOT_READY} (permanent)")
-        return None, EXIT_DATA_NOT_READY
+    found = verdict_line()
+    if found:
+        _say(found[0])
+        return None, found[1]
     budget = RetryBudget.from_env()
     if budget is None:
         return None, None

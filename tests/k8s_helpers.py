@@ -478,12 +478,3 @@ class PreparePod:
     def run(self, **extra) -> subprocess.CompletedProcess:
         cmd = ["sh", "-c", sh_script(self.c, self.root), *self.c["command"][3:], *self.c["args"]]
         return subprocess.run(cmd, env={**self.env, **extra}, capture_output=True, text=True, timeout=30)
-
-
-def wait_step(docs: list, root: Path, rtype: str = "Master", **extra) -> subprocess.CompletedProcess:
-    """The rendered wait-for-data container, run for real (`pretrain wait-data`, paths under root)."""
-    c = container(pod_spec(one(docs, "PyTorchJob"), rtype), "wait-for-data", init=True)
-    assert c["command"] == ["pretrain"]
-    env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
-    cmd = [sys.executable, "-m", "app.cli", *(local_path(a, root) for a in c["args"])]
-    return subprocess.run(cmd, env={**env, **extra}, capture_output=True, text=True, timeout=60)

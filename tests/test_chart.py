@@ -15,6 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import chart_pods as pods
 import k8s_helpers as h
 import pytest
 import yaml
@@ -411,7 +412,7 @@ def test_prepare_and_wait_steps(helm_bin, tmp_path):
 
     # nothing prepared: the trainer waits, then gives up after the timeout, leaving a verdict
     t0 = time.monotonic()
-    proc = h.wait_step(docs, tmp_path)
+    proc = pods.wait_step(docs, tmp_path)
     assert proc.returncode == 0 and time.monotonic() - t0 >= 2, proc.stderr
     verdict = json.loads((tmp_path / "run" / "data-verdict.json").read_text())
     assert verdict["code"] == 4 and "prepare.wait.timeoutSeconds=2" in verdict["reason"]
@@ -427,13 +428,13 @@ def test_prepare_and_wait_steps(helm_bin, tmp_path):
     # idempotent: the same fingerprint skips the work
     n = len(prep.calls.read_text().splitlines())
     assert "nothing to do" in prep.run().stdout and len(prep.calls.read_text().splitlines()) == n
-    proc = h.wait_step(docs, tmp_path)
+    proc = pods.wait_step(docs, tmp_path)
     assert proc.returncode == 0 and "is ready" in proc.stdout
     assert not (tmp_path / "run" / "data-verdict.json").exists()
     # a marker of other arguments is not ready; a stop file releases the wait so the trainer can exit 0
     marker.write_text("0123456789abcdef\n")
     (tmp_path / "run" / "stop.json").write_text("{}")
-    proc = h.wait_step(docs, tmp_path)
+    proc = pods.wait_step(docs, tmp_path)
     assert proc.returncode == 0 and "stop file" in proc.stdout
     assert not (tmp_path / "run" / "data-verdict.json").exists()
 

@@ -15,11 +15,13 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import chart_pods as pods
 import k8s_helpers as h
 import pytest
 import yaml
@@ -98,7 +100,7 @@ def test_2_a_failed_prepare_ends_the_job_with_a_reason(tmp_path, monkeypatch):
     assert proc.returncode == 2 and "final: true" in proc.stderr
     failed = json.loads((tmp_path / "data" / "fineweb-edu-10bt" / "_FAILED").read_text())
     assert failed["final"] is True and failed["fingerprint"] == prep.env["PREPARE_FINGERPRINT"]
-    proc = h.wait_step(docs, tmp_path)
+    proc = pods.wait_step(docs, tmp_path)
     assert proc.returncode == 0 and "gave up" in proc.stderr and "exited 2" in proc.stderr
     gate_env(trainer(docs), tmp_path, monkeypatch)
     assert restarts.gated(lambda argv: 0, []) == restarts.EXIT_DATA_NOT_READY
@@ -150,7 +152,125 @@ def test_2_the_wait_reads_the_prepare_job_and_posts_events(tmp_path):
     assert arg(watcher, "--idle-allowance-seconds") == "1800"
 
 
+def test_2_a_wait_step_that_cannot_run_ends_the_job_with_a_reason(tmp_path, monkeypatch, capsys):
+    """The wait-for-data step given arguments it cannot use (here a flag of a newer chart than the image)
+    must not fail as an initContainer (the operator reads the placeholder 48879, retryable, and loops
+    uncounted): it leaves a verdict, and the launcher's gate ends the pod with 2, permanent, in one line."""
+    docs = h.render()
+    h.validate_all(docs)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "ckpt" / "pretrain").mkdir(parents=True)
+    proc = pods.wait_step(docs, tmp_path, extra_args=("--missing-gracee", "5"))
+    assert proc.returncode == 0, proc.stderr
+    line = pods.one_line(proc.stderr)
+    assert "bad arguments" in line and "unrecognized arguments: --missing-gracee 5" in line
+    verdict = json.loads((tmp_path / "run" / "data-verdict.json").read_text())
+    assert verdict["code"] == 2 and verdict["reason"] in line
+    gate_env(trainer(docs), tmp_path, monkeypatch)
+    ran = []
+    assert restarts.gated(lambda argv: ran.append(argv) or 0, []) == 2
+    line = pods.one_line(capsys.readouterr().err)
+    assert line.startswith("launch: the wait-for-data step failed: bad arguments")
+    assert line.endswith("-> exit 2 (permanent)") and not ran, "the trainer must not start"
+    assert (tmp_path / "termination-log").read_text().strip() == line
+
+
+def test_2_a_crashing_wait_step_is_a_verdict_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """An unexpected error in the wait step (a bug, a library surprise): one line naming it and where,
+    verdict code 1 (permanent, like a trainer crash), never the initContainer failure the operator loops on."""
+    from app.data import wait
+
+    docs = h.render()
+    c = h.container(h.pod_spec(h.one(docs, "PyTorchJob"), "Master"), "wait-for-data", init=True)
+    assert c["command"] == ["python", "-m", "app.data.wait"]
+
+    def broken(*_a, **_k):
+        raise RuntimeError("the volume said something odd\nsecond line")
+
+    monkeypatch.setattr(wait, "wait_for_data", broken)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    (tmp_path / "run").mkdir()
+    assert wait.main([h.local_path(a, tmp_path) for a in c["args"]]) == 0
+    err = capsys.readouterr().err
+    line = pods.one_line(err)
+    assert "crashed: RuntimeError: the volume said something odd (test_chart_operations.py:" in line
+    verdict = json.loads((tmp_path / "run" / "data-verdict.json").read_text())
+    assert verdict == {"code": 1, "reason": line.removeprefix("wait-for-data: ")}
+    gate_env(trainer(docs), tmp_path, monkeypatch)
+    assert restarts.gated(lambda argv: 0, []) == 1
+    assert (
+        "the wait-for-data step failed: crashed: RuntimeError" in (tmp_path / "termination-log").read_text()
+    )
+
+
 # ------------------------------------------------------------- 3. volumes a non-root pod can write
+
+
+@pytest.fixture
+def shared() -> Path:
+    """A temp dir that uid 1000 can reach (pytest's own tmp_path is private to its user)."""
+    path = Path(tempfile.mkdtemp())
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.slow  # ~7 s: the real watcher and launcher processes
+def test_3_an_unwritable_checkpoint_volume_ends_the_job_instead_of_hanging_in_init(shared):
+    """/ckpt that the pods' uid cannot write, with the budget-watcher sidecar on (the default): the
+    watcher must not exit before serving /metrics (a native sidecar would restart in a loop, its
+    startupProbe never pass, and the pod stay in Init holding GPUs with no exit code for the operator).
+    It leaves a verdict on the shared emptyDir and passes its probe; the launcher exits 2 with one line."""
+    docs = h.render()
+    h.validate_all(docs)
+    spec = pods.master(docs)
+    watcher = h.container(spec, "budget-watcher", init=True)
+    pytorch = h.container(spec, "pytorch")
+    # the wiring: the verdict goes to the emptyDir both containers mount, where the launcher looks for it
+    verdict_path = watcher["args"][watcher["args"].index("--verdict") + 1]
+    assert h.env_map(pytorch)["PRETRAIN_WATCHER_VERDICT"] == verdict_path
+    mounts = {c["name"]: {m["mountPath"]: m["name"] for m in c["volumeMounts"]} for c in (watcher, pytorch)}
+    run_volume = mounts["budget-watcher"]["/run/pretrain"]
+    assert verdict_path.startswith("/run/pretrain/") and mounts["pytorch"]["/run/pretrain"] == run_volume
+    assert "emptyDir" in {v["name"]: v for v in spec["volumes"]}[run_volume]
+    probe_port = watcher["startupProbe"]["httpGet"]["port"]
+    (port_def,) = [p for p in watcher["ports"] if p["name"] == probe_port]
+    assert watcher["args"][watcher["args"].index("--metrics-port") + 1] == str(port_def["containerPort"])
+
+    # the pod, for real: a root-owned /ckpt (a fresh export), the trainer's uid 1000
+    uid = 1000 if os.geteuid() == 0 else None
+    (shared / "ckpt").mkdir(mode=0o755)
+    if uid is None:
+        os.chmod(shared / "ckpt", 0o555)  # not root: a read-only volume
+    (shared / "run").mkdir()
+    os.chmod(shared / "run", 0o777)
+    (shared / "etc").mkdir()
+    (shared / "etc" / "config.yaml").write_text(h.one(docs, "ConfigMap")["data"]["config.yaml"])
+    port = pods.free_port()
+    sidecar = pods.watcher_sidecar(docs, shared, port, uid=uid)
+    try:
+        assert pods.startup_probe(watcher, port, sidecar), (
+            f"the sidecar never became ready (exit {sidecar.poll()}): {sidecar.communicate(timeout=10)}"
+        )
+        verdict = json.loads((shared / "run" / "watcher-verdict.json").read_text())
+        assert (
+            verdict["code"] == 2
+            and f"is not writable by uid {os.geteuid() if uid is None else uid}" in (verdict["reason"])
+        )
+        proc = pods.launcher(docs, shared, uid=uid)
+        assert proc.returncode == 2, proc.stderr
+        line = pods.one_line(proc.stderr)
+        assert line.startswith("launch: the budget watcher cannot run: ") and "-> exit 2 (permanent)" in line
+        assert f"{shared}/ckpt/pretrain/budget" in line and verdict["reason"] in line
+        assert (shared / "termination-log").read_text().strip() == line
+        assert not (shared / "ran").exists(), "the trainer must not start"
+        # the kubelet stops the sidecar once the trainer container has exited
+        sidecar.send_signal(signal.SIGTERM)
+        assert sidecar.wait(timeout=30) == 0
+    finally:
+        if sidecar.poll() is None:
+            sidecar.kill()
+            sidecar.wait()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="runs the root init step as root")
@@ -534,8 +654,11 @@ def test_10_helm_test_pod_runs_the_chart_arguments(tmp_path):
             .replace("/run/pretrain", str(tmp_path))
         )
 
-    trainer_args, watcher_args = pod["spec"]["containers"]
-    assert (trainer_args["name"], watcher_args["name"]) == ("trainer-args", "watcher-args")
+    containers = {c["name"]: c for c in pod["spec"]["containers"]}
+    assert list(containers) == ["image-user", "trainer-args", "watcher-args", "wait-args"]
+    trainer_args, watcher_args, wait_args = (
+        containers[n] for n in ("trainer-args", "watcher-args", "wait-args")
+    )
     # the trainer's own arguments, which tests/test_k8s_manifests.py runs with --print-config
     assert trainer_args["command"] == ["python", "-m", "app.train"]
     assert trainer_args["args"][-1] == "--print-config"
@@ -544,11 +667,52 @@ def test_10_helm_test_pod_runs_the_chart_arguments(tmp_path):
     cmd = [sys.executable, "-m", "app.cli", *map(local, watcher_args["args"])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=h.REPO)
     assert proc.returncode == 0 and "cap $1000" in proc.stdout, proc.stdout + proc.stderr
-    # its arguments are exactly the trainer's and the watcher's
-    assert pod["spec"]["containers"][0]["args"][:-1] == trainer(docs)["args"][5:]
-    watcher = h.container(h.pod_spec(h.one(docs, "PyTorchJob"), "Master"), "budget-watcher", init=True)
-    assert pod["spec"]["containers"][1]["args"][:-1] == watcher["args"]
+    # the wait step's arguments, parsed and checked (nothing waited for, no verdict written)
+    assert (
+        wait_args["command"] == ["python", "-m", "app.data.wait"] and wait_args["args"][-1] == "--check-args"
+    )
+    cmd = [sys.executable, "-m", "app.data.wait", *map(local, wait_args["args"])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=h.REPO, env=pods.clean_env())
+    assert proc.returncode == 0 and "would wait for" in proc.stdout, proc.stderr
+    bad = subprocess.run([*cmd, "--no-such-flag"], capture_output=True, text=True, timeout=60, cwd=h.REPO)
+    assert bad.returncode == 2 and "unrecognized arguments: --no-such-flag" in pods.one_line(bad.stderr)
+    assert not list(tmp_path.glob("*verdict*")), "a check writes no verdict"
+    # their arguments are exactly the trainer's, the watcher's and the Master's wait step's
+    assert trainer_args["args"][:-1] == trainer(docs)["args"][5:]
+    master = h.pod_spec(h.one(docs, "PyTorchJob"), "Master")
+    assert watcher_args["args"][:-1] == h.container(master, "budget-watcher", init=True)["args"]
+    assert wait_args["args"][:-1] == h.container(master, "wait-for-data", init=True)["args"]
     assert not h.by_kind(h.render({"helmTest.enabled": False}), "Pod")
+    no_prepare = h.render(
+        {"prepare.enabled": False, "config": {"preset": "tiny", "data": {"dataset": "embedded"}}}
+    )
+    assert "wait-args" not in [c["name"] for c in h.one(no_prepare, "Pod")["spec"]["containers"]]
+
+
+def test_10_helm_test_checks_the_image_user(tmp_path):
+    """`helm test` says the image starts as the uid the chart runs its pods as: the test pod leaves
+    runAsUser/runAsGroup unset (the image's USER applies) and compares `id -u` with
+    podSecurityContext.runAsUser; its script, run for real, passes for that uid and fails for another."""
+    for values, uid in (({}, 1000), ({"podSecurityContext.runAsUser": 2000}, 2000)):
+        pod = h.one(h.render(values), "Pod")
+        h.validate_all([pod])
+        assert "runAsUser" not in pod["spec"]["securityContext"]
+        assert "runAsGroup" not in pod["spec"]["securityContext"]
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+        c = {c["name"]: c for c in pod["spec"]["containers"]}["image-user"]
+        assert "runAsUser" not in c.get("securityContext", {})
+        assert h.env_map(c)["EXPECTED_UID"] == str(uid)
+    assert c["command"][:2] == ["sh", "-c"]
+    me = os.getuid()
+    ok = subprocess.run([*c["command"], "image-user"], env={"EXPECTED_UID": str(me), "PATH": os.environ["PATH"]},
+                        capture_output=True, text=True, timeout=10)  # fmt: skip
+    assert ok.returncode == 0 and f"uid {me}" in ok.stdout, ok.stderr
+    bad = subprocess.run([*c["command"], "image-user"], env={"EXPECTED_UID": str(me + 1), "PATH": os.environ["PATH"]},
+                         capture_output=True, text=True, timeout=10)  # fmt: skip
+    assert bad.returncode == 1
+    line = pods.one_line(bad.stderr)
+    assert f"the image runs as uid {me}" in line and f"runs its pods as uid {me + 1}" in line
+    assert "APP_UID" in line
 
 
 @pytest.mark.parametrize("values_file", CI, ids=[p.stem for p in CI])

@@ -132,3 +132,43 @@ def test_notes_say_how_to_reach_the_server(tmp_path):
     notes = proc.stdout.split("NOTES:", 1)[1]
     assert "Deployment pretrain-serve serves the best checkpoint of /ckpt/pretrain" in notes
     assert "port-forward svc/pretrain-serve 8000:8000" in notes
+
+
+@pytest.mark.parametrize("kind", ["PodMonitor", "ServiceMonitor"])
+def test_the_opt_in_monitor_scrapes_the_server(kind):
+    """serve.enabled exposes pretrain_serve_* on /metrics of its http port: the opt-in monitor scrapes it
+    (its own object, selecting the server pods or Service only), also with no training job."""
+    key = "podMonitor" if kind == "PodMonitor" else "serviceMonitor"
+    values = {**ON, f"metrics.{key}.enabled": True, f"metrics.{key}.labels": {"release": "kps"}}
+    dep, svc, docs = serve_objects(values)
+    h.validate_all(docs)
+    monitors = {m["metadata"]["name"]: m for m in h.by_kind(docs, kind)}
+    assert set(monitors) == {"pretrain", "pretrain-serve"}
+    mon = monitors["pretrain-serve"]
+    assert mon["metadata"]["labels"]["release"] == "kps"
+    assert mon["spec"]["jobLabel"] == "app.kubernetes.io/instance"
+    assert mon["spec"]["namespaceSelector"] == {"matchNames": ["default"]}
+    (endpoint,) = mon["spec"]["podMetricsEndpoints" if kind == "PodMonitor" else "endpoints"]
+    assert endpoint["path"] == "/metrics" and endpoint["interval"] == "15s"
+    selector = mon["spec"]["selector"]["matchLabels"]
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    if kind == "PodMonitor":
+        target_labels, ports = dep["spec"]["template"]["metadata"]["labels"], c["ports"]
+    else:
+        target_labels, ports = svc["metadata"]["labels"], svc["spec"]["ports"]
+        assert svc["spec"]["ports"][0]["targetPort"] == endpoint["port"]
+    assert selector.items() <= target_labels.items(), "the monitor selects the server"
+    assert endpoint["port"] in [p["name"] for p in ports]
+    (http,) = [p for p in c["ports"] if p["name"] == "http"]
+    assert c["args"][c["args"].index("--port") + 1] == str(http["containerPort"])  # the app's port
+    # the trainer's monitor does not select the server, nor the server's the trainer pods
+    job = h.one(docs, "PyTorchJob")
+    trainer_labels = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["metadata"]["labels"]
+    assert not selector.items() <= trainer_labels.items()
+    assert not monitors["pretrain"]["spec"]["selector"]["matchLabels"].items() <= target_labels.items()
+    # serving a finished run, no training job: the server is still scraped
+    alone = h.render({**values, "job.enabled": False})
+    assert [m["metadata"]["name"] for m in h.by_kind(alone, kind)] == ["pretrain-serve"]
+    assert [m["metadata"]["name"] for m in h.by_kind(h.render({f"metrics.{key}.enabled": True}), kind)] == [
+        "pretrain"
+    ]

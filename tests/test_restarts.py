@@ -15,6 +15,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -206,3 +208,109 @@ def test_a_run_dir_the_trainer_cannot_write_is_one_line_and_permanent(work):
     assert f"cannot write {run}/restarts as uid 1000 gid 1000" in line
     assert "volumePermissions.enabled=true" in line and "fsGroupPolicy" in line
     assert not (work / "ran").exists()
+
+
+# ------------------------------------------------------------- two launchers on one node's state
+
+
+RACE = """
+import sys, time
+from pathlib import Path
+from app.restarts import RetryBudget
+run, n, go = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+while not go.exists():
+    time.sleep(0.001)
+for _ in range(n):
+    budget = RetryBudget(run, max_restarts=10**6, node_rank=0, epoch="1")
+    assert budget.begin() == ""
+    time.sleep(0.003)  # the attempt runs
+    assert budget.end(137) == (137, "")
+"""
+
+
+def test_two_launchers_on_one_node_state_lose_no_attempt(tmp_path):
+    """A recreated pod overlapping the terminating one (same node rank, one run dir): two real processes
+    record 20 attempts each, as fast as they can. Every attempt is in the file with its own exit code,
+    and each crash counts exactly once (none overwritten, none counted twice)."""
+    n = 20
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    go = tmp_path / "go"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", RACE, str(tmp_path), str(n), str(go)], env=env,
+                         stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]  # fmt: skip
+    time.sleep(0.5)  # both imported and polling
+    go.touch()
+    for p in procs:
+        assert p.wait(timeout=120) == 0, p.stderr.read()
+    st = json.loads((tmp_path / "restarts" / "node-0.json").read_text())
+    attempts = st["attempts"]
+    assert len(attempts) == 2 * n and len({a["id"] for a in attempts}) == 2 * n
+    assert sorted(Counter(a["pid"] for a in attempts).values()) == [n, n]
+    assert all(a["exit_code"] == 137 and a["counted"] for a in attempts), attempts
+    assert st["failures"] == 2 * n
+    assert not list((tmp_path / "restarts").glob("*.lock*")), "the lock is released"
+
+
+def test_a_terminating_pod_that_ends_late_replaces_the_guess(tmp_path):
+    """The new pod starts while the old one still saves: it takes the old attempt for lost (no record,
+    a failure); when the old one then ends with 143 (preempted), that guess is replaced, not counted."""
+    old = RetryBudget(tmp_path, max_restarts=1, node_rank=0, epoch="1")
+    assert old.begin() == ""
+    new = RetryBudget(tmp_path, max_restarts=1, node_rank=0, epoch="1")
+    assert new.begin() == ""
+    assert json.loads((tmp_path / "restarts" / "node-0.json").read_text())["failures"] == 1
+    assert old.end(143) == (143, "")
+    st = json.loads((tmp_path / "restarts" / "node-0.json").read_text())
+    assert st["failures"] == 0 and st["attempts"][0]["exit_code"] == 143 and not st["attempts"][0]["counted"]
+    assert new.end(137) == (137, "")
+    st = json.loads((tmp_path / "restarts" / "node-0.json").read_text())
+    assert st["failures"] == 1 and [a["exit_code"] for a in st["attempts"]] == [143, 137]
+    # an attempt of an older release revision that ends after `helm upgrade` does not count in the new one
+    older = RetryBudget(tmp_path, max_restarts=1, node_rank=0, epoch="1")
+    older.begin()
+    newer = RetryBudget(tmp_path, max_restarts=1, node_rank=0, epoch="2")
+    assert newer.begin() == ""
+    older.end(137)
+    assert json.loads((tmp_path / "restarts" / "node-0.json").read_text())["failures"] == 0
+
+
+def test_a_lock_left_by_a_dead_holder_is_taken_over(tmp_path, capsys):
+    """A launcher killed inside its update leaves the lock file: a holder provably dead on this machine
+    is taken over at once, one on another machine once the file has not changed for the stale time."""
+    lock = tmp_path / "restarts" / "node-0.json.lock"
+    lock.parent.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock.write_text(json.dumps({**restarts.identity(), "pid": dead.pid, "start": "1", "token": "t1"}))
+    t0 = time.monotonic()
+    assert RetryBudget(tmp_path, max_restarts=1).begin() == ""
+    assert time.monotonic() - t0 < 5 and "is gone" in capsys.readouterr().err
+    assert not lock.exists()
+    elsewhere = {"host": "other-node", "pid": 1, "boot_id": "another-boot", "pidns": "x", "token": "t2"}
+    lock.write_text(json.dumps(elsewhere))
+    state_lock = restarts.StateLock(lock, stale_seconds=1.0)
+    t0 = time.monotonic()
+    with state_lock:
+        assert json.loads(lock.read_text())["token"] == state_lock.me["token"]
+    assert 1.0 <= time.monotonic() - t0 < 10
+    assert "has not changed for 1 s" in capsys.readouterr().err and not lock.exists()
+
+
+def test_the_watcher_verdict_ends_the_pod_with_its_code(pod, capsys, monkeypatch):
+    """The budget-watcher sidecar that cannot start leaves a verdict (a native sidecar that exits would
+    only be restarted, and the pod hang in Init): the launcher ends the pod with its code (2), one line,
+    before the data verdict and the trainer. A code that would be retried is not taken."""
+    monkeypatch.setenv("PRETRAIN_WATCHER_VERDICT", str(pod / "watcher-verdict.json"))
+    reason = "--run-dir's budget dir /ckpt/run/budget is not writable by uid 1000 (gid 1000)"
+    (pod / "watcher-verdict.json").write_text(json.dumps({"code": 2, "reason": reason}))
+    (pod / "verdict.json").write_text(json.dumps({"code": 4, "reason": "no data"}))
+    assert attempt(pod, 0) == (2, False)
+    line = capsys.readouterr().err.strip()
+    assert line == f"launch: the budget watcher cannot run: {reason} -> exit 2 (permanent)"
+    assert (pod / "termination-log").read_text().strip() == line
+    (pod / "watcher-verdict.json").write_text(json.dumps({"code": 143, "reason": "odd"}))
+    assert attempt(pod, 0) == (2, False), "a verdict never asks for a retry"
+    (pod / "watcher-verdict.json").unlink()
+    assert attempt(pod, 0) == (EXIT_DATA_NOT_READY, False)

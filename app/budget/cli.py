@@ -1,6 +1,13 @@
 """`pretrain watch`: the budget watcher as its own process (the Kubernetes sidecar), and `--dry-run-budget`.
 
 Settings come from BudgetConfig defaults < the `budget:` section of --config FILE.yaml < flags.
+
+As a native sidecar (`--verdict FILE`, the chart's budget-watcher) a watcher that cannot start (a run dir
+it cannot write, a budget without a price, a crash) must not just exit: the kubelet would restart it in a
+loop, its startupProbe would never pass and the pod would stay in Init holding its GPUs, with no exit
+code reaching the training-operator. It writes {"code": N, "reason": ...} to FILE (the emptyDir it
+shares with the trainer), serves an empty /metrics so that the probe passes, and waits for the kubelet's
+SIGTERM; the launcher finds the verdict and ends the pod with N, permanent (app/restarts.py).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import typing
 from pathlib import Path
 from typing import Any
@@ -30,7 +38,7 @@ from app.budget.sources import make_source
 from app.budget.view import ledger_path_for, state_path_for
 from app.budget.watcher import Watcher
 from app.errors import UserError
-from app.files import check_writable_dir
+from app.files import atomic_write_json, check_writable_dir
 
 log = logging.getLogger("pretrain.budget")
 
@@ -130,6 +138,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="exit 0 when the trainer reports done in status.json (a classic sidecar must, or the pod never ends)",
+    )
+    parser.add_argument(
+        "--verdict",
+        default=None,
+        help="sidecar mode: when the watcher cannot start, write {code, reason} here, serve an empty "
+        "/metrics and wait for SIGTERM instead of exiting (the launcher then ends the pod with the code)",
     )
     parser.add_argument(
         "--dry-run-budget",
@@ -340,17 +354,51 @@ def _setup_logging() -> None:
         )
 
 
-def run(args: argparse.Namespace) -> int:
-    _setup_logging()
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("budget: %s received", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    while not stop.wait(1.0):
+        pass
+
+
+def hold(args: argparse.Namespace, code: int, reason: str) -> int:
+    """Sidecar mode, the watcher cannot start: leave the verdict for the launcher, serve /metrics for the
+    startupProbe, wait for SIGTERM. Returns `code` when even that is impossible."""
+    print(f"error: {reason}", file=sys.stderr, flush=True)
+    try:
+        atomic_write_json(
+            Path(args.verdict), {"code": code, "reason": reason, "source": "budget-watcher"}, durable=False
+        )
+    except OSError as e:
+        print(f"error: cannot write the verdict {args.verdict}: {e.strerror}", file=sys.stderr, flush=True)
+        return code
+    port = DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
+    if port:
+        try:
+            BudgetMetrics().serve(port, args.metrics_addr)
+        except OSError as e:
+            print(f"error: cannot serve metrics on port {port}: {e.strerror}", file=sys.stderr, flush=True)
+            return code
+    log.info(
+        "budget: not watching; verdict in %s (the trainer's launcher exits %d with it); waiting for SIGTERM",
+        args.verdict,
+        code,
+    )
+    _wait_for_signal()
+    return 0
+
+
+def start(args: argparse.Namespace) -> tuple[Watcher, BudgetConfig, Path, Path, float]:
+    """Everything that may refuse to watch: the settings, the price, the files, the ledger lock, the port."""
     cfg = build_config(args)
     run_dir, ledger_path, stop_file = _paths(args)
     rate, price = _rate(cfg)
-    if args.dry_run_budget:
-        lines, problems = dry_run(cfg, run_dir, ledger_path, stop_file, rate, price)
-        print("\n".join(lines), flush=True)
-        if problems:
-            raise UserError(problems[0])
-        return 0
     problems = write_problems(run_dir, ledger_path, stop_file)
     if problems:
         raise UserError(problems[0])
@@ -367,20 +415,54 @@ def run(args: argparse.Namespace) -> int:
         metrics=metrics,
         kube=KubeActions.from_config(cfg),
     )
-    if cfg.max_price_per_gpu_hour > 0:
-        from app.budget.price_guard import PriceGuard
+    try:
+        if cfg.max_price_per_gpu_hour > 0:
+            from app.budget.price_guard import PriceGuard
 
-        watcher.price_guard = PriceGuard(cfg, max(cfg.gpus, 1), price)
-    watcher.tick(time.time())  # real figures before the first scrape
-    if cfg.metrics_port:
-        try:
-            port = metrics.serve(cfg.metrics_port, args.metrics_addr)
-        except OSError as e:
-            watcher.close()
-            raise UserError(
-                f"cannot serve metrics on port {cfg.metrics_port} ({e.strerror}); pass --metrics-port"
-            ) from None
-        log.info("budget: metrics on :%d/metrics", port)
+            watcher.price_guard = PriceGuard(cfg, max(cfg.gpus, 1), price)
+        watcher.tick(time.time())  # real figures before the first scrape
+        if cfg.metrics_port:
+            try:
+                port = metrics.serve(cfg.metrics_port, args.metrics_addr)
+            except OSError as e:
+                raise UserError(
+                    f"cannot serve metrics on port {cfg.metrics_port} ({e.strerror}); pass --metrics-port"
+                ) from None
+            log.info("budget: metrics on :%d/metrics", port)
+    except BaseException:
+        watcher.close()
+        raise
+    return watcher, cfg, run_dir, stop_file, rate
+
+
+def run(args: argparse.Namespace) -> int:
+    _setup_logging()
+    if args.dry_run_budget:
+        cfg = build_config(args)
+        run_dir, ledger_path, stop_file = _paths(args)
+        rate, price = _rate(cfg)
+        lines, problems = dry_run(cfg, run_dir, ledger_path, stop_file, rate, price)
+        print("\n".join(lines), flush=True)
+        if problems:
+            raise UserError(problems[0])
+        return 0
+    try:
+        watcher, cfg, run_dir, stop_file, rate = start(args)
+    except UserError as e:
+        if not args.verdict:
+            raise
+        return hold(args, e.exit_code, str(e))
+    except Exception as e:
+        if not args.verdict:
+            raise
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        first = (str(e).splitlines() or [""])[0]
+        return hold(
+            args,
+            1,
+            f"the budget watcher crashed: {type(e).__name__}: {first} "
+            f"({Path(where.filename).name}:{where.lineno})",
+        )
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:

@@ -18,8 +18,13 @@ Every --poll seconds, in this order:
 Giving up: one line on stderr, a Warning Event `DataNotReady` on the PyTorchJob (--event-job), and the
 verdict file {"code": 4, "reason": ...}; then exit 0, because the training-operator reads the exit code
 of the trainer container only and an initContainer's failure reads as 0xbeef (48879), which it retries
-forever. The launcher finds the verdict and ends the pod with exit 4, permanent (app/restarts.py).
-Without --verdict it exits 4 itself.
+forever, uncounted. The launcher finds the verdict and ends the pod with exit 4, permanent
+(app/restarts.py). Without --verdict it exits 4 itself.
+
+Every other end is a verdict too, never a traceback: arguments it cannot use (code 2; `python -m
+app.data.wait`, the chart's command, also catches those argparse refuses, such as a flag of a newer
+chart than the image) and an unexpected error (code 1, one line naming the exception and where).
+`--check-args` only checks the arguments and says what would be waited for (the chart's `helm test`).
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,14 +214,77 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--event-job", default="", help="post a DataNotReady Event on this PyTorchJob when giving up"
     )
+    p.add_argument(
+        "--check-args",
+        action="store_true",
+        help="check the arguments, say what would be waited for, and exit (0, or 2 for bad ones); "
+        "waits for nothing and writes no verdict (the chart's `helm test`)",
+    )
+
+
+def leave_verdict(path: str | None, code: int, line: str) -> int:
+    """One line on stderr; with a verdict file, {code, reason} there and exit 0 (the launcher ends the pod
+    with `code`), else exit `code`."""
+    print(f"wait-for-data: {line}", file=sys.stderr, flush=True)
+    if path:
+        try:
+            atomic_write_json(Path(path), {"code": code, "reason": line}, durable=False)
+            return 0
+        except OSError as e:
+            print(
+                f"wait-for-data: cannot write the verdict {path}: {e.strerror}", file=sys.stderr, flush=True
+            )
+    return code
+
+
+def crash_line(e: BaseException) -> str:
+    """An unexpected error as one line: its type, its first line and where it was raised."""
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" ({Path(tb[-1].filename).name}:{tb[-1].lineno})" if tb else ""
+    first = (str(e).splitlines() or [""])[0]
+    return f"crashed: {type(e).__name__}: {first}{where}"
 
 
 def run(args: argparse.Namespace) -> int:
+    """`pretrain wait-data`: every end is a verdict (with --verdict) or an exit code, never a traceback."""
     from app.errors import UserError
 
-    if args.poll <= 0 or args.timeout < 0 or args.missing_grace < 0:
-        raise UserError("wait-data: --poll must be > 0, --timeout and --missing-grace >= 0")
+    verdict = None if args.check_args else args.verdict
+    try:
+        return _wait(args)
+    except UserError as e:
+        if verdict is None:
+            raise
+        return leave_verdict(verdict, e.exit_code, f"bad arguments: {e}")
+    except Exception as e:
+        return leave_verdict(verdict, 1, crash_line(e))
+
+
+def _wait(args: argparse.Namespace) -> int:
+    from app.errors import UserError
+
+    numbers = (args.poll, args.timeout, args.missing_grace)
+    if (
+        not all(math.isfinite(n) for n in numbers)
+        or args.poll <= 0
+        or args.timeout < 0
+        or args.missing_grace < 0
+    ):
+        raise UserError("wait-data: --poll must be > 0, --timeout and --missing-grace >= 0 (finite numbers)")
+    if not args.dir or not args.fingerprint:
+        raise UserError("wait-data: --dir and --fingerprint must not be empty")
     namespace = args.namespace or os.environ.get("POD_NAMESPACE", "default")
+    if args.check_args:
+        print(
+            f"wait-for-data: would wait for {args.dir}/_READY ({args.fingerprint})"
+            + (f" from job/{args.job} in namespace {namespace}" if args.job else "")
+            + f", polling every {args.poll:g} s, giving up after "
+            + (f"{args.timeout:g} s" if args.timeout else "no time limit")
+            + (f"; verdict {args.verdict}" if args.verdict else "")
+            + (f"; Events on pytorchjob/{args.event_job}" if args.event_job else ""),
+            flush=True,
+        )
+        return 0
     api = _kube_client() if args.job or args.event_job else None
     settings = WaitSettings(
         data_dir=Path(args.dir),
@@ -242,3 +312,35 @@ def run(args: argparse.Namespace) -> int:
         atomic_write_json(Path(args.verdict), {"code": EXIT_DATA_NOT_READY, "reason": line}, durable=False)
         return 0
     return EXIT_DATA_NOT_READY
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    """The value of `name VALUE` or `name=VALUE` in argv (last one wins), as argparse would read it."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m app.data.wait ARGS`, the chart's wait-for-data initContainer: `pretrain wait-data` whose
+    unparsable arguments end in a verdict as well (the top-level `pretrain` parser would exit 2 first)."""
+    from app.command import Parser, guarded
+    from app.errors import UserError
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = Parser(prog="pretrain wait-data", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    try:
+        args = parser.parse_args(argv)
+    except UserError as e:
+        verdict = None if "--check-args" in argv else _flag(argv, "--verdict")
+        return leave_verdict(verdict, e.exit_code, f"bad arguments: {e}")
+    return guarded(lambda: run(args), prefix="wait-for-data")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

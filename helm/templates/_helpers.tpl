@@ -66,6 +66,16 @@ app.kubernetes.io/part-of: pretrain
 {{- end }}
 {{- end }}
 
+{{/* The benchmark PyTorchJob (bench.enabled): <fullname>-bench, short enough for its pods' names. */}}
+{{- define "pretrain.benchName" -}}
+{{- printf "%s-bench" (include "pretrain.fullname" . | trunc 44 | trimSuffix "-") }}
+{{- end }}
+
+{{/* Does the release run training (the PyTorchJob, its volumes, prepare, watcher)? "" with bench.enabled. */}}
+{{- define "pretrain.training" -}}
+{{- if not .Values.bench.enabled }}true{{ end }}
+{{- end }}
+
 {{- define "pretrain.runName" -}}
 {{- default (include "pretrain.fullname" .) .Values.runName }}
 {{- end }}
@@ -297,6 +307,13 @@ trainer. */}}
 {{- $preset = index $args (add1 $i) -}}
 {{- end -}}
 {{- end -}}
+{{- if .Values.bench.enabled -}}
+{{- $preset = default $preset .Values.bench.preset -}}
+{{- range .Values.bench.set -}}
+{{- $kv := splitn "=" 2 . -}}
+{{- $_ := set $sets (trim $kv._0) (trim (default "" $kv._1)) -}}
+{{- end -}}
+{{- end -}}
 {{- $base := index $table.presets $preset -}}
 {{- if $base -}}
 {{- $train := default dict $cfg.train -}}
@@ -311,7 +328,7 @@ trainer. */}}
 {{- range $n := untilStep 1 513 1 -}}
 {{- if eq (mod $batch (mul $per $n)) 0 }}{{ $ok = append $ok (toString $n) }}{{ end -}}
 {{- end -}}
-{{- fail (printf "gpus=%d: the %s preset's global batch (train.batch_tokens=%d) does not split into micro_batch_size %d x seq_len %d x %d GPUs, so the trainer would exit 2 after the pods were scheduled; it splits over %s GPUs. Use one of those, or set config.train.batch_tokens to a multiple of %d (or another config.train.micro_batch_size)" $gpus $preset $batch $micro $seq $gpus (join ", " $ok) (mul $per $gpus)) -}}
+{{- fail (printf "gpus=%d: the %s preset's global batch (train.batch_tokens=%d) does not split into micro_batch_size %d x seq_len %d x %d GPUs, so the %s would exit 2 after the pods were scheduled; it splits over %s GPUs. Use one of those, or set config.train.batch_tokens to a multiple of %d (or another config.train.micro_batch_size)" $gpus $preset $batch $micro $seq $gpus (.Values.bench.enabled | ternary "benchmark" "trainer") (join ", " $ok) (mul $per $gpus)) -}}
 {{- end -}}
 {{- end -}}
 {{- end }}
@@ -324,7 +341,7 @@ trainer. */}}
 {{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $name) -}}
 {{- fail (printf "the object name %q must start with a letter (the training-operator checks PyTorchJob names as DNS-1035 labels): use a release name that starts with a letter, or set fullnameOverride" $name) -}}
 {{- end -}}
-{{- if and $v.job.enabled (gt (int (include "pretrain.nodes" .)) 1) -}}
+{{- if and $v.job.enabled (include "pretrain.training" .) (gt (int (include "pretrain.nodes" .)) 1) -}}
 {{- range $key, $s := dict "data" $v.storage.data "checkpoints" $v.storage.checkpoints -}}
 {{- if and (not $s.existingClaim) (not (has "ReadWriteMany" $s.accessModes)) -}}
 {{- fail (printf "gpus=%d runs %s pods on different nodes, but storage.%s.accessModes=%v cannot be mounted by more than one node: the Worker pods would stay in ContainerCreating (Multi-Attach error). Use [ReadWriteMany] with a StorageClass that supports it (storage.%s.storageClass), or gpus <= gpusPerNode" (int $v.gpus) (include "pretrain.nodes" $) $key $s.accessModes $key) -}}
@@ -332,11 +349,14 @@ trainer. */}}
 {{- end -}}
 {{- end -}}
 {{- $d := $v.storage.data -}}
-{{- if and $v.prepare.enabled $v.job.enabled (not $d.existingClaim) (not (has "ReadWriteMany" $d.accessModes)) (or $v.prepare.nodeSelector $v.prepare.affinity) -}}
+{{- if and $v.prepare.enabled $v.job.enabled (include "pretrain.training" .) (not $d.existingClaim) (not (has "ReadWriteMany" $d.accessModes)) (or $v.prepare.nodeSelector $v.prepare.affinity) -}}
 {{- fail (printf "storage.data.accessModes=%v with prepare.nodeSelector/affinity: the prepare pod (CPU pool) and the trainer pod (GPU pool) mount the data volume on two nodes, which a ReadWriteOnce volume cannot do (both hang on Multi-Attach). Use ReadWriteMany for storage.data, or drop prepare.nodeSelector/affinity (the chart then puts the prepare pod on the trainer's node), or prepare first with job.enabled=false" $d.accessModes) -}}
 {{- end -}}
 {{- if and (not $v.serviceAccount.create) (not $v.serviceAccount.name) $v.rbac.create (include "pretrain.rbacNeeded" .) -}}
 {{- fail "serviceAccount.create=false without serviceAccount.name: the watcher's Role would be bound to the namespace's `default` ServiceAccount, which every other pod there uses. Set serviceAccount.name to an existing ServiceAccount, or rbac.create=false (and grant it yourself)" -}}
+{{- end -}}
+{{- if and $v.bench.enabled $v.serve.enabled -}}
+{{- fail "bench.enabled and serve.enabled are both true: a benchmark release renders the benchmark job alone (no volumes, no training), so there is nothing to serve. Install the benchmark as its own release: helm install bench ./helm --set gpus=N --set bench.enabled=true" -}}
 {{- end -}}
 {{- if and $v.metrics.podMonitor.enabled $v.metrics.serviceMonitor.enabled -}}
 {{- fail "metrics.podMonitor.enabled and metrics.serviceMonitor.enabled are both true: Prometheus would scrape every pod twice and the alert rules would see every series twice. Enable one" -}}
@@ -351,7 +371,7 @@ trainer. */}}
 
 {{/* Is a Role needed: the watcher's Kubernetes actions, or the wait step reading the prepare Job. */}}
 {{- define "pretrain.rbacNeeded" -}}
-{{- if .Values.job.enabled -}}
+{{- if and .Values.job.enabled (include "pretrain.training" .) -}}
 {{- if and (include "pretrain.watcherEnabled" .) .Values.budget.watcher.kubernetesActions }}true{{ end -}}
 {{- if and .Values.prepare.enabled .Values.prepare.wait.useKubernetesApi }}true{{ end -}}
 {{- end -}}
@@ -361,7 +381,7 @@ trainer. */}}
 never replaces running pods, so new Workers with the new --nnodes would wait forever beside the old
 Master. Refused with the commands that apply it. (`lookup` is empty in `helm template`.) */}}
 {{- define "pretrain.upgradeGuard" -}}
-{{- if .Values.job.enabled -}}
+{{- if or .Values.job.enabled .Values.bench.enabled -}}
 {{- $name := include "pretrain.fullname" . -}}
 {{- $old := lookup "kubeflow.org/v1" "PyTorchJob" .Release.Namespace $name -}}
 {{- if $old -}}
@@ -370,6 +390,9 @@ Master. Refused with the commands that apply it. (`lookup` is empty in `helm tem
 {{- $finished := false -}}
 {{- range (dig "status" "conditions" list $old) -}}
 {{- if and (has .type (list "Succeeded" "Failed")) (eq (toString .status) "True") }}{{ $finished = true }}{{ end -}}
+{{- end -}}
+{{- if and .Values.bench.enabled (not $finished) -}}
+{{- fail (printf "bench.enabled=true on release %s, whose training PyTorchJob %s still runs: this upgrade would delete it (a benchmark release renders the benchmark alone). Install the benchmark as its own release instead: helm install bench ./helm --set gpus=%d --set bench.enabled=true" .Release.Name $name (int .Values.gpus)) -}}
 {{- end -}}
 {{- if and $was (ne $was $now) (not $finished) -}}
 {{- fail (printf "this upgrade changes the running PyTorchJob %s from %s to %s (nodes x GPUs): the training-operator never replaces running pods, so new Workers would wait forever beside the old Master. Apply it with `kubectl -n %s delete pytorchjob %s` (the pods checkpoint on SIGTERM), then run this helm upgrade again: the new job resumes from /ckpt/%s" $name $was $now .Release.Namespace $name (include "pretrain.runName" .)) -}}

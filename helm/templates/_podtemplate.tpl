@@ -1,24 +1,30 @@
 {{/*
-Pod template of a PyTorchJob replica. Called with (dict "ctx" $ "replica" "master"|"worker" "nodes" N "nproc" P).
+Pod template of a PyTorchJob replica. Called with (dict "ctx" $ "replica" "master"|"worker" "nodes" N "nproc" P),
+plus "bench" true for the benchmark job (bench.enabled).
 Init containers, in order: volume-permissions (root, optional: hands /ckpt to uid 1000), budget-watcher
 (Master only; a native sidecar: an initContainer with restartPolicy: Always that starts first, shares
 /run/pretrain with the trainer and is stopped by the kubelet when the trainer exits, so the pod ends with
-the trainer's exit code), wait-for-data (`pretrain wait-data`: waits for the prepare Job's marker, gives up
-on a failed or missing prepare and leaves a verdict the launcher turns into exit 4).
+the trainer's exit code; a watcher that cannot start leaves a verdict there instead, which the launcher
+turns into exit 2), wait-for-data (`python -m app.data.wait`: waits for the prepare Job's marker, gives
+up on a failed or missing prepare and leaves a verdict the launcher turns into exit 4).
+The benchmark pod is the trainer pod (image, GPUs, resources, scheduling, /dev/shm, NCCL settings, the
+launcher) running `-m app.tools.bench` on synthetic tokens: no volumes but the config, no init steps.
 */}}
 {{- define "pretrain.podTemplate" -}}
 {{- $ := .ctx }}
 {{- $v := $.Values }}
+{{- $bench := .bench | default false }}
 {{- $master := eq .replica "master" }}
-{{- $watcher := and $master (include "pretrain.watcherEnabled" $) }}
+{{- $watcher := and $master (not $bench) (include "pretrain.watcherEnabled" $) }}
 {{- $watcherApi := and $watcher $v.budget.watcher.kubernetesActions }}
-{{- $waitApi := and $v.prepare.enabled $v.prepare.wait.useKubernetesApi }}
+{{- $prepare := and $v.prepare.enabled (not $bench) }}
+{{- $waitApi := and $prepare $v.prepare.wait.useKubernetesApi }}
 {{- $run := include "pretrain.runName" $ }}
-{{- $perms := include "pretrain.volumePermissions" $ }}
+{{- $perms := and (not $bench) (include "pretrain.volumePermissions" $) }}
 metadata:
   labels:
     {{- include "pretrain.selectorLabels" $ | nindent 4 }}
-    app.kubernetes.io/component: trainer
+    app.kubernetes.io/component: {{ $bench | ternary "bench" "trainer" }}
     pretrain/replica-type: {{ .replica }}
     {{- with $v.commonLabels }}
     {{- toYaml . | nindent 4 }}
@@ -72,7 +78,7 @@ spec:
   affinity:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- if or $perms $watcher $v.prepare.enabled }}
+  {{- if or $perms $watcher $prepare }}
   initContainers:
     {{- if $perms }}
     {{- include "pretrain.volumePermissionsContainer" (dict "ctx" $ "dirs" (list "/ckpt" (printf "/ckpt/%s" $run)) "mounts" (list (dict "name" "ckpt" "mountPath" "/ckpt"))) | nindent 4 }}
@@ -121,31 +127,15 @@ spec:
           readOnly: true
         {{- end }}
     {{- end }}
-    {{- if $v.prepare.enabled }}
+    {{- if $prepare }}
     - name: wait-for-data
       image: {{ include "pretrain.image" $ }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
-      command: ["pretrain"]
+      # `pretrain wait-data` whose every end, unusable arguments and crashes included, is a verdict for the
+      # launcher (an initContainer failure would read as the operator's retryable 0xbeef).
+      command: ["python", "-m", "app.data.wait"]
       args:
-        - wait-data
-        - --dir
-        - {{ printf "/data/%s" $v.prepare.outputDir | quote }}
-        - --fingerprint
-        - {{ include "pretrain.prepareFingerprint" $ | quote }}
-        - --job
-        - {{ include "pretrain.prepareJobName" $ | quote }}
-        - --poll
-        - {{ $v.prepare.wait.pollSeconds | int | quote }}
-        - --timeout
-        - {{ $v.prepare.wait.timeoutSeconds | int | quote }}
-        - --stop-file
-        - /run/pretrain/stop.json
-        - --verdict
-        - /run/pretrain/data-verdict.json
-        {{- if and $master $waitApi }}
-        - --event-job
-        - {{ include "pretrain.fullname" $ | quote }}
-        {{- end }}
+        {{- include "pretrain.waitArgs" (dict "ctx" $ "master" $master) | nindent 8 }}
       env:
         - name: POD_NAMESPACE
           valueFrom:
@@ -175,18 +165,24 @@ spec:
       image: {{ include "pretrain.image" $ }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
       # torchrun, keeping the trainer's exit code for the ExitCode restart policy, behind the retry budget
-      # and the data verdict (app/launch.py, app/restarts.py).
+      # and the verdicts of the init steps (app/launch.py, app/restarts.py).
       command: ["python", "-m", "app.launch"]
       args:
         - --nnodes={{ .nodes }}
         - --nproc-per-node={{ .nproc }}
         - --max-restarts=0
         - -m
+        {{- if $bench }}
+        - app.tools.bench
+        {{- include "pretrain.benchArgs" $ | nindent 8 }}
+        {{- else }}
         - app.train
         {{- include "pretrain.trainerArgs" $ | nindent 8 }}
+        {{- end }}
       env:
         - name: TORCH_ELASTIC_SHUTDOWN_TIMEOUT
           value: {{ max 30 (sub ($v.trainer.terminationGracePeriodSeconds | int) 30) | quote }}
+        {{- if not $bench }}
         # The launcher's retry budget (app/restarts.py): kubeflow/trainer#2045, restarts under ExitCode
         # never reach backoffLimit. A new release revision starts a new count.
         - name: PRETRAIN_RUN_DIR
@@ -195,7 +191,12 @@ spec:
           value: {{ $v.trainer.maxRestarts | int | quote }}
         - name: PRETRAIN_RESTARTS_EPOCH
           value: {{ $.Release.Revision | quote }}
-        {{- if $v.prepare.enabled }}
+        {{- end }}
+        {{- if $watcher }}
+        - name: PRETRAIN_WATCHER_VERDICT
+          value: /run/pretrain/watcher-verdict.json
+        {{- end }}
+        {{- if $prepare }}
         - name: PRETRAIN_DATA_VERDICT
           value: /run/pretrain/data-verdict.json
         {{- end }}
@@ -232,12 +233,14 @@ spec:
         - name: pytorchjob-port
           containerPort: 23456
           protocol: TCP
+        {{- if not $bench }}
         - name: metrics
           containerPort: 9400
           protocol: TCP
+        {{- end }}
       resources:
         {{- include "pretrain.trainerResources" (dict "ctx" $ "nproc" .nproc) | nindent 8 }}
-      # The launcher writes why it ended (retry budget spent, no data) here; else the log's tail.
+      # The launcher writes why it ended (retry budget spent, a verdict) here; else the log's tail.
       terminationMessagePolicy: FallbackToLogsOnError
       {{- with (include "pretrain.trainerSecurityContext" $) }}
       securityContext:
@@ -247,11 +250,13 @@ spec:
         - name: config
           mountPath: /etc/pretrain
           readOnly: true
+        {{- if not $bench }}
         - name: data
           mountPath: /data
           readOnly: true
         - name: ckpt
           mountPath: /ckpt
+        {{- end }}
         - name: run
           mountPath: /run/pretrain
         - name: dshm
@@ -263,12 +268,14 @@ spec:
     - name: config
       configMap:
         name: {{ include "pretrain.fullname" $ }}-config
+    {{- if not $bench }}
     - name: data
       persistentVolumeClaim:
         claimName: {{ include "pretrain.dataClaim" $ }}
     - name: ckpt
       persistentVolumeClaim:
         claimName: {{ include "pretrain.ckptClaim" $ }}
+    {{- end }}
     - name: run
       emptyDir:
         sizeLimit: 16Mi
@@ -374,8 +381,11 @@ capabilities of trainer.extraCapabilities (and IPC_LOCK for an RDMA fabric: pinn
 - --metrics-port
 - "9401"
 # A native sidecar is stopped by the kubelet when the trainer exits; exiting on its own would only
-# make the kubelet restart it.
+# make the kubelet restart it. One that cannot start leaves its reason here for the launcher (exit 2)
+# and keeps serving /metrics, so that the pod does not hang in Init.
 - --no-exit-when-done
+- --verdict
+- /run/pretrain/watcher-verdict.json
 - --kube
 - {{ $v.budget.watcher.kubernetesActions | ternary "auto" "off" | quote }}
 - --job-name
@@ -383,6 +393,79 @@ capabilities of trainer.extraCapabilities (and IPC_LOCK for an RDMA fabric: pinn
 {{- range $v.budget.watcher.extraArgs }}
 - {{ . | quote }}
 {{- end }}
+{{- end }}
+
+{{/* Arguments of `python -m app.data.wait`, the wait-for-data step (and the `helm test` pod's
+--check-args). Called with (dict "ctx" $ "master" bool): the Master posts the DataNotReady Event. */}}
+{{- define "pretrain.waitArgs" -}}
+{{- $v := .ctx.Values -}}
+- --dir
+- {{ printf "/data/%s" $v.prepare.outputDir | quote }}
+- --fingerprint
+- {{ include "pretrain.prepareFingerprint" .ctx | quote }}
+- --job
+- {{ include "pretrain.prepareJobName" .ctx | quote }}
+- --poll
+- {{ $v.prepare.wait.pollSeconds | int | quote }}
+- --timeout
+- {{ $v.prepare.wait.timeoutSeconds | int | quote }}
+- --stop-file
+- /run/pretrain/stop.json
+- --verdict
+- /run/pretrain/data-verdict.json
+{{- if and .master $v.prepare.wait.useKubernetesApi }}
+- --event-job
+- {{ include "pretrain.fullname" .ctx | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The preset of the benchmark: bench.preset, else a --preset of extraTrainArgs, else "" (the config
+file's, i.e. config.preset). */}}
+{{- define "pretrain.benchPreset" -}}
+{{- $preset := "" -}}
+{{- $args := .Values.extraTrainArgs -}}
+{{- range $i, $a := $args -}}
+{{- if and (eq $a "--preset") (lt (add1 $i) (len $args)) }}{{ $preset = index $args (add1 $i) }}{{ end -}}
+{{- end -}}
+{{- default $preset .Values.bench.preset -}}
+{{- end }}
+
+{{/* The `--set key=value` pairs of the benchmark: those of extraTrainArgs, then bench.set (later wins). */}}
+{{- define "pretrain.benchSets" -}}
+{{- $sets := list -}}
+{{- $args := .Values.extraTrainArgs -}}
+{{- range $i, $a := $args -}}
+{{- if and (eq $a "--set") (lt (add1 $i) (len $args)) }}{{ $sets = append $sets (index $args (add1 $i)) }}{{ end -}}
+{{- end -}}
+{{- toJson (concat $sets .Values.bench.set) -}}
+{{- end }}
+
+{{/* Arguments of `python -m app.tools.bench` in the benchmark pods: the training run's config (the
+ConfigMap, the preset, extraTrainArgs' --set pairs) with bench.preset and bench.set on top; the JSON
+result goes to the log and to an emptyDir file. */}}
+{{- define "pretrain.benchArgs" -}}
+{{- $v := .Values -}}
+- --config
+- /etc/pretrain/config.yaml
+{{- with (include "pretrain.benchPreset" .) }}
+- --preset
+- {{ . | quote }}
+{{- end }}
+{{- with $v.budget.gpuType }}
+# the GPU type's peak FLOPs for MFU (unknown to the table: read from the CUDA device name)
+- --gpu-type
+- {{ . | quote }}
+{{- end }}
+{{- range (include "pretrain.benchSets" . | fromJsonArray) }}
+- --set
+- {{ . | quote }}
+{{- end }}
+- --steps
+- {{ $v.bench.steps | int | quote }}
+- --warmup
+- {{ $v.bench.warmup | int | quote }}
+- --out
+- /run/pretrain/bench.json
 {{- end }}
 
 {{/* What automountServiceAccountToken would mount, for the containers that use the API only. */}}
