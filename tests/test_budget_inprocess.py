@@ -86,6 +86,30 @@ def test_thread_writes_the_graceful_stop_and_close_flushes(tmp_path):
         start_in_process(cfg, tmp_path, stop, world_size=1)
 
 
+def test_a_stop_due_while_the_trainer_starts_waits_for_its_first_step_then_comes_within_a_look(tmp_path):
+    """5 s of budget against a 30 s poll: the first tick is already past the horizon, but the trainer (it
+    holds the lease) has not reached step 1, and a stop now would save nothing. The thread asks as soon as
+    status.json says training, within a look (0.1 s), not at the next poll (after the cap)."""
+    cfg = BudgetConfig(
+        cap_usd=0.05, price_per_gpu_hour=36.0, gpus=1, poll_seconds=30.0, margin_seconds=1.0, kube="off"
+    )
+    (tmp_path / "lease.json").write_text(json.dumps({"owner": "trainer", "pid": 1}))
+    stop = tmp_path / "stop.json"
+    handle = start_in_process(cfg, tmp_path, stop, world_size=1)
+    try:
+        time.sleep(1.0)
+        assert not stop.exists()
+        status = {"step": 0, "step_seconds": 0.0, "state": "running", "updated_unix": time.time()}
+        (tmp_path / "status.json").write_text(json.dumps(status))
+        t = time.monotonic()
+        wait_for(stop.exists, timeout=5.0)
+        assert time.monotonic() - t < 2.0
+        assert json.loads(stop.read_text())["mode"] == "graceful"
+    finally:
+        handle.close()
+    assert load_ledger(ledger_path_for(tmp_path)).spent_usd < 0.05
+
+
 def test_no_cap_is_a_no_op_handle(tmp_path):
     h = start_in_process(BudgetConfig(), tmp_path, tmp_path / "stop.json", world_size=1)
     assert h.view is None

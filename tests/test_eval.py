@@ -5,7 +5,11 @@ jsonl files (multiple choice and generation); the CORE bundle has multiple-choic
 from __future__ import annotations
 
 import json
+import math
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,6 +105,38 @@ metric_list:
 """
 
 
+ROLLING_YAML = """task: rolling_ppl
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: bits_per_byte
+"""
+
+# documents for loglikelihood_rolling: two longer than the model's window of 64 tokens, one short
+DOCS = ["\n\n".join(PROMPTS), "\n".join(reversed(PROMPTS)) + "\n" + PROMPTS[0], PROMPTS[3]]
+
+
+def own_logprob(model, tok, text: str) -> float:
+    """log p(text) from the model itself, one forward per disjoint window of model.cfg.seq_len tokens, the
+    first conditioned on the document boundary (the token before each window is its context)."""
+    import torch.nn.functional as F
+
+    ids, w = tok.encode(text), model.cfg.seq_len
+    seq, total = [tok.eot_id, *ids], 0.0
+    with torch.no_grad():
+        for s in range(0, len(ids), w):
+            target = ids[s : s + w]
+            logp = F.log_softmax(model(torch.tensor([seq[s : s + len(target)]])).logits.float(), -1)[0]
+            total += sum(logp[i, t].item() for i, t in enumerate(target))
+    return total
+
+
 def test_lm_eval_tasks_give_the_known_accuracy(known, tmp_path, monkeypatch, capsys):
     run, items = known
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
@@ -112,14 +148,22 @@ def test_lm_eval_tasks_give_the_known_accuracy(known, tmp_path, monkeypatch, cap
         (tasks / f"{name}.yaml").write_text(MC_YAML.format(name=name, data=data))
     data = write_jsonl(tmp_path / "gen.jsonl", items)
     (tasks / "greedy_gen.yaml").write_text(GEN_YAML.format(data=data))
+    data = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in DOCS])
+    (tasks / "rolling_ppl.yaml").write_text(ROLLING_YAML.format(data=data))
     out = tmp_path / "results.json"
-    assert cli_main(["eval", "--checkpoint", str(run), "--tasks", "greedy_mc,decoy_mc,greedy_gen",
-                     "--include-path", str(tasks), "--output", str(out)]) == 0  # fmt: skip
+    assert cli_main(["eval", "--checkpoint", str(run), "--tasks", "greedy_mc,decoy_mc,greedy_gen,rolling_ppl",
+                     "--include-path", str(tasks), "--output", str(out), "--device", "cpu"]) == 0  # fmt: skip
     res = json.loads(out.read_text())
     got = res["lm_eval"]["results"]
     assert got["greedy_mc"]["acc,none"] == 1.0  # the model prefers its own greedy continuation
     assert got["decoy_mc"]["acc,none"] == 0.0  # and never a random-token decoy
     assert got["greedy_gen"]["exact_match,none"] == 1.0  # generation reproduces it
+    from app.tools.sample import load_for_inference
+
+    model, tok, _ = load_for_inference(str(run), which="best")
+    logp = sum(own_logprob(model, tok, d) for d in DOCS)  # the perplexity task: the model's own log p
+    bpb = -logp / sum(len(d.encode()) for d in DOCS) / math.log(2)
+    assert got["rolling_ppl"]["bits_per_byte,none"] == pytest.approx(bpb, rel=1e-5)
     assert res["lm_eval"]["n-samples"]["greedy_mc"]["effective"] == len(items)
     assert res["step"] == 120 and res["checkpoint"].endswith("step_000120")
     assert "greedy_mc" in capsys.readouterr().out  # the results table
@@ -180,6 +224,7 @@ def test_bad_eval_inputs_are_one_line(known, tmp_path, capsys):
     assert "no core.yaml" in fails("--tasks", "core", "--core-dir", str(tmp_path))
     assert "--limit" in fails("--tasks", "x", "--limit", "0")
     assert "not a directory" in fails("--tasks", "x", "--include-path", str(tmp_path / "nope"))
+    assert not (run / "eval").exists()  # the results dir was probed, not left behind empty
 
 
 @pytest.mark.slow  # scans lm-eval's whole built-in task index (~10 s)
@@ -188,3 +233,120 @@ def test_unknown_task_is_one_line(known, tmp_path, capsys):
     assert cli_main(["eval", "--checkpoint", str(run), "--tasks", "no_such_task_xyz"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "unknown lm-eval task(s): no_such_task_xyz" in err
+
+
+def test_loglikelihood_rolling_through_the_wrapper_is_the_models_own_logprob(known):
+    """lm-eval's own Instance objects through the LM wrapper: per document, whatever the batch size."""
+    from lm_eval.api.instance import Instance
+
+    from app.tools.eval import make_lm
+    from app.tools.sample import load_for_inference
+    from app.tools.scoring import Scorer
+
+    run, _ = known
+    model, tok, _ = load_for_inference(str(run), which="best")
+    assert len(tok.encode(DOCS[0])) > 2 * model.cfg.seq_len  # several windows
+    reqs = [Instance("loglikelihood_rolling", {}, (d,), i) for i, d in enumerate(DOCS)]
+    want = [own_logprob(model, tok, d) for d in DOCS]
+    for batch in (1, 16):
+        got = make_lm(Scorer(model, tok, batch)).loglikelihood_rolling(reqs)
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-4)
+    assert want[2] < 0 and want[0] < want[2]  # a longer document is less likely
+
+
+def test_missing_eval_extra_is_one_line_exit_2(known, tmp_path):
+    """lm_eval not importable (a sitecustomize blocks it, as if the extra were not installed)."""
+    run, _ = known
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text("import sys\nsys.modules['lm_eval'] = None  # not installed\n")
+    env = {**os.environ, "PYTHONPATH": str(shim)}
+    base = [
+        sys.executable,
+        "-m",
+        "app.cli",
+        "eval",
+        "--checkpoint",
+        str(run),
+        "--output",
+        str(tmp_path / "r.json"),
+    ]
+    blocked = subprocess.run([sys.executable, "-c", "import lm_eval"], env=env, capture_output=True)
+    assert blocked.returncode == 1 and b"ModuleNotFoundError" in blocked.stderr  # the shim works
+    proc = subprocess.run(
+        [*base, "--tasks", "hellaswag"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'pretrain[eval]'" in lines[0] and "Traceback" not in proc.stderr
+    assert not (tmp_path / "r.json").exists()
+
+
+def tiny_bundle(path: Path) -> Path:
+    """A one-item CORE bundle: enough for a whole `pretrain eval` in a second."""
+    (path / "eval_data").mkdir(parents=True)
+    (path / "eval_data" / "lm.jsonl").write_text(
+        json.dumps({"context": "ROMEO:", "continuation": " O"}) + "\n"
+    )
+    (path / "core.yaml").write_text(
+        "icl_tasks:\n- {label: lm, dataset_uri: lm.jsonl, num_fewshot: [0], icl_task_type: language_modeling}\n"
+    )
+    return path
+
+
+def test_device_cuda_without_a_gpu_and_an_unwritable_output_fail_at_the_start(known, tmp_path, capsys):
+    """One line, exit 2, before the model loads or any task runs (no CORE line printed)."""
+    run, _ = known
+    core = [
+        "eval",
+        "--checkpoint",
+        str(run),
+        "--tasks",
+        "core",
+        "--core-dir",
+        str(tiny_bundle(tmp_path / "b")),
+    ]
+
+    def fails(*args: str) -> str:
+        assert cli_main([*core, *args]) == 2
+        cap = capsys.readouterr()
+        assert len(cap.err.strip().splitlines()) == 1 and "CORE" not in cap.out, cap
+        return cap.err
+
+    if not torch.cuda.is_available():
+        assert "--device cuda but no CUDA device" in fails(
+            "--device", "cuda", "--output", str(tmp_path / "r.json")
+        )
+    err = fails("--output", "/proc/pretrain-eval/results.json")
+    assert "--output /proc/pretrain-eval is not writable" in err and f"uid {os.getuid()}" in err
+    assert "fsGroup" in err
+    assert "is a directory" in fails("--output", str(tmp_path))
+    assert cli_main([*core, "--output", str(tmp_path / "new" / "r.json")]) == 0  # a missing dir is made
+    assert "CORE: " in capsys.readouterr().out and (tmp_path / "new" / "r.json").exists()
+
+
+def test_an_unwritable_run_dir_fails_before_evaluating(known, tmp_path, capsys):
+    """The default results dir (RUN_DIR/eval) on a read-only volume: one line at the start naming the
+    path, the uid and --output; nothing evaluated."""
+    import shutil
+
+    run, _ = known
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    bundle = tiny_bundle(tmp_path / "b")
+    if os.geteuid() != 0:
+        copy.chmod(0o555)
+    elif not shutil.which("chattr") or subprocess.run(["chattr", "+i", str(copy)]).returncode != 0:
+        pytest.skip("running as root on a filesystem without chattr +i: no directory is unwritable")
+    try:
+        code = cli_main(["eval", "--checkpoint", str(copy), "--tasks", "core", "--core-dir", str(bundle)])
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", str(copy)], check=True)
+        copy.chmod(0o755)
+    cap = capsys.readouterr()
+    assert code == 2 and "CORE" not in cap.out
+    (line,) = cap.err.strip().splitlines()
+    assert f"results dir {copy / 'eval'} is not writable by uid {os.getuid()}" in line
+    assert line.endswith("or pass --output FILE to write the results elsewhere")
+    assert not (copy / "eval").exists()

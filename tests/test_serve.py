@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, cli_env
-from tests.inference_helpers import trained_run
+from tests.inference_helpers import best_is_not_latest_run, trained_run
 
 openai = pytest.importorskip("openai", reason="the serve tests need the serve extra (make setup)")
 
@@ -29,23 +29,10 @@ def run_dir() -> Path:
     return trained_run()
 
 
-@pytest.fixture(scope="module")
-def server(run_dir):
+def start_server(*args: str) -> tuple[str, subprocess.Popen]:
+    """`pretrain serve ... --port 0` in a subprocess; (base URL, process) once /health answers."""
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "app.cli",
-            "serve",
-            "--checkpoint",
-            str(run_dir),
-            "--port",
-            "0",
-            "--model-name",
-            "tiny",
-            "--max-body-bytes",
-            "4096",
-        ],  # fmt: skip
+        [sys.executable, "-m", "app.cli", "serve", "--port", "0", *args],
         cwd=REPO,
         env=cli_env(),
         stdout=subprocess.PIPE,
@@ -60,14 +47,28 @@ def server(run_dir):
     while True:
         try:
             urllib.request.urlopen(f"{url}/health", timeout=2)
-            break
+            return url, proc
         except OSError:
             assert time.monotonic() < deadline and proc.poll() is None, "server never became healthy"
             time.sleep(0.1)
-    yield url
+
+
+def stop_server(proc: subprocess.Popen) -> None:
     proc.terminate()
     # SIGTERM: uvicorn shuts down gracefully, then re-raises the signal (exit by SIGTERM, not a crash)
     assert proc.wait(timeout=30) in (0, -15)
+
+
+def health(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/health", timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.fixture(scope="module")
+def server(run_dir):
+    url, proc = start_server("--checkpoint", str(run_dir), "--model-name", "tiny", "--max-body-bytes", "4096")
+    yield url
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")
@@ -108,10 +109,9 @@ def raw(url: str, body: bytes | str, path: str = "/v1/completions", headers: dic
 
 def test_health_and_models(server, client, reference):
     _, info = reference
-    with urllib.request.urlopen(f"{server}/health") as resp:
-        health = json.loads(resp.read())
-    assert health["status"] == "ok" and health["model"] == "tiny" and health["context"] == 64
-    assert health["checkpoint"] == str(info.path) and health["step"] == info.step
+    got = health(server)
+    assert got["status"] == "ok" and got["model"] == "tiny" and got["context"] == 64
+    assert got["checkpoint"] == str(info.path) and got["step"] == info.step
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
@@ -291,3 +291,133 @@ def test_cli_errors_are_one_line(run_dir, tmp_path, capsys, monkeypatch):
     assert "invalid choice" in fails("--checkpoint", str(run_dir), "--which", "worst")
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if the serve extra were not installed
     assert "serve extra" in fails("--checkpoint", str(run_dir))
+
+
+# ---------------------------------------------------------------- best vs latest, and a full queue
+
+
+def sampled_of(spec: str, prompt: str, n: int, seed: int) -> str:
+    """What the server answers at temperature 1 with this seed, straight from one checkpoint's model (the
+    engine seeds a torch.Generator and samples with model.generate_stream)."""
+    import torch
+
+    from app.tools.sample import load_for_inference
+
+    model, tok, _ = load_for_inference(spec)
+    g = torch.Generator().manual_seed(seed)
+    out = [
+        int(t[0, 0])
+        for t in model.generate_stream(torch.tensor([tok.encode(prompt)]), n, 1.0, None, generator=g)
+    ]
+    return tok.decode(out[: out.index(tok.eot_id)] if tok.eot_id in out else out)
+
+
+@pytest.fixture(scope="module")
+def worse_run() -> Path:
+    run = best_is_not_latest_run()
+    vals = {
+        p.name: json.loads((p / "meta.json").read_text())["val_loss"] for p in (run / "checkpoints").iterdir()
+    }
+    assert vals["step_000120"] < vals["step_000060"] < vals["step_000124"]  # the best is not the latest
+    return run
+
+
+@pytest.fixture(scope="module")
+def busy_server(worse_run):
+    """The run whose latest checkpoint is worse than its best, served with room for one waiting request."""
+    url, proc = start_server("--checkpoint", str(worse_run), "--max-queue", "1")
+    yield url, proc
+    stop_server(proc)
+
+
+def test_a_run_dir_serves_its_best_checkpoint_not_the_latest(busy_server, worse_run):
+    url, _ = busy_server
+    best, latest = worse_run / "checkpoints" / "step_000120", worse_run / "checkpoints" / "step_000124"
+    got = health(url)
+    assert got["checkpoint"] == str(best) and got["step"] == 120
+    assert got["model"] == worse_run.name  # the default model name: the run dir's name
+    want, other = sampled_of(str(best), PROMPT, 24, seed=7), sampled_of(str(latest), PROMPT, 24, seed=7)
+    assert want != other  # the two checkpoints answer differently, so the text tells which one is served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    out = client.completions.create(model=worse_run.name, prompt=PROMPT, max_tokens=24, temperature=1, seed=7)
+    assert out.choices[0].text == want
+
+
+@pytest.mark.slow  # two more servers (~8 s on 2 cores)
+def test_which_latest_and_a_step_dir_serve_those_checkpoints(worse_run):
+    ckpts = worse_run / "checkpoints"
+    servers = [
+        start_server("--checkpoint", str(worse_run), "--which", "latest"),
+        start_server("--checkpoint", str(ckpts / "step_000060")),  # neither the best nor the latest
+    ]
+    try:
+        (latest, _), (step60, _) = servers
+        assert health(latest)["checkpoint"] == str(ckpts / "step_000124") and health(latest)["step"] == 124
+        assert health(step60)["checkpoint"] == str(ckpts / "step_000060") and health(step60)["step"] == 60
+        for url, step in ((latest, 124), (step60, 60)):
+            body = json.dumps({"prompt": PROMPT, "max_tokens": 24, "temperature": 1, "seed": 7})
+            want = sampled_of(str(ckpts / f"step_{step:06d}"), PROMPT, 24, seed=7)
+            assert raw(url, body)[1]["choices"][0]["text"] == want
+    finally:
+        for _, proc in servers:
+            stop_server(proc)
+
+
+def burst(url: str, n: int, proc: subprocess.Popen) -> list[tuple[int, dict, dict]]:
+    """n completion requests that reach the server at the same moment: sent while it is stopped
+    (SIGSTOP: the kernel queues the connections and their bytes), then released together."""
+    import signal
+
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": "ROMEO:", "max_tokens": 48, "temperature": 0}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    socks = []
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        for _ in range(n):
+            s = socket.create_connection((host, int(port)), timeout=60)
+            s.sendall(head + body)
+            socks.append(s)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    out = []
+    for s in socks:
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+        s.close()
+        header, _, payload = data.partition(b"\r\n\r\n")
+        lines = header.decode().split("\r\n")
+        headers = {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])}
+        out.append((int(lines[0].split()[1]), headers, json.loads(payload)))
+    return out
+
+
+def test_a_full_queue_answers_503_with_retry_after(busy_server):
+    """--max-queue 1: of 6 requests arriving together, one runs, one waits, the rest are turned away
+    with 503 (OpenAI's error shape, Retry-After), counted in the metrics; the server goes on serving."""
+    url, proc = busy_server
+
+    def count_503() -> float:
+        text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+        m = re.search(r'^pretrain_serve_requests_total\{status="503"\} (\S+)$', text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    before = count_503()
+    replies = burst(url, 6, proc)
+    busy = [r for r in replies if r[0] == 503]
+    done = [r for r in replies if r[0] == 200]
+    assert len(busy) + len(done) == 6 and len(busy) >= 3 and len(done) >= 1, [r[0] for r in replies]
+    for _, headers, err in busy:
+        assert headers["retry-after"] == "1"
+        assert err["error"]["type"] == "server_busy" and err["error"]["code"] == "queue_full"
+        assert "retry later" in err["error"]["message"]
+    texts = {r[2]["choices"][0]["text"] for r in done}
+    assert len(texts) == 1 and all(r[2]["usage"]["completion_tokens"] == 48 for r in done)
+    assert count_503() - before == len(busy)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    again = client.completions.create(model=None, prompt="ROMEO:", max_tokens=48, temperature=0)
+    assert again.choices[0].text in texts  # a 503 leaves nothing behind: the next request is served

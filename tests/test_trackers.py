@@ -192,3 +192,61 @@ def test_missing_tracker_extra_and_unknown_names_are_exit_2(tmp_path, monkeypatc
     assert not (tmp_path / "metrics.jsonl").exists()  # nothing started
     assert cli_main(["train", "--out", str(tmp_path), "--set", "metrics.trackers=comet"]) == 2
     assert "metrics.trackers='comet' is not valid" in capsys.readouterr().err
+
+
+def test_a_tracker_failing_mid_run_is_counted_each_time_and_warned_once(tmp_path, monkeypatch):
+    """MLflow starts fine (file store), then its run disappears from the store mid-run: every later write
+    fails and is counted, one warning says so, and the other tracker and the log go on."""
+    import shutil
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    from app.config import load_config
+    from app.trainer.metrics import TrainerMetrics
+    from app.trainer.parallel import DistEnv
+    from app.trainer.report import Reporter
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    cfg = load_config("tiny", overrides=["metrics.trackers=mlflow,tensorboard"])
+    rep = Reporter(cfg, DistEnv(), tmp_path, with_mfu=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rep.metrics = TrainerMetrics(port, "n0", serve_global=True, with_mfu=False, addr="127.0.0.1")
+    lines: list[str] = []
+    rep.log = lines.append
+    for step in (1, 2):
+        rep.eval(step, 2.0 - step / 10, 1.5)
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    deadline = time.monotonic() + 60
+    while True:  # the writer thread has started MLflow and written both rows
+        ids = (
+            json.loads((tmp_path / "trackers.json").read_text())
+            if (tmp_path / "trackers.json").exists()
+            else {}
+        )
+        run_id = ids.get("mlflow", {}).get("run_id")
+        if run_id and len(client.get_metric_history(run_id, "eval/val_loss")) == 2:
+            break
+        assert time.monotonic() < deadline, "MLflow never got the first rows"
+        time.sleep(0.05)
+    (run_path,) = (tmp_path / "mlruns").glob(f"*/{run_id}")
+    shutil.rmtree(run_path)  # the tracking store loses the run
+    for step in (3, 4, 5):
+        rep.eval(step, 2.0 - step / 10, 1.5)
+    rep.event("event", 5, event="stop", cause="planned", exit_code=0)
+    rep.close()
+    errors = rep.metrics.registry.get_sample_value("pretrain_tracker_errors_total", {"tracker": "mlflow"})
+    assert errors == 5  # three eval rows, the stop event, closing the run: each one counted
+    warnings = [m for m in lines if m.startswith("warning: tracker mlflow failed")]
+    assert len(warnings) == 1 and "the run goes on without those records" in warnings[0]
+    assert [r["tracker"] for r in train_rows(tmp_path, "event") if r.get("event") == "tracker_error"] == [
+        "mlflow"
+    ]
+    assert [r["step"] for r in train_rows(tmp_path, "eval")] == [1, 2, 3, 4, 5]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("eval/val_loss")] == [1, 2, 3, 4, 5]

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from app.budget.config import BudgetConfig, check_budget_config
 from app.budget.ledger import load_ledger
@@ -128,13 +129,16 @@ class WatcherHandle:
 
 
 def start_in_process(cfg: BudgetConfig, run_dir: Path, stop_file: Path, world_size: int) -> WatcherHandle:
-    """Host the watcher in the trainer (rank 0). Raises BudgetExhausted, or UserError for a bad config."""
-    if cfg.cap_usd <= 0:
+    """Host the watcher in the trainer (rank 0). Raises BudgetExhausted, or UserError for a bad config.
+    Without a cap but with budget.max_price_per_gpu_hour, the thread runs the per-poll price check alone."""
+    if cfg.cap_usd <= 0 and cfg.max_price_per_gpu_hour <= 0:
         return WatcherHandle(None)
     check_budget_config(cfg)
     gpu_type = cfg.gpu_type or detect_cuda_gpu_type()
     gpus = resolve_gpus(cfg, world_size)
     rate, _price = static_rate(gpu_type, cfg.price_per_gpu_hour, gpus, cfg.price_table)
+    if cfg.cap_usd <= 0:
+        return _start_price_watcher(cfg, run_dir, stop_file, gpus, _price)
     if rate <= 0 and cfg.source == "static":
         raise no_price_error(gpu_type)
     check_not_exhausted(cfg, run_dir)
@@ -155,19 +159,46 @@ def start_in_process(cfg: BudgetConfig, run_dir: Path, stop_file: Path, world_si
 
         watcher.price_guard = PriceGuard(cfg, gpus, _price)
     watcher.tick(time.time())  # the first view and any stop right away, before training starts
-    if cfg.metrics_port:
-        try:
-            metrics.serve(cfg.metrics_port)
-        except OSError as e:
-            watcher.close()
-            raise UserError(
-                f"budget metrics port {cfg.metrics_port} is not available ({e.strerror}); set budget.metrics_port"
-            ) from None
+    _serve_metrics(cfg, metrics, watcher)
     log.info(
         "budget: watching in-process: cap $%.4f, %s at $%.2f/h, ledger %s",
         cfg.cap_usd,
         cfg.source,
         watcher.view.rate_usd_per_hour if watcher.view else rate,
         watcher.ledger_path,
+    )
+    return WatcherHandle(watcher)
+
+
+def _serve_metrics(cfg: BudgetConfig, metrics: BudgetMetrics, watcher: Any) -> None:
+    if not cfg.metrics_port:
+        return
+    try:
+        metrics.serve(cfg.metrics_port)
+    except OSError as e:
+        watcher.close()
+        raise UserError(
+            f"budget metrics port {cfg.metrics_port} is not available ({e.strerror}); set budget.metrics_port"
+        ) from None
+
+
+def _start_price_watcher(
+    cfg: BudgetConfig, run_dir: Path, stop_file: Path, gpus: int, price: float
+) -> WatcherHandle:
+    """budget.max_price_per_gpu_hour without a cap: poll the source for the price alone."""
+    from app.budget.kube import KubeActions
+    from app.budget.price_guard import PriceWatcher
+
+    metrics = BudgetMetrics()
+    watcher = PriceWatcher(
+        cfg, Path(run_dir), Path(stop_file), gpus, price, metrics, KubeActions.from_config(cfg)
+    )
+    watcher.tick(time.time())  # the gauges at once (the launch check has just passed)
+    _serve_metrics(cfg, metrics, watcher)
+    log.info(
+        "budget: no cap; checking the price against max_price_per_gpu_hour $%.4f every %g s (%s source)",
+        cfg.max_price_per_gpu_hour,
+        cfg.poll_seconds,
+        cfg.source,
     )
     return WatcherHandle(watcher)

@@ -2,20 +2,33 @@
 
 Pure arithmetic, no I/O, so the same rules run in the watcher and in the simulated-clock tests.
 
-The graceful point G = max(poll, step + write + checkpoint): the trainer sees the stop file after finishing
-its current `step`, waits for a background `write` still in flight (asynchronous saves), then writes a
-`checkpoint` (the last save's whole time), and the watcher cannot look again
-sooner than `poll`; with less than G of spend left a graceful stop no longer fits. The horizon
-H = G + poll + margin reaches one whole poll (plus `margin`, for jitter) beyond that point, so the graceful
-window (H - G of spend) is never narrower than one poll and no poll can jump over it. (Before, H was
-poll + step + checkpoint + margin: with step + checkpoint + margin < poll a poll could skip from "ok" to
-"no room" and the run ended with an immediate stop and no checkpoint.) Rules, with r the rate in USD/s:
+With r the rate in USD/s and R = (cap - spent) / r the seconds of spend left:
 
-- graceful stop when spent + r*H >= cap (the spend projected at the next safe stopping point);
-- immediate stop when spent >= cap, or when not even a graceful stop fits any more
-  (spent + r*G >= cap), or, with a graceful stop under way, when the cap would be crossed before the
-  next poll (spent + r*poll >= cap);
+- S = step + write + checkpoint, the stop's own time: the trainer sees the stop file after finishing its
+  current `step`, waits for a background `write` still in flight (asynchronous saves), then writes its
+  final `checkpoint` (the last save's whole time). 0 for what has not been measured yet.
+- A = max(margin, S): the allowance for jitter, at least `margin` and at least the stop's own time (a
+  checkpoint measured once may run much longer the next time; a margin of 0 s must not make the stop
+  cross the cap).
+- H = max(poll, S) + poll + A, the horizon: the graceful stop is asked at the first poll with R <= H.
+  Polls are `poll` apart, so one lands with R in (H - poll, H], i.e. R > S + A: a whole poll beyond the
+  stop's cost plus allowance, whatever poll, margin, step and checkpoint times are.
+
+Rules:
+
+- graceful stop when R <= H, except while a trainer holds the run dir but is still starting
+  (`trainer_starting`: no training heartbeat in this session yet): it would take the request at its first
+  stop check, before step 1, and end with nothing saved. The request waits, and the watcher looks every
+  `LOOK_SECONDS` (app/budget/watcher.py) for the first training heartbeat, then asks at once. So a
+  stop asked late (the first poll of a run whose cap is smaller than one poll, or a horizon that grew)
+  is still graceful whenever the rest pays for the step in progress and a checkpoint;
+- immediate stop when spent >= cap; or when not even the stop's own time fits (R <= S, measured figures
+  only: nothing measured, no such stop); or, with a graceful stop under way that has run past its
+  expected time (S + A) while the cap is less than one poll away (a trainer that does not stop);
 - alert when spent >= alert_fraction*cap or spent >= alert_usd (when set).
+
+`look_again_seconds` tells the watcher when to look again: one poll, or sooner when a graceful stop
+under way becomes overdue within the poll.
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ from dataclasses import dataclass
 
 STATES = ("ok", "alert", "stopping", "exhausted")
 STATE_CODES = {s: i for i, s in enumerate(STATES)}
+MIN_LOOK_SECONDS = 0.01  # the soonest the watcher is asked to look again (clock resolution, no busy loop)
 
 
 @dataclass(frozen=True)
@@ -40,6 +54,8 @@ class PolicyInput:
     alert_usd: float = 0.0
     decay_fraction: float = 0.15
     stopping: str = ""  # the stop already asked for: "" | graceful | immediate
+    stopping_seconds: float = 0.0  # how long ago that stop was asked
+    trainer_starting: bool = False  # a trainer holds the run dir but has not reported training yet
 
 
 @dataclass(frozen=True)
@@ -55,24 +71,37 @@ class Decision:
     seconds_to_stop: float | None  # until the graceful stop fires; None when the rate is 0
     decay_seconds: float | None  # length of the budget-driven LR decay (decay_fraction of what the cap buys)
     decay: bool  # the trainer should be decaying its LR now
+    waiting_for_trainer: bool = False  # a graceful stop is due but waits for the trainer's first step
+    look_again_seconds: float = 0.0  # when the watcher should look again (<= poll)
+
+
+def stop_seconds(inp: PolicyInput) -> float:
+    """S: the stop's own time: the step in progress, a background write still in flight (asynchronous
+    saves; 0 for synchronous ones) and the final checkpoint (blocking + background: a stop waits for all
+    of it)."""
+    return inp.step_seconds + inp.checkpoint_write_seconds + inp.checkpoint_seconds
+
+
+def allowance_seconds(inp: PolicyInput) -> float:
+    """A = max(margin, S): jitter allowance, at least the margin and at least the stop's own time."""
+    return max(inp.margin_seconds, stop_seconds(inp))
 
 
 def graceful_point_seconds(inp: PolicyInput) -> float:
-    """G: the least spend time a graceful stop needs: a step, a pending background write (asynchronous
-    saves; 0 for synchronous ones), the final checkpoint (blocking + background: a stop waits for all of
-    it), and one poll to notice."""
-    return max(inp.poll_seconds, inp.step_seconds + inp.checkpoint_write_seconds + inp.checkpoint_seconds)
+    """G = max(poll, S): the graceful point the horizon keeps one poll (plus A) beyond."""
+    return max(inp.poll_seconds, stop_seconds(inp))
 
 
 def horizon_seconds(inp: PolicyInput) -> float:
-    """H = G + poll + margin: at least one poll beyond the graceful point, whatever the settings."""
-    return graceful_point_seconds(inp) + inp.poll_seconds + inp.margin_seconds
+    """H = G + poll + A: a poll lands with R in (H - poll, H], so R > S + A at the graceful request."""
+    return graceful_point_seconds(inp) + inp.poll_seconds + allowance_seconds(inp)
 
 
 def decide(inp: PolicyInput) -> Decision:
     cap, spent = inp.cap_usd, inp.spent_usd
     r = max(inp.rate_usd_per_hour, 0.0) / 3600.0
     h = horizon_seconds(inp)
+    s = stop_seconds(inp)
     projected = spent + r * h
     remaining = cap - spent
     to_cap = max(remaining, 0.0) / r if r > 0 else None
@@ -80,29 +109,41 @@ def decide(inp: PolicyInput) -> Decision:
     decay_len = inp.decay_fraction * cap / r if r > 0 else None
     decay = to_stop is not None and decay_len is not None and to_stop <= decay_len
     alert = spent >= inp.alert_fraction * cap or (inp.alert_usd > 0 and spent >= inp.alert_usd)
+    poll = inp.poll_seconds
+    look = poll
+    waiting = False
 
     stop, reason = "", ""
     if inp.stopping != "immediate":
-        graceful_cost = r * graceful_point_seconds(inp)
+        expected = s + allowance_seconds(inp)  # a graceful stop should be over by then
         if spent >= cap:
             stop, reason = "immediate", f"cap reached: ${spent:.4f} spent of the ${cap:.4f} cap"
-        elif inp.stopping == "graceful" and spent + r * inp.poll_seconds >= cap:
-            stop = "immediate"
-            reason = (
-                f"the ${cap:.4f} cap would be crossed before the next poll "
-                f"(${spent:.4f} spent) while the graceful stop is still running"
-            )
-        elif not inp.stopping and spent + graceful_cost >= cap:
+        elif inp.stopping == "graceful":
+            overdue_in = expected - inp.stopping_seconds
+            if overdue_in < MIN_LOOK_SECONDS:
+                overdue_in = 0.0
+            if overdue_in <= 0 and spent + r * poll >= cap:
+                stop = "immediate"
+                reason = (
+                    f"the ${cap:.4f} cap would be crossed before the next poll (${spent:.4f} spent) and "
+                    f"the graceful stop asked {inp.stopping_seconds:.0f} s ago has not ended "
+                    f"(expected {expected:.0f} s)"
+                )
+            elif overdue_in > 0:
+                look = min(poll, overdue_in)
+        elif s > 0 and spent + r * s >= cap:
             stop = "immediate"
             reason = (
                 f"no room for a graceful stop: ${remaining:.4f} left of the ${cap:.4f} cap, "
-                f"a step and a checkpoint cost ${graceful_cost:.4f}"
+                f"a step and a checkpoint cost ${r * s:.4f}"
             )
-        elif not inp.stopping and projected >= cap:
+        elif projected >= cap and inp.trainer_starting:
+            waiting = True  # asked now, the trainer would stop before step 1 with nothing saved
+        elif projected >= cap:
             stop = "graceful"
             reason = (
                 f"${spent:.4f} spent of the ${cap:.4f} cap; the next safe stop (step + checkpoint "
-                f"+ margin, {h:.0f} s at ${inp.rate_usd_per_hour:.2f}/h) would reach ${projected:.4f}"
+                f"+ poll + allowance, {h:.0f} s at ${inp.rate_usd_per_hour:.2f}/h) would reach ${projected:.4f}"
             )
 
     asked = stop or inp.stopping
@@ -126,4 +167,6 @@ def decide(inp: PolicyInput) -> Decision:
         seconds_to_stop=to_stop,
         decay_seconds=decay_len,
         decay=decay,
+        waiting_for_trainer=waiting,
+        look_again_seconds=look,
     )

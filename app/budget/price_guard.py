@@ -8,7 +8,8 @@ yet) falls back to the static price; with none, the guard lets the run go and sa
 - At start (every rank reads the source, so all agree; before any work): above the ceiling, the trainer
   does not start and exits 0, a deliberate wait, not a failure (no crash-loop, and a re-run later
   launches when the price is back under it).
-- At each poll of the budget watcher (in-process thread or sidecar, i.e. with budget.cap_usd > 0): above
+- At each poll of the budget watcher (in-process thread or sidecar, with budget.cap_usd > 0), or of a
+  `PriceWatcher` (the in-process thread without a cap: the price check alone, no spend tracking): above
   the ceiling, a graceful stop (checkpoint, exit 0). Unlike a budget stop it is not final: the next
   launch checks the price again.
 
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from app.budget.config import BudgetConfig
-from app.budget.files import write_stop_file
+from app.budget.files import clear_stale_budget_stop, write_stop_file
 from app.budget.ledger import LedgerLock, load_ledger, save_ledger
 from app.budget.sources import Reading, make_source
 from app.budget.view import ledger_path_for
@@ -124,16 +125,72 @@ class PriceGuard:
             if price is not None:
                 m.price.set(price)
             m.price_above.set(1 if price is not None and price > self.ceiling else 0)
-        if price is None or price <= self.ceiling or self.stopped or watcher.ledger.stop:
+        ledger = watcher.ledger  # None for a PriceWatcher: no budget, so no budget stop either
+        if price is None or price <= self.ceiling or self.stopped or (ledger is not None and ledger.stop):
             return
         self.stopped = True
         reason = above_reason(price, self.ceiling, source, "stopping gracefully")
         write_stop_file(watcher.stop_file, "graceful", reason, now)
         record(watcher.run_dir, {"state": "stopped", "price_per_gpu_hour": price, "source": source,
                                  "max_price_per_gpu_hour": self.ceiling, "reason": reason, "unix": now},
-               watcher.ledger)  # fmt: skip
+               ledger)  # fmt: skip
         log.warning("budget price stop: %s", reason)
         if m:
             m.price_stops.inc()
         if watcher.kube:
             watcher.kube.event("PriceAboveMax", reason)
+
+
+class PriceWatcher:
+    """The in-process thread for budget.max_price_per_gpu_hour without a cap (budget.cap_usd=0): every
+    `poll_seconds` it reads the source and runs the PriceGuard, nothing else (no spend, no ledger session:
+    the verdict goes into the ledger file under its lock). Same interface as Watcher for WatcherHandle."""
+
+    def __init__(
+        self,
+        cfg: BudgetConfig,
+        run_dir: Path,
+        stop_file: Path,
+        gpus: int,
+        static_price: float,
+        metrics: Any = None,
+        kube: Any = None,
+    ) -> None:
+        self.cfg, self.run_dir, self.stop_file = cfg, Path(run_dir), Path(stop_file)
+        self.metrics, self.kube = metrics, kube
+        self.ledger = None
+        self.view = None
+        self.ledger_path = ledger_path_for(self.run_dir)
+        now = time.time()
+        try:
+            start = load_ledger(self.ledger_path).created_unix or now
+        except UserError:
+            start = now
+        self.source = make_source(cfg, static_price * gpus, start)
+        self.price_guard = PriceGuard(cfg, gpus, static_price)
+        clear_stale_budget_stop(self.stop_file)  # a leftover budget stop from an earlier run
+
+    def tick(self, now: float) -> None:
+        try:
+            reading = self.source.read(now)
+        except Exception as e:  # a source must not kill the watcher
+            reading = Reading(self.source.name, False, error=f"{type(e).__name__}: {e}")
+        self.price_guard.check(self, reading, now)
+        if self.metrics:
+            self.metrics.last_poll.set(now)
+
+    def run(self, stop_event: Any, exit_when_done: bool = False, first_tick: bool = True) -> str:
+        if not first_tick and stop_event.wait(self.cfg.poll_seconds):
+            return "stopped"
+        while True:
+            try:
+                self.tick(time.time())
+            except Exception:
+                log.exception("budget: price check failed; retrying at the next poll")
+            if stop_event.wait(self.cfg.poll_seconds):
+                return "stopped"
+
+    def close(self, now: float | None = None) -> None:
+        """No final tick: the trainer has stopped, a stop file now would only be left behind."""
+        if self.metrics:
+            self.metrics.shutdown()

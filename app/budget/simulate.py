@@ -2,9 +2,12 @@
 under their cap and ends them gracefully. Used by the tests and the benchmark.
 
 Everything the watcher touches is real (ledger, status.json, stop file, billing file, policy); only time is
-simulated and the trainer is a state machine: startup, steps, periodic checkpoints, the stop file checked
-after every step, SIGTERM (finish the step, checkpoint, exit) or SIGKILL preemptions, restarts after downtime
-(not billed), and a billing poller that lags, goes missing, writes garbage or freezes.
+simulated and the trainer is a state machine: its lease on the run dir from the first moment, startup, steps,
+periodic checkpoints, the stop file checked before the first step and after every step (a stop seen before
+step 1 saves nothing, as in app/train.py), SIGTERM (finish the step, checkpoint, exit) or SIGKILL
+preemptions, restarts after downtime (not billed), and a billing poller that lags, goes missing, writes
+garbage or freezes. The watcher ticks when it is due, as in `Watcher.run`: at `next_tick_unix`, and at its
+look at status.json (every LOOK_SECONDS) after each heartbeat, taken here at the latest such look.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from app.budget.config import BudgetConfig
 from app.budget.files import read_stop_file
 from app.budget.ledger import load_ledger
 from app.budget.view import ledger_path_for
-from app.budget.watcher import Watcher
+from app.budget.watcher import LEASE_FILE, LOOK_SECONDS, Watcher
 from app.files import atomic_write_json
 
 T0 = 1_700_000_000.0  # simulated unix epoch, so ISO timestamps in the billing file are real ones
@@ -117,10 +120,13 @@ class SimParams:
         )
 
     def affords_step_and_checkpoint(self) -> bool:
-        """The cap pays for the start-up, one (slowest) step and one (slowest) checkpoint: below that no
-        budget stop can end on a checkpoint, whatever the policy does."""
+        """ "Affordable": the cap pays for the start-up, the watcher's look at the trainer's first heartbeat
+        (`LOOK_SECONDS`), one step and one checkpoint, the step and the checkpoint at their slowest (base
+        time x (1 + jitter)). Below that no budget stop can end on a checkpoint: a stop seen before step 1
+        saves nothing, and one seen after it needs the step and the checkpoint."""
         need = (
             self.startup_seconds
+            + LOOK_SECONDS
             + self.step_seconds * (1 + self.step_jitter)
             + self.checkpoint_seconds * (1 + self.checkpoint_jitter)
         )
@@ -138,6 +144,9 @@ class SimResult:
     fallbacks: int
     checkpoints: int
     lost_steps: int = 0  # steps trained after the last checkpoint when the job ended (work thrown away)
+    # the watcher knew the step and checkpoint times (measured, or from the ledger) when it asked the first
+    # budget stop; before the first checkpoint it can only assume one fits in poll + allowance
+    stop_priced: bool = False
 
     @property
     def fraction(self) -> float:
@@ -180,6 +189,7 @@ class _Trainer:
             "updated_unix": now,
         }
         atomic_write_json(self.job.status_path, data, durable=False)
+        self.job.status_unix = now
 
     def stop_request(self) -> str:
         if not self.job.stop_path.exists():
@@ -277,6 +287,8 @@ class SimJob:
         self.history: list[tuple[float, float, bool]] = []  # (t, true spent, pod up) for the billing poller
         self.fallbacks = 0
         self.lost_steps = 0
+        self.status_unix = -math.inf  # the trainer's last heartbeat
+        self.stop_priced: bool | None = None  # set at the first budget stop
 
     # ------------------------------------------------------------ true spend
 
@@ -332,6 +344,12 @@ class SimJob:
 
     # ------------------------------------------------------------ the run
 
+    def _tick(self, watcher: Watcher, t: float) -> None:
+        watcher.tick(t)
+        led = watcher.ledger
+        if led.stop and self.stop_priced is None:
+            self.stop_priced = led.step_seconds > 0 and led.checkpoint_seconds > 0
+
     def run(self) -> SimResult:
         p = self.p
         next_bill = T0
@@ -364,6 +382,8 @@ class SimJob:
             self.up = True
             self.history.append((self.t, self.true_spent, True))
             remaining = p.cap_usd - load_ledger(ledger_path_for(self.run_dir)).effective_spent()
+            lease = self.run_dir / LEASE_FILE  # the trainer takes it before anything else (app/train.py)
+            atomic_write_json(lease, {"owner": "sim", "pid": 1, "heartbeat_unix": self.t}, durable=False)
             watcher = Watcher(
                 self.cfg,
                 run_dir=self.run_dir,
@@ -374,30 +394,37 @@ class SimJob:
                 lock=False,
             )
             trainer = _Trainer(self, self.t)
-            next_tick = self.t
+            self._tick(watcher, self.t)  # the first tick as the pod starts
+            look = math.inf  # the watcher's look at status.json after the trainer's last heartbeat
             reason = ""
             while not reason:
                 pre_t = T0 + math.inf
                 if preempts:
                     pre_t = self.t + (preempts[0][0] - self.uptime)
-                t = min(next_tick, trainer.phase_end, next_bill, pre_t)
+                t = min(watcher.next_tick_unix, look, trainer.phase_end, next_bill, pre_t)
                 self.advance(t)
                 if t == next_bill:
                     self.poll_billing(t)
                     next_bill += p.file_update_seconds
-                elif t == next_tick:
-                    watcher.tick(t)
-                    next_tick = t + p.poll_seconds
+                elif t in (watcher.next_tick_unix, look):
+                    if t == look:
+                        look = math.inf
+                    if watcher.due(t):
+                        self._tick(watcher, t)
                 elif t == pre_t:
                     _, kind = preempts.pop(0)
                     reason = "kill" if kind == "kill" else trainer.sigterm(t)
                 else:
+                    heartbeat = self.status_unix
                     reason = trainer.on_phase_end(t)
+                    if self.status_unix != heartbeat:
+                        look = min(look, self.status_unix + LOOK_SECONDS)
             self.fallbacks += watcher.fallbacks
             self.up = False
             self.history.append((self.t, self.true_spent, False))
             self.lost_steps = trainer.steps_since_ckpt
             if reason != "kill":
+                lease.unlink(missing_ok=True)  # released on exit; a killed trainer leaves it behind
                 watcher.close(self.t)  # the sidecar exits with the pod and flushes
             if reason == "kill" and trainer.exiting == "graceful":
                 reason = "graceful-killed"
@@ -416,6 +443,7 @@ class SimJob:
             fallbacks=self.fallbacks,
             checkpoints=self.checkpoints,
             lost_steps=self.lost_steps,
+            stop_priced=bool(self.stop_priced),
         )
 
 

@@ -1,7 +1,8 @@
 """The budget watcher: poll the source, charge the ledger, apply the policy, tell the trainer.
 
 One implementation, two hosts: `pretrain watch` (a sidecar process) and the trainer's in-process thread
-both run `Watcher.run`. `tick(now)` takes the time as an argument so tests drive it with a simulated clock.
+both run `Watcher.run`. `tick(now)` takes the time as an argument so tests drive it with a simulated clock;
+`due(now)` and `wait_seconds(now)` say when the next tick is wanted (the simulator follows them too).
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ log = logging.getLogger("pretrain.budget")
 RESERVE_POLLS = 2.0  # a session killed without closing is charged this many polls of spend
 TRAINING_STATES = ("running", "saving", "stopping", "preempted")  # status.json states of a started trainer
 FALLBACK_LOG_SECONDS = 600.0  # repeat a persisting source failure in the log this often
+# Between polls the watcher reads status.json this often (a small local file: no source read, no ledger
+# write) and ticks at once when a new heartbeat makes the policy ask for a stop: the trainer's first
+# training heartbeat when a graceful stop waits for it, or new step/checkpoint figures that move the
+# graceful point into the past. A stop then reaches the trainer within this time of the heartbeat.
+LOOK_SECONDS = 0.1
+LEASE_FILE = "lease.json"  # held by a trainer for its whole life (app/trainer/lease.py, docs/contracts.md)
 
 
 class Watcher:
@@ -91,6 +98,9 @@ class Watcher:
         self._said_unbilled = False
         self._stopped_at_open = self.ledger.stop is not None
         self._closed = False
+        self._next_tick = now  # when the policy wants the next tick (tick() moves it on)
+        self._status_seen: float | None = None  # updated_unix of the last status.json a decision used
+        self._said_waiting = False
         self.fallbacks = 0
         self.view: View | None = None
         self.price_guard = None  # a PriceGuard when budget.max_price_per_gpu_hour is set
@@ -201,19 +211,84 @@ class Watcher:
             spent = max(spent, reading.spent_usd - led.unbilled_usd)
         return spent, rate
 
+    # ------------------------------------------------------------ when to look
+
+    def _trained_in_session(self, status: Any) -> bool:
+        """status.json says a trainer of this session has reached its training loop."""
+        return bool(
+            status and status.state in TRAINING_STATES and status.updated_unix >= self.session_start - 1
+        )
+
+    def _trainer_starting(self, status: Any) -> bool:
+        """A trainer holds the run dir (its lease) but has not reported training in this session yet."""
+        return not self._trained_in_session(status) and (self.run_dir / LEASE_FILE).exists()
+
+    @property
+    def next_tick_unix(self) -> float:
+        """When the next regular tick is due (one poll after the last, or sooner when the policy says)."""
+        return self._next_tick
+
+    def due(self, now: float) -> bool:
+        """A tick is wanted now: its time has come, or status.json changed since the last decision and,
+        with its figures and the spend extrapolated at the last rate, the policy would ask for a stop.
+        Cheap: one small file read, no source read, nothing written."""
+        if now >= self._next_tick:
+            return True
+        status = read_status(self.status_path)
+        seen = status.updated_unix if status else None
+        if seen == self._status_seen:
+            return False
+        self._status_seen = seen
+        led = self.ledger
+        spent = led.spent_usd + led.rate_usd_per_hour * max(0.0, now - self._last) / 3600
+        return bool(decide(self._policy_input(spent, led.rate_usd_per_hour, status, now)).stop)
+
+    def wait_seconds(self, now: float) -> float:
+        """How long the loop may sleep before asking `due` again: LOOK_SECONDS at most."""
+        return min(max(0.0, self._next_tick - now), LOOK_SECONDS)
+
+    def _figures(self, status: Any) -> tuple[float, float, float]:
+        """(step, checkpoint, write) seconds: the trainer's latest, else the ledger's last known."""
+        led = self.ledger
+        if not status:
+            return led.step_seconds, led.checkpoint_seconds, led.checkpoint_write_seconds
+        return (
+            status.step_seconds or led.step_seconds,
+            status.checkpoint_seconds or led.checkpoint_seconds,
+            status.checkpoint_write_seconds or led.checkpoint_write_seconds,
+        )
+
+    def _policy_input(self, spent: float, rate: float, status: Any, now: float) -> PolicyInput:
+        led, cfg = self.ledger, self.cfg
+        step, ckpt, write = self._figures(status)
+        return PolicyInput(
+            spent_usd=spent,
+            cap_usd=cfg.cap_usd,
+            rate_usd_per_hour=rate,
+            step_seconds=step,
+            checkpoint_seconds=ckpt,
+            checkpoint_write_seconds=write,
+            poll_seconds=cfg.poll_seconds,
+            margin_seconds=cfg.margin_seconds,
+            alert_fraction=cfg.alert_fraction,
+            alert_usd=cfg.alert_usd,
+            decay_fraction=cfg.decay_fraction,
+            stopping=led.stop.mode if led.stop else "",
+            stopping_seconds=max(0.0, now - led.stop.unix) if led.stop else 0.0,
+            trainer_starting=self._trainer_starting(status),
+        )
+
+    # ------------------------------------------------------------ the tick
+
     def tick(self, now: float) -> View:
         led, cfg = self.ledger, self.cfg
         dt = max(0.0, now - self._last)
         self._last = now
         reading = self._read(now)
         status = read_status(self.status_path)
-        if status:
-            if status.step_seconds > 0:
-                led.step_seconds = status.step_seconds
-            if status.checkpoint_seconds > 0:
-                led.checkpoint_seconds = status.checkpoint_seconds
-            if status.checkpoint_write_seconds > 0:  # a final (synchronous) save keeps the last figure
-                led.checkpoint_write_seconds = status.checkpoint_write_seconds
+        self._status_seen = status.updated_unix if status else None
+        # a final (synchronous) save reports write 0: the ledger keeps the last figure
+        led.step_seconds, led.checkpoint_seconds, led.checkpoint_write_seconds = self._figures(status)
         if (
             not led.trained_unix
             and status
@@ -232,23 +307,17 @@ class Watcher:
         led.reserved_usd = rate * RESERVE_POLLS * cfg.poll_seconds / 3600
         led.source = reading.source
         led.updated_unix = now
-        dec = decide(
-            PolicyInput(
-                spent_usd=spent,
-                cap_usd=cfg.cap_usd,
-                rate_usd_per_hour=rate,
-                step_seconds=led.step_seconds,
-                checkpoint_seconds=led.checkpoint_seconds,
-                checkpoint_write_seconds=led.checkpoint_write_seconds,
-                poll_seconds=cfg.poll_seconds,
-                margin_seconds=cfg.margin_seconds,
-                alert_fraction=cfg.alert_fraction,
-                alert_usd=cfg.alert_usd,
-                decay_fraction=cfg.decay_fraction,
-                stopping=led.stop.mode if led.stop else "",
-            )
-        )
+        dec = decide(self._policy_input(spent, rate, status, now))
         self._act(dec, now)
+        self._next_tick = now + dec.look_again_seconds
+        if dec.waiting_for_trainer and not self._said_waiting:
+            self._said_waiting = True
+            log.warning(
+                "budget: $%.4f left of the $%.4f cap; the graceful stop waits for the trainer's first "
+                "training step (asked now, it would stop before step 1 with nothing saved)",
+                dec.remaining_usd,
+                cfg.cap_usd,
+            )
         if self.price_guard:
             self.price_guard.check(self, reading, now)
         view = View(
@@ -378,17 +447,34 @@ class Watcher:
         return ""
 
     def run(self, stop_event: threading.Event, exit_when_done: bool = False, first_tick: bool = True) -> str:
-        """Poll until stop_event is set (or, with exit_when_done, until `finished`); never dies on a tick."""
-        if not first_tick and stop_event.wait(self.cfg.poll_seconds):
-            return "stopped"
+        """Poll until stop_event is set (or, with exit_when_done, until `finished`); never dies on a tick.
+        Ticks every poll_seconds, or when the policy wants one sooner (`due`)."""
+        if not first_tick:
+            if self._next_tick <= self.session_start:  # no tick yet: the first one after a whole poll
+                self._next_tick = self.session_start + self.cfg.poll_seconds
+            if self._sleep(stop_event):
+                return "stopped"
         while True:
             try:
                 self.tick(time.time())
             except Exception:
                 log.exception("budget: watcher tick failed; retrying at the next poll")
+                self._next_tick = time.time() + self.cfg.poll_seconds
             if exit_when_done:
                 why = self.finished(time.time())
                 if why:
                     return why
-            if stop_event.wait(self.cfg.poll_seconds):
+            if self._sleep(stop_event):
                 return "stopped"
+
+    def _sleep(self, stop_event: threading.Event) -> bool:
+        """Sleep until `due`; True when stop_event was set meanwhile."""
+        while True:
+            if stop_event.wait(self.wait_seconds(time.time())):
+                return True
+            try:
+                if self.due(time.time()):
+                    return False
+            except Exception:  # a look must not kill the watcher either: fall back to the poll
+                log.exception("budget: looking at status.json failed; ticking now")
+                return False

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from app.errors import UserError
-from app.files import atomic_write_json
+from app.files import atomic_write_json, check_writable_dir
 
 EXTRA_HINT = "pip install 'pretrain[eval]' (make setup installs it)"
 EVAL_DIR = "eval"
@@ -96,6 +96,20 @@ def results_path(run_dir: Path, step: int, tasks: list[str]) -> Path:
     return run_dir / EVAL_DIR / f"step_{step:06d}-{name}.json"
 
 
+def pick_device(choice: str) -> str:
+    import torch
+
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda but no CUDA device is visible; use --device cpu")
+    return "cuda" if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def check_output(path: Path) -> None:
+    if path.is_dir():
+        raise UserError(f"--output {path} is a directory; give a file name, e.g. {path / 'results.json'}")
+    check_writable_dir(path.parent, "--output")
+
+
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     from app.tools.sample import load_for_inference
     from app.tools.scoring import Scorer
@@ -116,11 +130,23 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
         if importlib.util.find_spec("lm_eval") is None:
             raise UserError(f"pretrain eval needs the eval extra for lm-eval tasks: {EXTRA_HINT}")
+    device = pick_device(args.device)
+    if args.output:  # an unwritable --output fails now, not after the whole evaluation
+        check_output(Path(args.output))
     if args.core_dir:
         from app.tools.core_eval import load_bundle
 
         load_bundle(args.core_dir)  # a bad bundle fails before the model loads
-    model, tok, info = load_for_inference(args.checkpoint, "cpu", args.which)
+    model, tok, info = load_for_inference(args.checkpoint, device, args.which)
+    if not args.output:
+        default = results_path(info.path.parent.parent, info.step, tasks).parent
+        made = not default.exists()
+        try:
+            check_writable_dir(default, "results dir")
+        except UserError as e:
+            raise UserError(f"{e}; or pass --output FILE to write the results elsewhere") from None
+        if made:  # written at the end; a failed evaluation must not leave an empty dir behind
+            default.rmdir()
     scorer = Scorer(model, tok, args.batch_size)
     out: dict[str, Any] = {
         "checkpoint": str(info.path),
@@ -188,12 +214,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batch-size", type=int, default=16, metavar="N", help="sequences per forward pass (default 16)"
     )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: CUDA when available (default); the weights stay in fp32 on either",
+    )
     p.add_argument("--seed", type=int, default=1234, help="seed for few-shot sampling (default 1234)")
     p.add_argument(
         "--output",
         default=None,
         metavar="FILE",
-        help="results JSON (default RUN_DIR/eval/step_NNNNNN-<tasks>.json)",
+        help="results JSON (default RUN_DIR/eval/step_NNNNNN-<tasks>.json); its directory is checked for "
+        "write access before the evaluation starts",
     )
 
 

@@ -2,7 +2,8 @@
 touches the budget's files itself.
 
 - at start: is the budget already spent? (`BudgetExhausted`, every rank reads the ledger so all agree);
-  rank 0 also hosts the watcher thread unless a sidecar watches;
+  is the price above budget.max_price_per_gpu_hour? (`PriceAboveMax`); rank 0 also hosts the watcher
+  thread unless a sidecar watches (with no cap but a price ceiling, the thread checks the price alone);
 - at a checkpoint: what has been spent so far? (recorded in meta.json);
 - every few seconds on rank 0: should the WSD decay start now? (from the watcher's projection; the
   answer goes through the stop agreement so every rank starts the decay at the same step).
@@ -10,6 +11,7 @@ touches the budget's files itself.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from app.config import Config
 from app.trainer.schedule import budget_decay_steps
 
 READ_EVERY_SECONDS = 5.0
+log = logging.getLogger("pretrain.budget")
 
 
 class BudgetLink:
@@ -29,13 +32,22 @@ class BudgetLink:
             from app.budget import check_price_at_launch
 
             check_price_at_launch(cfg.budget, self.run_dir, world_size, is_rank0)  # raises PriceAboveMax
-        if not self.enabled:
+        guard_only = not self.enabled and cfg.budget.max_price_per_gpu_hour > 0
+        if not (self.enabled or guard_only):
             return
         from app.budget import check_not_exhausted, start_in_process
 
-        check_not_exhausted(cfg.budget, self.run_dir)  # raises BudgetExhausted
+        if self.enabled:
+            check_not_exhausted(cfg.budget, self.run_dir)  # raises BudgetExhausted
         if is_rank0 and cfg.budget.in_process:
+            # with no cap, the thread checks the price alone at every poll
             self.watcher = start_in_process(cfg.budget, self.run_dir, stop_file, world_size)
+        elif is_rank0 and guard_only:
+            log.warning(
+                "budget: max_price_per_gpu_hour is checked at launch only: with budget.in_process=false and "
+                "no cap no watcher runs (`pretrain watch` needs --cap-usd); set budget.cap_usd to stop on a "
+                "price rise mid-run"
+            )
 
     def _state(self) -> dict | None:
         from app.budget import read_budget_state
