@@ -78,7 +78,10 @@ def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
 
 
 def unwritable_message(path: Path | str, what: str, reason: str) -> str:
-    """One line: the path, the uid/gid this process runs as, and the ownership fix for a volume."""
+    """One line: the path, the uid/gid this process runs as, and the ownership fix for a volume; or, when
+    one of its parents is a file (nothing can be made under it, whoever owns it), that and another path."""
+    if path and (blocker := not_a_directory(Path(path).parent)) is not None:
+        return not_a_directory_message(Path(path), what, blocker)
     uid, gid = os.getuid(), os.getgid()
     return (
         f"{what} {path}".strip()
@@ -88,9 +91,29 @@ def unwritable_message(path: Path | str, what: str, reason: str) -> str:
     )
 
 
+def not_a_directory(path: Path) -> Path | None:
+    """`path`, or its nearest existing ancestor, when that is not a directory (a file is in the way)."""
+    for p in (path, *path.parents):
+        if p.is_symlink() and not p.exists():
+            return None  # a dangling link: not a file in the way
+        if p.exists():
+            return None if p.is_dir() else p
+    return None
+
+
+def not_a_directory_message(path: Path, what: str, blocker: Path) -> str:
+    """One line for an output path that is (or lies under) a file: permissions are not the problem."""
+    kind = "a file, not a directory" if blocker.is_file() else "not a directory"
+    where = f"{what} {path}".strip()
+    head = f"{where} is {kind}" if blocker == path else f"{where}: {blocker} is {kind}"
+    other = what if what.startswith("--") and " " not in what else "path"
+    return f"{head}; pick another {other}"
+
+
 def check_writable_dir(path: Path | str, what: str = "--out") -> None:
     """Create `path` if needed and prove a file can be made in it (a real probe: permission bits do not
-    tell about root-squashed NFS, read-only mounts or ACLs); UserError (exit 2) with the fix if not."""
+    tell about root-squashed NFS, read-only mounts or ACLs); UserError (exit 2) with the fix if not:
+    ownership for a volume this user may not write, another path when a file is in the way."""
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -98,5 +121,7 @@ def check_writable_dir(path: Path | str, what: str = "--out") -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ENOTDIR) and (blocker := not_a_directory(path)) is not None:
+            raise UserError(not_a_directory_message(path, what, blocker)) from None
         where = f" ({e.filename})" if e.filename and Path(e.filename) != path else ""
         raise UserError(unwritable_message(path, what, f"{e.strerror or e}{where}")) from None

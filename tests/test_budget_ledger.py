@@ -160,9 +160,9 @@ def test_a_restarted_sidecar_repeats_the_stop_on_a_fresh_stop_volume(tmp_path):
     assert json.loads((tmp_path / "stop.json").read_text())["mode"] == "graceful"
 
 
-def test_an_unwritable_run_dir_is_a_user_error(tmp_path):
+def test_an_unusable_run_dir_is_a_user_error(tmp_path):
     (tmp_path / "file").write_text("not a dir")
-    with pytest.raises(UserError, match="is not writable by uid"):
+    with pytest.raises(UserError, match="file is a file, not a directory; pick another path"):
         watcher(tmp_path / "file" / "run", cfg(), T)
 
 

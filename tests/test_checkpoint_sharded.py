@@ -162,17 +162,47 @@ def test_an_async_save_writes_the_staged_state_while_the_loop_moves_on(tmp_path)
     assert writer.wait() is None  # reported once
 
 
-def test_an_abandoned_write_commits_nothing(tmp_path):
+def test_an_abandoned_write_commits_nothing(tmp_path, monkeypatch):
+    """The step-2 write is held inside its first file (the real writer, between two blocks) until
+    abandon() is called, so the abandon always lands mid-write."""
+    import threading
+    import time
+
+    from app.trainer import checkpoint_writer
+
+    real = checkpoint_writer.write_safetensors
+    writing = threading.Event()
+
+    def held(path, items, metadata=None, cancel=None):
+        if ".tmp-step_000002" not in str(path):
+            return real(path, items, metadata, cancel)
+
+        def gate() -> None:  # called between blocks: returns only once abandoned (cancel() raises then)
+            writing.set()
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                cancel()
+                time.sleep(0.01)
+            raise AssertionError("the write was never abandoned")
+
+        return real(path, items, metadata, gate)
+
+    monkeypatch.setattr(checkpoint_writer, "write_safetensors", held)
     model, opt = _trained()
     writer = CheckpointWriter(tmp_path, 0, 1, lambda: None, async_save=True)
     writer.save(1, model, opt, {"step": 1}, {})
     writer.wait()
-    writer.save(2, model, opt, {"step": 2}, {})
+    assert writer.save(2, model, opt, {"step": 2}, {}) is None  # in the background
+    assert writing.wait(60), "the background write never started"
+    assert writer.pending
+    t0 = time.monotonic()
     writer.abandon()
-    if (ckpt.checkpoints_root(tmp_path) / "step_000002").exists():
-        pytest.skip("the write finished before it could be abandoned")
+    assert time.monotonic() - t0 < 30, "abandon() waited for the write instead of cancelling it"
+    assert not writer.pending and writer.wait() is None  # nothing to report, no error raised
+    root = ckpt.checkpoints_root(tmp_path)
+    assert not (root / "step_000002").exists()
     assert ckpt.resolve_latest(tmp_path, warn=pytest.fail).step == 1
-    assert (ckpt.checkpoints_root(tmp_path) / ".tmp-step_000002").exists()
+    assert (root / ".tmp-step_000002").exists() and not (root / ".tmp-step_000002" / ckpt.META).exists()
 
 
 def _write_v1(run_dir, step, model, opt, legacy=False):
@@ -235,3 +265,79 @@ def test_the_old_full_weight_format_still_loads_and_retention_handles_it(tmp_pat
     assert old is not None and not old.has_optimizer
     assert not (old.path / "optimizer.safetensors").exists() and not (old.path / "optimizer.json").exists()
     assert torch.equal(ckpt.load_model_state(old)["tok_emb.weight"], model.tok_emb.weight)
+
+
+def test_the_reader_reads_rows_in_place_and_any_other_box_through_safetensors(tmp_path, monkeypatch):
+    """Whole rows of a stored chunk (what every shard and whole tensor is) go straight from the file into
+    the destination; a box of columns, another dtype or a 0-d tensor take the safetensors path. Both give
+    the stored values exactly."""
+    from app.trainer import checkpoint_format as fmt
+
+    full = torch.arange(10 * 6, dtype=torch.float32).reshape(10, 6)
+    step = torch.tensor(7.0)
+    # two chunks of rows, as two ranks write them: rows 0-3 in one file, 4-9 in another
+    fmt.write_safetensors(tmp_path / "a.safetensors", [("w", full[:4]), ("step", step)])
+    fmt.write_safetensors(tmp_path / "b.safetensors", [("w", full[4:])])
+    index = {
+        "tensors": {
+            "w": {
+                "dtype": "float32",
+                "shape": [10, 6],
+                "chunks": [
+                    fmt.chunk("a.safetensors", "w", [0, 0], [4, 6]),
+                    fmt.chunk("b.safetensors", "w", [4, 0], [6, 6]),
+                ],
+            },
+            "step": {"dtype": "float32", "shape": [], "chunks": [fmt.chunk("a.safetensors", "step", [], [])]},
+        }
+    }
+    direct = []
+    real = fmt.ShardReader._read_into
+    monkeypatch.setattr(
+        fmt.ShardReader, "_read_into", lambda self, *a: direct.append(real(self, *a)) or direct[-1]
+    )
+    with fmt.ShardReader(tmp_path, index) as r:
+        assert torch.equal(r.full("w"), full) and direct == [True, True]  # both chunks, in place
+        direct.clear()
+        assert torch.equal(r.read("w", torch.empty(5, 6), (2, 0)), full[2:7]) and direct == [True, True]
+        direct.clear()
+        assert torch.equal(r.read("w", torch.empty(10, 3), (0, 2)), full[:, 2:5]) and direct == [False] * 2
+        direct.clear()
+        half = r.read("w", torch.empty(10, 6, dtype=torch.bfloat16))
+        assert torch.equal(half, full.to(torch.bfloat16)) and direct == [False] * 2
+        assert torch.equal(r.full("step"), step)
+
+
+@pytest.mark.slow
+def test_sample_consolidates_a_2_rank_checkpoint_like_a_1_process_load(tmp_path):
+    """A real 2-rank FSDP run, then `pretrain sample --consolidate`: final.safetensors holds every weight
+    whole, equal to the one-process load `pretrain sample` generates from, and to the rank files'
+    chunks put together by hand."""
+    from safetensors.torch import load_file
+
+    from app.tools.sample import load_for_inference
+    from tests.conftest import FAST, pretrain, torchrun
+
+    run = tmp_path / "run"
+    proc = torchrun("--out", str(run), *FAST, "--max-steps", "2", "--set", "train.parallel=fsdp")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    info = ckpt.resolve_latest(run, warn=pytest.fail)
+    assert info.meta["world_size"] == 2 and set(chunk_counts(info).values()) == {2}  # really sharded
+
+    out = tmp_path / "weights"
+    sampled = pretrain("sample", "--checkpoint", str(run), "--max-new-tokens", "8", "--consolidate", str(out))
+    assert sampled.returncode == 0, sampled.stdout + sampled.stderr
+    final = load_file(str(out / "final.safetensors"))
+
+    model, _, loaded = load_for_inference(str(run))
+    assert loaded.path == info.path
+    state = model.state_dict()
+    assert set(final) == set(state) - {"head.weight"}  # tied: stored once
+    index = json.loads((info.path / "model.index.json").read_text())
+    for name, tensor in final.items():
+        assert torch.equal(tensor, state[name]), name
+        parts = [
+            load_file(str(info.path / c["file"]))[c["key"]]
+            for c in sorted(index["tensors"][name]["chunks"], key=lambda c: c["offsets"])
+        ]
+        assert torch.equal(tensor, torch.cat(parts)), name

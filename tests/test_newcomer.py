@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -98,6 +99,22 @@ def test_export_after_a_corrupt_newest_describes_the_checkpoint_it_exports(tmp_p
     step3 = weights_of(run / "checkpoints" / "step_000003")
     assert set(weights) == set(step3) - {"head.weight"}  # tied: stored once
     assert all((weights[k] == step3[k]).all() for k in weights)
+    # the damaged step 6 has the lower val loss (same size, so only a sha256 check can tell): the best
+    # the manifest names is a checkpoint that verifies, here the exported one
+    assert evals[6] < evals[3]
+    assert manifest["checkpoint"]["best_step"] == 3
+    assert ckpt.verify(Path(manifest["checkpoint"]["best"]))[0] is not None
+    assert proc.stderr.count("skipping checkpoint") == 1  # said once, not once per lookup
+
+    # sample --which best (the resolution eval and serve use too) skips it as well, with a warning
+    best = pretrain(
+        "sample", "--checkpoint", str(run), "--which", "best", "--max-new-tokens", "4",
+        "--consolidate", str(tmp_path / "best"),
+    )  # fmt: skip
+    assert best.returncode == 0, best.stderr
+    assert "step_000006" in best.stderr and "fails its sha256 check" in best.stderr
+    sampled = load_file(str(tmp_path / "best" / "final.safetensors"))
+    assert all((sampled[k] == step3[k]).all() for k in weights)
 
 
 def test_corrupt_newest_checkpoint_is_set_aside_and_takes_no_retention_slot(tmp_path):

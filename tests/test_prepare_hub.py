@@ -39,6 +39,7 @@ class FakeHub:
         self.repos = repos
         self.requests: list[tuple[str, str]] = []
         self.slow = False
+        self.release = threading.Event()  # a slow link sends the rest of a file only once this is set
         self.auth_seen: list[str] = []
         hub = self
 
@@ -81,15 +82,17 @@ class FakeHub:
         if not self.slow or len(body) < 21 << 19:
             h.wfile.write(body)
             return
-        # A link that stalls after 10.5 MB (huggingface_hub writes to disk in 10 MiB chunks), so a
-        # download can be interrupted with part of the file on disk.
+        # A link that stalls after 10.5 MB (huggingface_hub writes to disk in 10 MiB chunks) until
+        # `release` is set, so a download can be interrupted with part of the file on disk.
         fast = 21 << 19
         h.wfile.write(body[:fast])
         h.wfile.flush()
-        for i in range(fast, len(body), 1 << 16):
-            time.sleep(0.1)
-            h.wfile.write(body[i : i + (1 << 16)])
+        self.release.wait(120)
+        try:
+            h.wfile.write(body[fast:])
             h.wfile.flush()
+        except OSError:  # the client was killed meanwhile
+            pass
 
     def _json(self, h, data, headers: dict | None = None, head: bool = False) -> None:
         self._send(
@@ -405,7 +408,12 @@ def test_hub_unreachable_is_one_line(tmp_path: Path) -> None:
 
 def test_rerun_after_sigkill_mid_download_reuses_finished_downloads(tmp_path: Path) -> None:
     """SIGKILL while a hub file downloads: the re-run takes finished files from the download cache and
-    fetches only the interrupted one again (huggingface_hub 2.x restarts an interrupted file)."""
+    fetches only the interrupted one again (huggingface_hub 2.x restarts an interrupted file).
+
+    prepare downloads a.parquet and b.parquet at the same time (one file ahead), so the kill waits for
+    a.parquet to be in the cache (its snapshot link, made after the blob is renamed into place) as well
+    as for 10 MB of b.parquet, which stalls there: killing on b's progress alone raced with a's commit
+    on a loaded machine (a fetched twice)."""
     rng = np.random.default_rng(5)
     letters = np.array(list("abcdefghij klmnopqrstuvwxyz"))
     big = ["".join(rng.choice(letters, size=2000)) for _ in range(6000)]
@@ -436,11 +444,16 @@ def test_rerun_after_sigkill_mid_download_reuses_finished_downloads(tmp_path: Pa
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
+        cache = tmp_path / "hfcache"
+
+        def sizes(pattern: str) -> list[int]:
+            return [p.stat().st_size for p in cache.rglob(pattern) if p.exists()]
+
         try:
-            deadline = time.time() + 60
-            while not [
-                p for p in (tmp_path / "hfcache").rglob("*.incomplete") if p.stat().st_size >= 10 << 20
-            ]:
+            deadline = time.time() + 120
+            while not (
+                sizes("snapshots/*/data/a.parquet") and max(sizes("*.incomplete"), default=0) >= 10 << 20
+            ):
                 assert proc.poll() is None and time.time() < deadline
                 time.sleep(0.02)
             os.kill(proc.pid, signal.SIGKILL)
@@ -449,7 +462,9 @@ def test_rerun_after_sigkill_mid_download_reuses_finished_downloads(tmp_path: Pa
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+            hub.release.set()
         assert not (tmp_path / "out" / "manifest.json").exists()
+        assert not list(cache.rglob("snapshots/*/data/b.parquet"))  # b was cut off, a was finished
         hub.slow = False
         r = _run(args, hub, tmp_path)
         assert r.returncode == 0, r.stderr

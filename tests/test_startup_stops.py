@@ -5,11 +5,14 @@ restart, gives the weights and per-step losses of an uninterrupted run (one proc
 Preemption during start-up is common on clusters (spot reclaim, node drains while the image starts).
 No checkpoint is written at step 0: nothing has been learned, and a restart from the seed is the
 same run.
+
+Each rank stops itself (SIGSTOP, tests/pause_at.py) at the first call of a function of the named phase;
+the signal is sent while it is stopped, so it lands in that phase every time, and what the run logged
+and saved before it exited proves that it did.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,46 +23,58 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, REPO, cli_env, losses_by_step, pretrain, torchrun
+from tests.conftest import FAST, REPO, cli_env, losses_by_step, pretrain, torchrun, train_rows
 from tests.test_resume import assert_same_run
 
 STEPS = 6
-# Slow enough to land a signal inside each phase: 200 eval batches, a save after every step.
 COMMON = [
     *FAST,
     "--max-steps",
     str(STEPS),
     "--set",
-    "model.d_model=128",
-    "--set",
     "train.eval_every=3",
     "--set",
-    "train.eval_batches=200",
+    "train.eval_batches=4",
     "--set",
     "checkpoint.every_steps=1",
 ]
 EVAL_OFF = ["--set", "train.eval_every=0"]
 
+# phase: (extra args, where each rank stops itself for SIGTERM, for SIGKILL). The first save is paused
+# on the loop's thread for SIGTERM (so the stop step is exact), and in the middle of the write (the
+# model shard on disk, the optimizer shard not yet) for SIGKILL, which leaves a half-written temp dir.
+PHASES = {
+    "before-model": ([], "app.trainer.parallel:build_parallel_model", None),
+    "step-0-eval": ([], "app.trainer.evaluate:validation_loss", None),
+    "first-step": (EVAL_OFF, "torch.nn.utils:clip_grad_norm_", None),  # after backward, before the update
+    "first-save": (
+        EVAL_OFF,
+        "app.trainer.checkpoint_writer:model_pieces",
+        "app.trainer.checkpoint_writer:write_safetensors:2",
+    ),
+}
 
-def start(run: Path, ranks: int, extra: list[str]) -> tuple[subprocess.Popen, list[str]]:
-    """The trainer in its own process group (SIGKILL takes the whole pod: launcher and workers), with
-    its output collected line by line."""
-    if ranks == 1:
-        cmd = [sys.executable, "-m", "app.cli", "train"]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "app.launch",
-            "--standalone",
-            f"--nproc-per-node={ranks}",
-            "-m",
-            "app.train",
-        ]
+
+def hook(phase: str, sig: signal.Signals) -> str:
+    _, term, kill = PHASES[phase]
+    return kill if sig == signal.SIGKILL and kill else term
+
+
+def start(
+    run: Path, ranks: int, extra: list[str], pause: str, marks: Path
+) -> tuple[subprocess.Popen, list[str]]:
+    """The trainer (or the launcher and its workers) with every rank stopping itself at `pause`, and its
+    output collected line by line."""
+    target = ["app.cli", "train"] if ranks == 1 else ["app.train"]
+    wrapped = [sys.executable, "-m", "tests.pause_at", *target]
+    if ranks > 1:
+        launcher = [sys.executable, "-m", "app.launch", "--standalone", f"--nproc-per-node={ranks}"]
+        wrapped = [*launcher, "-m", "tests.pause_at", *target]
+    marks.mkdir()
     proc = subprocess.Popen(
-        [*cmd, "--out", str(run), *COMMON, *extra],
+        [*wrapped, "--out", str(run), *COMMON, *extra],
         cwd=REPO,
-        env=cli_env(),
+        env=cli_env(PRETRAIN_TEST_PAUSE=pause, PRETRAIN_TEST_PAUSE_DIR=str(marks)),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -70,35 +85,91 @@ def start(run: Path, ranks: int, extra: list[str]) -> tuple[subprocess.Popen, li
     return proc, lines
 
 
-def wait_until(cond, proc: subprocess.Popen, lines: list[str], what: str, timeout: float = 120) -> None:
+def state(pid: int) -> str:
+    """The process state letter (T: stopped, Z: zombie), "" when gone; T only when every thread is."""
+    try:
+        states = {
+            (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            for task in Path(f"/proc/{pid}/task").iterdir()
+        }
+    except (OSError, IndexError):
+        return ""
+    return "T" if states == {"T"} else (states - {"T"}).pop()
+
+
+def pending(pid: int, sig: signal.Signals) -> bool:
+    """`sig` is queued for `pid` (it cannot run while stopped)."""
+    mask = 0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(("SigPnd:", "ShdPnd:")):
+            mask |= int(line.split()[1], 16)
+    return bool(mask >> (int(sig) - 1) & 1)
+
+
+def wait_until(cond, proc: subprocess.Popen, lines: list[str], what: str, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if proc.poll() is not None:
             raise AssertionError(f"trainer exited {proc.returncode} before {what}:\n{''.join(lines)}")
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not reached in {timeout}s:\n{''.join(lines)}")
-        time.sleep(0.005)
+        time.sleep(0.01)
 
 
-def started(run: Path) -> bool:
-    path = run / "metrics.jsonl"
-    return path.exists() and '"event": "start"' in path.read_text()
+def paused_pids(marks: Path, ranks: int) -> list[int]:
+    pids = [int(p.name.split("-")[1]) for p in marks.glob("paused-*")]
+    return pids if len(pids) == ranks and all(state(p) == "T" for p in pids) else []
 
 
-def saving(run: Path) -> bool:
-    try:
-        return json.loads((run / "status.json").read_text()).get("state") == "saving"
-    except (OSError, ValueError):
-        return False
+def signal_in_phase(proc, lines, marks: Path, ranks: int, sig: signal.Signals, phase: str) -> int | None:
+    """Wait until every rank has stopped itself in `phase`, then deliver `sig` there. SIGKILL takes the
+    whole pod at once (torchrun starts its workers in sessions of their own: each is killed by pid).
+    Returns the exit code of a SIGTERM'd run."""
+    wait_until(lambda: paused_pids(marks, ranks), proc, lines, f"every rank paused in {phase}")
+    pids = paused_pids(marks, ranks)
+    if sig == signal.SIGKILL:
+        os.killpg(proc.pid, signal.SIGKILL)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(60)
+        deadline = time.monotonic() + 60
+        while any(state(p) not in ("", "Z") for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return None
+    proc.send_signal(sig)  # to the trainer itself, or to the launcher, which passes it on to the workers
+    wait_until(lambda: all(pending(p, sig) for p in pids), proc, lines, f"{sig.name} reached every rank")
+    for pid in pids:
+        os.kill(pid, signal.SIGCONT)
+    return proc.wait(180)
 
 
-PHASES = {
-    # phase: (extra args, the moment to send the signal)
-    "before-model": ([], lambda run, lines: any(line.startswith("parallel:") for line in lines)),
-    "step-0-eval": ([], lambda run, lines: started(run)),
-    "first-step": (EVAL_OFF, lambda run, lines: started(run)),
-    "first-save": (EVAL_OFF, lambda run, lines: saving(run)),
-}
+def check_phase(run: Path, phase: str, sig: signal.Signals, ranks: int) -> None:
+    """What the run left proves where the signal landed (and that SIGTERM was obeyed, not outrun)."""
+    events = train_rows(run, "event")
+    starts = [e for e in events if e.get("event") == "start"]
+    stops = [e["step"] for e in events if e.get("event") == "stop"]
+    evals = [r["step"] for r in train_rows(run, "eval")]
+    trains = [r["step"] for r in train_rows(run)]
+    root = run / "checkpoints"
+    committed = sorted(p.name for p in root.glob("step_*")) if root.is_dir() else []
+    assert "step_000000" not in committed, "a step-0 checkpoint was written"
+    if sig == signal.SIGTERM:
+        # taken at the first agreement after the signal: before any step when it came during setup,
+        # after step 1 (saved once, with its update) when it came during the step-0 eval, step or save
+        expect = {"before-model": ([0], [], []), "step-0-eval": ([1], [0], [1])}
+        want_stops, want_evals, want_trains = expect.get(phase, ([1], [], [1]))
+        assert (stops, evals, trains) == (want_stops, want_evals, want_trains), (stops, evals, trains)
+        assert committed == ([] if phase == "before-model" else ["step_000001"])
+        return
+    assert committed == []
+    if phase == "before-model":
+        assert not starts, "the set-up had finished"
+    elif phase in ("step-0-eval", "first-step"):
+        assert len(starts) == 1 and (evals, trains) == ([], [])
+    else:  # killed half-way through writing step 1: a temp dir holding every rank's model shard only
+        assert trains[:1] == [1] and not evals
+        written = sorted(p.name for p in (root / ".tmp-step_000001").glob("*.safetensors"))
+        assert written == [f"model-rank{r:05d}.safetensors" for r in range(ranks)], written
 
 
 @pytest.fixture(scope="module")
@@ -125,31 +196,27 @@ def straight(tmp_path_factory) -> dict:
 
 
 def interrupt_and_resume(tmp_path: Path, straight, phase: str, sig: signal.Signals, ranks: int) -> None:
-    extra, moment = PHASES[phase]
+    extra = PHASES[phase][0]
     run = tmp_path / "run"
-    proc, lines = start(run, ranks, extra)
-    wait_until(lambda: moment(run, lines), proc, lines, phase)
-    if sig == signal.SIGKILL:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(60)
-    else:
-        proc.send_signal(sig)
-        code = proc.wait(120)
+    proc, lines = start(run, ranks, extra, hook(phase, sig), tmp_path / "paused")
+    try:
+        code = signal_in_phase(proc, lines, tmp_path / "paused", ranks, sig, phase)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    if sig == signal.SIGTERM:
         out = "".join(lines)
-        assert code in (0, 128 + sig), f"exit {code}:\n{out}"  # 0 only if the run ended first
+        assert code == 128 + sig, f"exit {code}:\n{out}"
         assert "Traceback" not in out, out
-        if code == 128 + sig and started(run):
-            stop = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines() if '"stop"' in r]
-            assert stop and stop[-1]["step"] <= 3, f"the signal landed late ({phase}): {stop}"
-    assert not (run / "checkpoints" / "step_000000").exists(), "a step-0 checkpoint was written"
+    check_phase(run, phase, sig, ranks)
 
     if ranks == 1:
         again = pretrain("train", "--out", str(run), *COMMON, *extra)
     else:
         again = torchrun("--out", str(run), *COMMON, *extra, nproc=ranks)
     assert again.returncode == 0, again.stdout + again.stderr
-    ref = straight(ranks, not extra)
-    assert_same_run(ref, run, STEPS)
+    assert not list((run / "checkpoints").glob(".tmp-*")), "the half-written save was not cleaned"
+    assert_same_run(straight(ranks, not extra), run, STEPS)
     assert sorted(losses_by_step(run)) == list(range(1, STEPS + 1))
 
 
@@ -159,22 +226,14 @@ def test_sigterm_during_startup_resumes_exactly(tmp_path, straight, phase):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("phase", ["before-model", "first-step", "first-save"])
+@pytest.mark.parametrize("phase", list(PHASES))
 def test_sigkill_during_startup_resumes_exactly(tmp_path, straight, phase):
     interrupt_and_resume(tmp_path, straight, phase, signal.SIGKILL, ranks=1)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "phase, sig",
-    [
-        ("before-model", signal.SIGTERM),
-        ("step-0-eval", signal.SIGTERM),
-        ("first-step", signal.SIGTERM),
-        ("first-save", signal.SIGTERM),
-        ("first-save", signal.SIGKILL),
-    ],
-)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+@pytest.mark.parametrize("phase", list(PHASES))
 def test_two_ranks_stop_during_startup_resume_exactly(tmp_path, straight, phase, sig):
     interrupt_and_resume(tmp_path, straight, phase, sig, ranks=2)
 

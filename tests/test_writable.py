@@ -1,6 +1,7 @@
-"""An output this user cannot write (a fresh PVC owned by root, a read-only mount, a path under /proc):
-every subcommand that writes says so in one line naming the path, the uid and the fsGroup fix, and
-exits 2 before doing any work. No traceback."""
+"""An output this user cannot write (a fresh PVC owned by root, a read-only mount, a path under /proc or
+/sys): every subcommand that writes says so in one line naming the path, the uid and the fsGroup fix, and
+exits 2 before doing any work. An output that is a file (or lies under one) gets its own line: ownership
+is not the problem there, another path is the fix. No traceback."""
 
 from __future__ import annotations
 
@@ -56,9 +57,31 @@ def check(proc: subprocess.CompletedProcess, path: Path) -> None:
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))
-def test_an_output_under_proc_is_one_line_exit_2(command, run_dir):
+@pytest.mark.parametrize("where", ["/proc/pretrain-out", "/sys/pretrain-out"])
+def test_an_output_under_proc_or_sys_is_one_line_exit_2(command, where, run_dir):
     args = [a.replace("{run}", str(run_dir)) for a in COMMANDS[command]]
-    check(pretrain(*args, "/proc/pretrain-out"), Path("/proc/pretrain-out"))
+    check(pretrain(*args, where), Path(where))
+    assert not Path(where).exists()
+
+
+@pytest.mark.parametrize(
+    "command, under",
+    [(c, False) for c in COMMANDS] + [("train", True), ("watch", True)],
+    ids=[*COMMANDS, "train-under-the-file", "watch-under-the-file"],
+)
+def test_an_output_that_is_a_file_says_so_not_chown(command, under, run_dir, tmp_path):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine\n")
+    out = blocker / "run" if under else blocker
+    args = [a.replace("{run}", str(run_dir)) for a in COMMANDS[command]]
+    proc = pretrain(*args, str(out))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert str(out) in lines[0] and "not a directory" in lines[0].lower(), lines[0]
+    assert "fsGroup" not in lines[0] and "chown" not in lines[0], lines[0]
+    assert blocker.read_text() == "mine\n"
 
 
 @pytest.mark.parametrize("command", ["train", "watch-dry-run", "prepare"])

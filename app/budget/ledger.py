@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from app.errors import UserError
-from app.files import atomic_write_json, unwritable_message
+from app.files import atomic_write_json, not_a_directory, not_a_directory_message, unwritable_message
 
 LEDGER_VERSION = 1
 MAX_SESSIONS = 200
@@ -155,6 +155,8 @@ def load_ledger(path: Path) -> Ledger:
     except FileNotFoundError:
         return Ledger()
     except OSError as e:
+        if (blocker := not_a_directory(path.parent)) is not None:
+            raise LedgerError(not_a_directory_message(path, "budget ledger", blocker)) from None
         raise LedgerError(f"cannot read budget ledger {path}: {e.strerror}; check the volume mount") from None
     try:
         data = json.loads(text)

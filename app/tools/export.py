@@ -79,7 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "-o",
         required=True,
         metavar="DIR",
-        help="directory to write manifest.json, metrics.csv, plots and final.safetensors into; it must be "
+        help="directory to write manifest.json, metrics.csv, plots, final.safetensors and the run's eval "
+        "results (RUN_DIR/eval/*.json from `pretrain eval`, summarised in manifest.json) into; it must be "
         "empty or new unless --force",
     )
     p.add_argument(
@@ -417,7 +418,14 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
     log_path = run_dir / "metrics.jsonl"
     if not log_path.is_file():
         raise UserError(f"{run_dir} has no metrics.jsonl; is it a run dir written by `pretrain train --out`?")
-    info = ckpt.resolve_latest(run_dir, "sha256")
+    warned: set[str] = set()
+
+    def warn(msg: str) -> None:  # once per message: latest and best may skip the same damaged checkpoint
+        if msg not in warned:
+            warned.add(msg)
+            ckpt.warn_stderr(msg)
+
+    info = ckpt.resolve_latest(run_dir, "sha256", warn)
     if info is None:
         raise UserError(f"no usable checkpoint under {run_dir / ckpt.CKPT_DIR}; nothing to export")
     out = Path(out)
@@ -427,9 +435,7 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
         raise UserError(
             f"--output {out} is not empty; choose a new directory, or add --force to replace its files"
         )
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--output {out} exists and is not a directory")
-    check_writable_dir(out, "--output")
+    check_writable_dir(out, "--output")  # also: a file in the way, one line
 
     logged = effective_rows(read_rows(log_path))
     # Rows past the exported step (after the last checkpoint, or of checkpoints that failed verification)
@@ -456,7 +462,8 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
     trains = [r for r in logged if r.get("kind") == "train"]
     starts = [r for r in rows if r.get("kind") == "event" and r.get("event") == "start"]
     stops = [r for r in rows if r.get("kind") == "event" and r.get("event") == "stop"]
-    best_ckpt = ckpt.resolve_best(run_dir, "size", warn=lambda m: None)
+    # verified like the latest (sha256): a damaged checkpoint with a lower val loss is never reported as best
+    best_ckpt = ckpt.resolve_best(run_dir, "sha256", warn, known=info)
     versions = dict(meta.get("versions") or {})
     manifest = {
         "manifest_version": MANIFEST_VERSION,

@@ -14,17 +14,21 @@ from app.trainer import checkpoint as ckpt
 from app.trainer.model import build_model
 
 
-def resolve_checkpoint(spec: str, which: str = "latest", warn=print) -> ckpt.CheckpointInfo:
-    """A step dir as given; a run dir's latest, or its best (lowest val loss; latest when none has one)."""
+def resolve_checkpoint(spec: str, which: str = "latest", warn=ckpt.warn_stderr) -> ckpt.CheckpointInfo:
+    """A step dir as given; a run dir's latest, or its best (lowest val loss among the checkpoints that
+    verify; latest when none has one). Verified in the run's `checkpoint.verify` mode (sha256 by default)
+    over the files inference reads (the optimizer state is not hashed): a damaged checkpoint is skipped
+    with a warning, never loaded."""
+    mode = ckpt.configured_verify(spec)
     if which == "best" and not (Path(spec) / ckpt.META).exists() and Path(spec).is_dir():
-        best = ckpt.resolve_best(Path(spec), mode="size", warn=warn)
+        best = ckpt.resolve_best(Path(spec), mode, warn, hash_only=ckpt.for_inference)
         if best is not None:
             return best
-        warn(f"note: no checkpoint under {spec} has a val loss; using the latest")
-    return ckpt.resolve(spec, mode="size", warn=warn)
+        warn(f"note: no usable checkpoint under {spec} has a val loss; using the latest")
+    return ckpt.resolve(spec, mode, warn, hash_only=ckpt.for_inference)
 
 
-def load_for_inference(spec: str, device: str = "cpu", which: str = "latest", warn=print):
+def load_for_inference(spec: str, device: str = "cpu", which: str = "latest", warn=ckpt.warn_stderr):
     """(model in eval mode, tokenizer, checkpoint info) from a run dir or step dir. The weights are read
     tensor by tensor into the model, from the shards of whatever world size wrote them: memory stays at
     the model plus one tensor."""
@@ -37,12 +41,12 @@ def load_for_inference(spec: str, device: str = "cpu", which: str = "latest", wa
     return model, load_tokenizer(info.path), info
 
 
-def consolidate(spec: str, path: Path) -> Path:
+def consolidate(spec: str, path: Path, which: str = "latest") -> Path:
     """The checkpoint's weights as one safetensors file (the same file `pretrain export` writes as
     final.safetensors)."""
     from app.tools.export import write_final
 
-    info = ckpt.resolve(spec, mode="size", warn=lambda m: print(m))
+    info = resolve_checkpoint(spec, which)
     path = Path(path)
     if path.is_dir() or path.suffix != ".safetensors":
         path = path / "final.safetensors"
@@ -63,6 +67,7 @@ def sample(
     num_samples: int = 1,
     seed: int = 0,
     top_p: float = 1.0,
+    which: str = "latest",
 ) -> list[str]:
     if max_new_tokens <= 0:
         raise UserError(f"--max-new-tokens must be > 0, got {max_new_tokens}")
@@ -74,7 +79,7 @@ def sample(
         raise UserError(f"--num-samples must be >= 1, got {num_samples}")
     if not 0 < top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1], got {top_p}")
-    model, tok, _ = load_for_inference(spec)
+    model, tok, _ = load_for_inference(spec, which=which)
     ids = tok.encode(prompt) or [tok.eot_id]
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -95,7 +100,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--checkpoint",
         required=True,
         metavar="RUN_DIR|CKPT_DIR",
-        help="a run dir (its newest valid checkpoint) or a checkpoints/step_NNNNNN dir",
+        help="a run dir (its newest valid checkpoint, see --which) or a checkpoints/step_NNNNNN dir",
+    )
+    p.add_argument(
+        "--which",
+        choices=("latest", "best"),
+        default="latest",
+        help="for a run dir: the newest checkpoint, or the one with the lowest val loss (default latest)",
     )
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     p.add_argument(
@@ -126,7 +137,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.consolidate:
-        print(f"consolidated weights: {consolidate(args.checkpoint, Path(args.consolidate))}")
+        print(f"consolidated weights: {consolidate(args.checkpoint, Path(args.consolidate), args.which)}")
     for text in sample(
         args.checkpoint,
         args.prompt,
@@ -136,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         args.num_samples,
         args.seed,
         args.top_p,
+        args.which,
     ):
         print(text)
         print("-" * 40)

@@ -162,15 +162,19 @@ class Shared:
 
 
 def verify(
-    info_path: Path, mode: str = "sha256", shared: Shared | None = None
+    info_path: Path,
+    mode: str = "sha256",
+    shared: Shared | None = None,
+    hash_only: Callable[[str], bool] | None = None,
 ) -> tuple[CheckpointInfo | None, str]:
     """(checkpoint, "") when complete and intact, else (None, why not). With `shared`, only this rank's
-    part of the sha256 checks (not agreed yet: see resolve_latest)."""
+    part of the sha256 checks (not agreed yet: see resolve_latest). `hash_only`: the files whose sha256
+    is checked (every file's size is), e.g. `for_inference`: a reader of the weights hashes only them."""
     meta = read_meta(info_path)
     if meta is None:
         return None, "meta.json missing or unreadable"
     for i, (name, entry) in enumerate(sorted(meta["files"].items())):
-        mine = shared is None or i % shared.world == shared.rank
+        mine = (shared is None or i % shared.world == shared.rank) and (hash_only is None or hash_only(name))
         p = info_path / name
         try:
             size = p.stat().st_size
@@ -201,35 +205,69 @@ def finite_val_loss(meta: dict | None) -> float | None:
     return float(val) if isinstance(val, (int, float)) and math.isfinite(val) else None
 
 
-def _verified(path: Path, mode: str, shared: Shared | None) -> tuple[CheckpointInfo | None, str]:
-    info, why = verify(path, mode, shared)
+def configured_verify(spec: str | Path) -> str:
+    """The verify mode (`checkpoint.verify`) the run was configured with, from a step dir's meta.json or
+    the newest readable one of a run dir; sha256 (the default) when none says."""
+    path = Path(spec)
+    for cand in [path] if (path / META).exists() else list_checkpoints(path):
+        meta = read_meta(cand)
+        if meta is not None:
+            mode = ((meta.get("config") or {}).get("checkpoint") or {}).get("verify")
+            return mode if mode in ("sha256", "size") else "sha256"
+    return "sha256"
+
+
+def for_inference(name: str) -> bool:
+    """The files a reader of the weights uses (all but the optimizer state): what `hash_only` hashes for
+    sample, eval and serve."""
+    return not (name in V1_OPTIMIZER_FILES or name == OPTIMIZER_INDEX or name.startswith("optimizer-rank"))
+
+
+def _verified(
+    path: Path, mode: str, shared: Shared | None, hash_only: Callable[[str], bool] | None = None
+) -> tuple[CheckpointInfo | None, str]:
+    info, why = verify(path, mode, shared, hash_only)
     if shared is not None and not shared.agree(info is not None):  # collective
         return None, why or "a file checked by another rank is damaged"
     return info, why
 
 
 def resolve_latest(
-    run_dir: Path, mode: str = "sha256", warn=warn_stderr, shared: Shared | None = None
+    run_dir: Path,
+    mode: str = "sha256",
+    warn=warn_stderr,
+    shared: Shared | None = None,
+    hash_only: Callable[[str], bool] | None = None,
 ) -> CheckpointInfo | None:
     """Newest checkpoint that verifies; corrupt or partial ones are skipped with a warning. With
     `shared`, collective: every rank gets the same answer."""
     for path in list_checkpoints(run_dir):
-        info, why = _verified(path, mode, shared)
+        info, why = _verified(path, mode, shared, hash_only)
         if info:
             return info
         warn(f"warning: skipping checkpoint {path}: {why}")
     return None
 
 
-def resolve_best(run_dir: Path, mode: str = "sha256", warn=warn_stderr) -> CheckpointInfo | None:
-    """Lowest (finite) val loss among checkpoints that verify."""
+def resolve_best(
+    run_dir: Path,
+    mode: str = "sha256",
+    warn=warn_stderr,
+    hash_only: Callable[[str], bool] | None = None,
+    known: CheckpointInfo | None = None,
+) -> CheckpointInfo | None:
+    """Lowest (finite) val loss among checkpoints that verify (in `mode`: a checkpoint whose val loss is
+    lower but whose files fail it is skipped with a warning, never returned). `known`: a checkpoint the
+    caller has already verified in this mode (not hashed again)."""
     candidates = []
     for path in list_checkpoints(run_dir):
         meta = read_meta(path)
         if (val := finite_val_loss(meta)) is not None:
             candidates.append((val, -int(meta["step"]), path))
     for _, _, path in sorted(candidates):
-        info, why = verify(path, mode)
+        if known is not None and path == known.path:
+            return known
+        info, why = verify(path, mode, hash_only=hash_only)
         if info:
             return info
         warn(f"warning: skipping checkpoint {path}: {why}")
@@ -237,18 +275,22 @@ def resolve_best(run_dir: Path, mode: str = "sha256", warn=warn_stderr) -> Check
 
 
 def resolve(
-    spec: str | Path, mode: str = "sha256", warn=warn_stderr, shared: Shared | None = None
+    spec: str | Path,
+    mode: str = "sha256",
+    warn=warn_stderr,
+    shared: Shared | None = None,
+    hash_only: Callable[[str], bool] | None = None,
 ) -> CheckpointInfo:
     """A run dir (its latest checkpoint) or a step dir -> a verified checkpoint, else UserError."""
     path = Path(spec)
     if (path / META).exists():
-        info, why = _verified(path, mode, shared)
+        info, why = _verified(path, mode, shared, hash_only)
         if info is None:
             raise UserError(f"checkpoint {path} is not usable: {why}")
         return info
     if not path.exists():
         raise UserError(f"{path} does not exist; pass a run dir or a checkpoints/step_NNNNNN dir")
-    info = resolve_latest(path, mode, warn, shared)
+    info = resolve_latest(path, mode, warn, shared, hash_only)
     if info is None:
         raise UserError(f"no usable checkpoint under {path}; train first with `pretrain train --out {path}`")
     return info
@@ -372,11 +414,7 @@ def apply_retention(run_dir: Path, keep_last: int, keep_best: bool, drop_optimiz
 
 def optimizer_files(meta: dict) -> list[str]:
     """The files of a checkpoint that hold optimizer state, in either format."""
-    return [
-        f
-        for f in meta.get("files", {})
-        if f in V1_OPTIMIZER_FILES or f == OPTIMIZER_INDEX or f.startswith("optimizer-rank")
-    ]
+    return [f for f in meta.get("files", {}) if not for_inference(f)]
 
 
 def _drop_optimizer(path: Path, meta: dict) -> None:

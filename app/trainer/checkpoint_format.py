@@ -12,11 +12,13 @@ other, and in one process.
     chunk = {"file": "model-rank00001.safetensors", "key": "tok_emb.weight",
              "offsets": [4096, 0], "shape": [4096, 768]}     (where the box starts, and its size)
 
-The writer streams each tensor from memory to disk and hashes it on the way, on a second thread (no
-serialized copy, no second read for the sha256; on a busy CPU the sha256, ~1 GB/s per core, is what
-bounds a single writer, see benchmarks/bench_checkpoint.py). The reader fills any box of a tensor from the chunks that
-overlap it, reading only those bytes (safetensors slices), so a rank never holds more of a tensor than the
-box it asked for. Checkpoints of format 1 (one full model.safetensors + optimizer.safetensors written by
+The writer streams each tensor from memory to disk in BLOCK pieces and hashes them on the way, on a
+second thread that the writer never waits for (no serialized copy, no second read for the sha256, and the
+hash overlaps the final fsync; see benchmarks/bench_checkpoint.py). The reader fills any box of a tensor
+from the chunks that overlap it, reading only those bytes, so a rank never holds more of a tensor than the
+box it asked for; a box that is whole rows of a stored tensor (every shard and whole tensor here) is read
+with one pread straight into its destination, with no intermediate copy and no mapping of the file into
+the process. Checkpoints of format 1 (one full model.safetensors + optimizer.safetensors written by
 rank 0) read through the same reader: each of their tensors is one chunk covering the whole tensor.
 """
 
@@ -38,7 +40,7 @@ import torch
 
 MODEL_INDEX = "model.index.json"
 OPTIMIZER_INDEX = "optimizer.index.json"
-BLOCK = 4 << 20  # bytes written (and hashed, in parallel) at a time: still in cache for the second pass
+BLOCK = 4 << 20  # bytes per write() and per hash update (16 and 64 MB measured slower: bench_checkpoint)
 
 # torch dtype <-> safetensors dtype tag; the index stores torch's name ("float32")
 _TAGS = {
@@ -99,10 +101,13 @@ def _raw(t: torch.Tensor) -> memoryview:
 
 class _HashingFile:
     """A file written block by block while a second thread hashes the same blocks (hashlib releases the
-    GIL), so the sha256 costs no extra pass over the data. The hash may lag the writes by LAG blocks,
-    which lets its tail overlap the final fsync (when the disk, not the CPU, is the limit)."""
-
-    LAG = 8
+    GIL), so the sha256 costs no extra pass over the data. The writer never waits for the hash: the blocks
+    are views of tensors the caller holds, so a hash that lags costs no memory, and its backlog is worked
+    off during the final fsync, which then overlaps the hashing instead of following it (with the writer
+    held within 8 blocks of the hash, one writer reached 60% of a plain write here, unheld 85%, the
+    sha256's own speed: benchmarks/bench_checkpoint.py). `drain()` waits for the hash to catch up: after
+    a tensor whose bytes were a private copy (a device or non-contiguous tensor), so only one such copy
+    is ever alive."""
 
     def __init__(self, path: Path, pool: ThreadPoolExecutor, cancel: Callable[[], None] | None) -> None:
         self.f = open(path, "wb")  # noqa: SIM115 (closed in close())
@@ -120,22 +125,30 @@ class _HashingFile:
             block = view[i : i + BLOCK]
             self.pending.append(self.pool.submit(self.h.update, block))  # one worker: updates in order
             self.f.write(block)
-            while len(self.pending) > self.LAG:
+            while self.pending and self.pending[0].done():
                 self.pending.popleft().result()
         self.n += len(view)
 
-    def close(self) -> FileEntry:
-        self.f.flush()
-        os.fsync(self.f.fileno())  # the hash thread finishes its backlog meanwhile
-        self.f.close()
+    def drain(self) -> None:
         while self.pending:
             self.pending.popleft().result()
+
+    def close(self) -> FileEntry:
+        self.f.flush()
+        os.fsync(self.f.fileno())  # the hash thread works off its backlog meanwhile
+        self.f.close()
+        self.drain()
         return FileEntry(self.h.hexdigest(), self.n)
 
     def abort(self) -> None:
         self.f.close()
-        while self.pending:
-            self.pending.popleft().result()
+        for fut in self.pending:
+            fut.cancel()  # the hash of an abandoned file is not needed: only a running update is waited for
+        for fut in self.pending:
+            if not fut.cancelled():
+                with contextlib.suppress(Exception):
+                    fut.result()
+        self.pending.clear()
 
 
 def _header(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None) -> bytes:
@@ -153,14 +166,22 @@ def _header(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dic
 
 
 def _stream(
-    path: Path, head: bytes, tensors: Iterable[torch.Tensor], cancel: Callable[[], None] | None = None
+    path: Path,
+    head: bytes,
+    tensors: Iterable[torch.Tensor],
+    cancel: Callable[[], None] | None = None,
+    transient: bool = False,
 ) -> FileEntry:
+    """`transient`: the tensors are made for this write (nobody else holds them), so each one's hash must
+    finish before the next is made, or they would all stay alive."""
     with ThreadPoolExecutor(1, thread_name_prefix="sha256") as pool:
         out = _HashingFile(Path(path), pool, cancel)
         try:
             out.write(head)
             for t in tensors:
                 out.write(_raw(t))
+                if transient or t.device.type != "cpu" or not t.is_contiguous():  # _raw made a copy
+                    out.drain()
         except BaseException:
             out.abort()
             raise
@@ -234,6 +255,7 @@ class ShardReader:
         self.scalars: dict[str, dict] = index.get("scalars", {})
         self._stack = contextlib.ExitStack()
         self._open: dict[str, Any] = {}
+        self._plain: dict[str, tuple[int, int, dict]] = {}  # file -> (fd, data start, safetensors header)
 
     # -- construction from a checkpoint dir
 
@@ -255,6 +277,7 @@ class ShardReader:
     def close(self) -> None:
         self._stack.close()
         self._open.clear()
+        self._plain.clear()
 
     # -- what is there
 
@@ -292,23 +315,75 @@ class ShardReader:
             ]
             if any(a >= b for a, b in zip(lo, hi, strict=True)):
                 continue
-            src = self._file(c["file"])
-            if out.dim() == 0:
-                piece = src.get_tensor(c["key"])
-            else:
-                piece = src.get_slice(c["key"])[
-                    tuple(slice(a - co, b - co) for a, b, co in zip(lo, hi, c["offsets"], strict=True))
-                ]
             dst = out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets, strict=True))]
-            dst.copy_(piece.reshape(dst.shape))
+            if not self._read_into(c, lo, hi, dst):
+                src = self._file(c["file"])
+                if out.dim() == 0:
+                    piece = src.get_tensor(c["key"])
+                else:
+                    piece = src.get_slice(c["key"])[
+                        tuple(slice(a - co, b - co) for a, b, co in zip(lo, hi, c["offsets"], strict=True))
+                    ]
+                dst.copy_(piece.reshape(dst.shape))
             filled += dst.numel()
         if filled != out.numel():
             raise ValueError(f"{name}: the checkpoint's chunks cover {filled} of the {out.numel()} asked for")
         return out
 
+    def _header_of(self, file: str) -> tuple[int, int, dict]:
+        """(fd, where the data starts, header) of a safetensors file, read once per reader."""
+        if file not in self._plain:
+            f = self._stack.enter_context(open(self.root / file, "rb", buffering=0))  # noqa: SIM115
+            (n,) = struct.unpack("<Q", _pread(f.fileno(), 8, 0))
+            self._plain[file] = (f.fileno(), 8 + n, json.loads(_pread(f.fileno(), n, 8)))
+        return self._plain[file]
+
+    def _read_into(self, c: dict, lo: list[int], hi: list[int], dst: torch.Tensor) -> bool:
+        """Read the box [lo, hi) of chunk `c` with one pread straight into `dst`, when that box is one run of
+        bytes in the file (rows of the stored tensor, as FSDP and DDP shards and whole tensors are) and
+        `dst` is contiguous host memory of the same dtype. No intermediate tensor and no mapping of the
+        file into this process (the file's pages never count in its RSS). False: use the general path."""
+        if dst.device.type != "cpu" or not dst.is_contiguous() or dst.numel() == 0:
+            return False
+        fd, start, header = self._header_of(c["file"])
+        entry = header.get(c["key"])
+        if not isinstance(entry, dict) or _FROM_TAG.get(entry.get("dtype")) != dst.dtype:
+            return False
+        shape = [int(x) for x in entry["shape"]]
+        if shape != [int(x) for x in c["shape"]]:
+            return False
+        rel_lo = [a - co for a, co in zip(lo, c["offsets"], strict=True)]
+        rel_hi = [b - co for b, co in zip(hi, c["offsets"], strict=True)]
+        if any(rel_lo[d] != 0 or rel_hi[d] != shape[d] for d in range(1, len(shape))):
+            return False  # not whole rows: not one run of bytes
+        row = _numel(shape[1:]) * dst.element_size()
+        begin, end = (int(x) for x in entry["data_offsets"])
+        first = start + begin + (rel_lo[0] * row if shape else 0)
+        nbytes = dst.numel() * dst.element_size()
+        if end - begin != _numel(shape) * dst.element_size() or first + nbytes > start + end:
+            return False
+        _pread_into(fd, memoryview(dst.reshape(-1).view(torch.uint8).numpy()).cast("B"), first)
+        return True
+
     def full(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
         out = torch.empty(self.shape(name), dtype=self.dtype(name), device=device)
         return self.read(name, out)
+
+
+def _pread(fd: int, n: int, offset: int) -> bytes:
+    buf = bytearray(n)
+    _pread_into(fd, memoryview(buf), offset)
+    return bytes(buf)
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
+    """Fill `buf` from the file at `offset` (pread returns at most ~2 GiB per call)."""
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n == 0:
+            raise ValueError(f"a checkpoint file ends {len(buf) - done} bytes early")
+        done += n
 
 
 def _v1_index(root: Path, kind: str) -> dict:
@@ -354,5 +429,5 @@ def write_consolidated(
     assembled and written one tensor at a time: memory stays at one full tensor. Returns (file, params)."""
     names = reader.names()
     head = _header([(n, reader.dtype(n), reader.shape(n)) for n in names], metadata)
-    entry = _stream(path, head, (reader.full(n) for n in names))
+    entry = _stream(path, head, (reader.full(n) for n in names), transient=True)
     return entry, sum(_numel(reader.shape(n)) for n in names)
