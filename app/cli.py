@@ -23,6 +23,7 @@ examples:
   pretrain eval --checkpoint runs/tiny --tasks hellaswag --include-path my_tasks/
   pretrain prepare --input corpus/ --out data/mine --vocab-size 8192
   pretrain plan --budget-usd 35 --gpu a100-80gb --gpus 1
+  pretrain bench --preset x1-50m                   # tokens/s, MFU, memory on this machine
   pretrain watch --cap-usd 1000 --gpu-type h100-sxm --gpus 8 --run-dir /ckpt/run
 
 exit codes: 0 done (planned end, budget stop, early stop); 2 bad input or config;
@@ -41,9 +42,10 @@ COMMANDS = {
     ),
     "plan": ("app.tools.plan", "what model, tokens and hours a budget buys (Chinchilla)"),
     "sample": ("app.tools.sample", "generate text from a checkpoint"),
-    "export": ("app.tools.export", "export a run: manifest, metrics CSV, plots, final weights"),
+    "export": ("app.tools.export", "export a run: manifest, metrics CSV, plots, final weights, eval results"),
     "serve": ("app.tools.serve", "serve a checkpoint over an OpenAI-compatible completions API"),
     "eval": ("app.tools.eval", "evaluate a checkpoint on lm-eval tasks or a local CORE-style bundle"),
+    "bench": ("app.tools.bench", "measure tokens/s, MFU, memory and step-time breakdown on synthetic tokens"),
 }
 
 

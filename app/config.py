@@ -106,7 +106,10 @@ class TrainConfig:
     early_stop_min_delta: float = 0.0
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
-    compile: bool = False  # torch.compile the model
+    compile: str = "auto"  # auto (on for CUDA, off for CPU) | true | false: torch.compile each block
+    compile_mode: str = "default"  # default | max-autotune | max-autotune-no-cudagraphs
+    prefetch: int = 2  # micro-batches read ahead on a side thread (pinned on CUDA); 0 = read in the loop
+    collective_timeout_minutes: float = 30.0  # NCCL/gloo timeout; must exceed the longest save
     parallel: str = "ddp"  # ddp | fsdp | auto
     activation_checkpointing: bool = False
     fp8: bool = False  # H100-class GPUs only
@@ -364,6 +367,14 @@ def load_config(
     return cfg
 
 
+def vocab_for_estimates(cfg: Config) -> int:
+    """model.vocab_size, or while the data is not known yet (--print-config, plans, `pretrain bench`):
+    the embedded BPE's data.vocab_size, 128 for a char tokenizer."""
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    return cfg.data.vocab_size if cfg.data.tokenizer == "bpe" else 128
+
+
 def config_from_dict(data: dict[str, Any]) -> Config:
     """Rebuild a config saved in a checkpoint's meta.json."""
     cfg = Config()
@@ -383,6 +394,14 @@ def _check(cond: bool, msg: str) -> None:
 
 def _one_of(value: str, key: str, choices: tuple[str, ...]) -> None:
     _check(value in choices, f"{key}='{value}' is not valid; choose one of: {', '.join(choices)}")
+
+
+def _switch(value: str) -> str:
+    """An auto|true|false key as YAML may give it (`--set train.compile=true` parses as a bool)."""
+    value = value.lower()
+    return {"yes": "true", "no": "false", "1": "true", "0": "false", "on": "true", "off": "false"}.get(
+        value, value
+    )
 
 
 def validate(cfg: Config) -> None:
@@ -466,6 +485,16 @@ def validate(cfg: Config) -> None:
     _one_of(t.device, "train.device", ("auto", "cpu", "cuda"))
     _one_of(t.dtype, "train.dtype", ("auto", "fp32", "bf16"))
     _one_of(t.parallel, "train.parallel", ("ddp", "fsdp", "auto"))
+    t.compile, o.fused = _switch(t.compile), _switch(o.fused)
+    b.kube = {"true": "on", "false": "off"}.get(_switch(b.kube), _switch(b.kube))
+    _one_of(b.kube, "budget.kube", ("auto", "on", "off"))
+    _one_of(t.compile, "train.compile", ("auto", "true", "false"))
+    _one_of(t.compile_mode, "train.compile_mode", ("default", "max-autotune", "max-autotune-no-cudagraphs"))
+    _check(t.prefetch >= 0, f"train.prefetch must be >= 0, got {t.prefetch}")
+    _check(
+        t.collective_timeout_minutes > 0,
+        f"train.collective_timeout_minutes must be > 0, got {t.collective_timeout_minutes}",
+    )
     _one_of(o.fused, "optim.fused", ("auto", "true", "false"))
     _one_of(c.verify, "checkpoint.verify", ("sha256", "size"))
     _one_of(cfg.data.tokenizer, "data.tokenizer", ("bpe", "char"))

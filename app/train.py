@@ -18,7 +18,7 @@ import torch
 
 from app.budget import BudgetExhausted, PriceAboveMax
 from app.config import Config
-from app.data.loader import TrainLoader, fit_vocab, resolve_data_dir
+from app.data.loader import Prefetcher, TrainLoader, fit_vocab, resolve_data_dir
 from app.data.manifest import Manifest
 from app.trainer import checkpoint as ckpt
 from app.trainer.args import DESCRIPTION, add_arguments, config_from_args, print_config
@@ -27,22 +27,17 @@ from app.trainer.checkpoint_writer import CheckpointWriter, SaveResult
 from app.trainer.evaluate import sample_text, validation_loss
 from app.trainer.heartbeat import Heartbeat
 from app.trainer.lease import hold_run_dir, release
-from app.trainer.metrics import detect_gpu_type, flops_per_token, peak_flops
+from app.trainer.metrics import device_peak, flops_per_token
 from app.trainer.model import GPT, count_parameters
 from app.trainer.optim import build_optimizer, set_lr
-from app.trainer.parallel import (
-    DistEnv,
-    all_reduce_mean,
-    init_distributed,
-    shutdown_distributed,
-    unwrap,
-)
+from app.trainer.parallel import DistEnv, init_distributed, shutdown_distributed, unwrap
 from app.trainer.report import Reporter
 from app.trainer.restore import find_checkpoint, restore_weights, schedule_note
 from app.trainer.rundir import check_fresh_start, move_run_aside
-from app.trainer.runtime import autocast_for, grad_accum_steps, pick_device
+from app.trainer.runtime import autocast_for, configure_device, grad_accum_steps, pick_device
 from app.trainer.schedule import DecayPlan, lr_at
 from app.trainer.spikes import SpikeDetector, spike_batch
+from app.trainer.step import StepLog, StepReader, TrainStep
 from app.trainer.stopping import (
     BadSteps,
     EarlyStopping,
@@ -100,7 +95,7 @@ class Trainer:
         self.report: Reporter | None = None
         self.heartbeat = Heartbeat(self.run_dir, enabled=self.rank0)
         self.last_saved_step = -1
-        self.step_seconds_avg = 0.0
+        self.steplog = StepLog(env)
         self.last_save: SaveResult | None = None  # its timings go to the heartbeat
         self.last_ckpt_time = time.monotonic()
         self.last_eval_step = -1
@@ -126,10 +121,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             ckpt.clean_temp_dirs(self.run_dir)
         env.barrier()
-        gpu_type = cfg.metrics.gpu_type
-        if not gpu_type and self.device.type == "cuda":
-            gpu_type = detect_gpu_type(torch.cuda.get_device_name(self.device))
-        self.peak = peak_flops(gpu_type, cfg.metrics.peak_tflops)
+        configure_device(self.device)
+        _, self.peak = device_peak(cfg.metrics.gpu_type, cfg.metrics.peak_tflops, self.device)
         # the reporter first: a busy metrics port fails here, before the data and the model
         self.report = Reporter(cfg, env, self.run_dir, with_mfu=bool(self.peak))
         self.data_dir = resolve_data_dir(cfg.data, self.log)
@@ -161,10 +154,22 @@ class Trainer:
         self.early = EarlyStopping(cfg.train.early_stop_patience, cfg.train.early_stop_min_delta)
         self.spikes = SpikeDetector(cfg.train.spike_factor)
         self.bad_steps = BadSteps(cfg.train.max_bad_steps)
+        self.reader = StepReader(self.steplog, self.bad_steps, self.spikes, self.report, cfg.train)
         self._maybe_resume(unwrap(model))
-        self.model = torch.compile(model) if cfg.train.compile else model
+        self.model = model
         self.writer = CheckpointWriter(self.run_dir, env.rank, env.world_size, env.barrier, cfg.checkpoint)
         self.autocast = autocast_for(cfg, self.device)
+        self.batches = Prefetcher(self.loader, self.device, t.prefetch)  # after resume: from its position
+        self.step = TrainStep(
+            model,
+            self.optimizer,
+            self.batches,
+            self.accum,
+            self.autocast,
+            env,
+            cfg.optim.grad_clip,
+            self.steplog,
+        )
 
         self.flops_per_token = flops_per_token(cfg.model)
         self.report.throughput(self.flops_per_token, self.peak)
@@ -176,7 +181,6 @@ class Trainer:
             self.planned,
             self.early,
             self.rank0,
-            torch.device("cpu") if self.device.type == "cpu" else self.device,
             self.signals,
             self.bad_steps,
             warn=self.warn,
@@ -238,68 +242,28 @@ class Trainer:
 
     # ------------------------------------------------------------ one step
 
-    def train_step(self) -> dict:
-        cfg, step = self.cfg, self.state.step
-        t0 = time.perf_counter()
-        decay = DecayPlan(**self.state.budget_decay) if self.state.budget_decay else None
-        lr = lr_at(step, cfg.schedule, cfg.optim, cfg.train.max_steps, decay)
+    def train_step(self) -> None:
+        """One optimizer step; its numbers stay on the device until read_steps (app/trainer/step.py)."""
+        t, st = self.cfg.train, self.state
+        decay = DecayPlan(**st.budget_decay) if st.budget_decay else None
+        lr = lr_at(st.step, self.cfg.schedule, self.cfg.optim, t.max_steps, decay)
         set_lr(self.optimizer, lr)
-        inject = (
-            cfg.train.inject_spike_at_step
-            and 0 <= step - cfg.train.inject_spike_at_step < cfg.train.spike_batches
+        inject = bool(t.inject_spike_at_step) and 0 <= st.step - t.inject_spike_at_step < t.spike_batches
+        vocab = unwrap(self.model).cfg.vocab_size
+        replace = (
+            (lambda x, y, micro: spike_batch(x, st.step * self.accum + micro, vocab)) if inject else None
         )
-        loss_sum = torch.zeros((), device=self.device)
-        loop_sums: list[torch.Tensor] = []
-        data_wait = 0.0
-        for micro in range(self.accum):
-            td = time.perf_counter()
-            x, y = self.loader.next()
-            if inject:
-                x, y = spike_batch(x, step * self.accum + micro, unwrap(self.model).cfg.vocab_size)
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            data_wait += time.perf_counter() - td
-            sync = micro == self.accum - 1 or not self.env.distributed
-            with contextlib.nullcontext() if sync else self.model.no_sync(), self.autocast:
-                out = self.model(x, y)
-            (out.loss / self.accum).backward()
-            loss_sum += out.loss.detach()
-            for i, ll in enumerate(out.loop_losses):
-                if len(loop_sums) <= i:
-                    loop_sums.append(torch.zeros((), device=self.device))
-                loop_sums[i] += ll
-        loss = all_reduce_mean(loss_sum / self.accum, self.env).item()
-        clip = cfg.optim.grad_clip or float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
-        bad = self.bad_steps.update(math.isfinite(loss) and math.isfinite(grad_norm))
-        if bad:
-            self.warn(
-                f"step {step}: loss {loss} / gradient norm {grad_norm} is not finite: update skipped "
-                f"({self.bad_steps.in_a_row} in a row; the run stops at train.max_bad_steps={self.bad_steps.max_bad})"
-            )
-        spike = not bad and self.spikes.update(loss)
-        if spike:
-            self.log(
-                f"loss spike at step {step}: {loss:.3f} vs moving average {self.spikes.avg:.3f}"
-                + (" (update skipped)" if cfg.train.skip_spike_updates else "")
-            )
-        if not (bad or (spike and cfg.train.skip_spike_updates)):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.state.step += 1
-        self.state.tokens += self.tokens_per_step
-        dt = time.perf_counter() - t0
-        self.step_seconds_avg = dt if self.step_seconds_avg == 0 else 0.9 * self.step_seconds_avg + 0.1 * dt
-        return {
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "step_seconds": dt,
-            "data_wait_seconds": data_wait,
-            "spike": spike,
-            "bad": bad,
-            "injected": bool(inject),
-            "loop_losses": [float(v) / self.accum for v in loop_sums],
-        }
+        # skip_spike_updates decides on the host, before the update: the one case that reads every step
+        decide = (lambda: float(any(self.read_steps()))) if t.skip_spike_updates else None
+        self.reader.note(st.step + 1, lr, inject)
+        self.reader.waited(self.step(st.step + 1, replace, decide))
+        st.step += 1
+        st.tokens += self.tokens_per_step
+
+    def read_steps(self) -> tuple[bool, bool]:
+        """Collective: the step log's numbers to the guards and the reporter; (bad, spike) of the last step."""
+        st = self.state
+        return self.reader.read(st.step, st.tokens, self.tokens_per_step, self.planned_end_in)
 
     # ------------------------------------------------------------ eval, sample, save
 
@@ -324,13 +288,13 @@ class Trainer:
     def planned_end_in(self, tokens_per_second: float) -> float:
         st = self.state
         return self.planned.seconds_left(
-            st.step, st.tokens, st.elapsed_seconds, self.step_seconds_avg, tokens_per_second
+            st.step, st.tokens, st.elapsed_seconds, self.reader.step_seconds, tokens_per_second
         )
 
     def beat(self, state: str) -> None:
         st = self.state
         self.heartbeat.write(
-            state, st.step, st.tokens, self.step_seconds_avg, self.last_saved_step, self.last_save
+            state, st.step, st.tokens, self.reader.step_seconds, self.last_saved_step, self.last_save
         )
 
     def save(self, reason: str, final: bool = False) -> None:
@@ -339,6 +303,7 @@ class Trainer:
         st = self.state
         if st.step == 0:
             return
+        self.read_steps()  # the guards' state goes into the checkpoint
         st.loader = self.loader.state_dict()
         st.early_stopping = self.early.state_dict()
         st.spikes = self.spikes.state_dict()
@@ -385,7 +350,7 @@ class Trainer:
                 bool(cfg.checkpoint.every_minutes)
                 and now - self.last_ckpt_time >= cfg.checkpoint.every_minutes * 60
             )
-            proposal = self.budget.decay_proposal(st.step, self.step_seconds_avg, bool(st.budget_decay))
+            proposal = self.budget.decay_proposal(st.step, self.reader.step_seconds, bool(st.budget_decay))
             decision, decay, save_now = self.stopper.agree(
                 st.step, st.tokens, st.elapsed_seconds, proposal, due
             )
@@ -399,10 +364,10 @@ class Trainer:
                 self.log(f"budget: starting the LR decay now, {decay} steps before the cap")
             if save_now and self.last_saved_step != st.step:
                 self.save("every_minutes")
-            m = self.train_step()
+            self.train_step()
             self.report.step_done(st.step, self.tokens_per_step)
-            if st.step % cfg.train.log_every == 0 or m["spike"] or m["bad"]:
-                self.report.train(st.step, st.tokens, m, self.planned_end_in)
+            if st.step % cfg.train.log_every == 0:
+                self.read_steps()
             if cfg.train.eval_every and st.step % cfg.train.eval_every == 0:
                 self.evaluate()
             if cfg.train.sample_every and st.step % cfg.train.sample_every == 0:
@@ -424,9 +389,10 @@ class Trainer:
 
     def _finish(self, decision: StopDecision) -> int:
         st = self.state
+        self.read_steps()
         self.report.close_progress()
         self.log(f"stopping at step {st.step}: {decision.reason}")
-        self.report.stop_state(int(decision.cause))
+        self.report.stop_state(decision.gauge_code)
         self.beat("stopping")
         if (
             decision.cause in (StopCause.PLANNED, StopCause.EARLY)
@@ -457,6 +423,8 @@ class Trainer:
         return decision.exit_code
 
     def close(self) -> None:
+        if hasattr(self, "batches"):
+            self.batches.close()
         if hasattr(self, "writer"):
             self.writer.abandon()  # still pending only after a crash: the last committed checkpoint stands
         if self.report is not None:
@@ -468,7 +436,8 @@ def train(cfg: Config, args: RunArgs) -> int:
     # taken at the first stop agreement, by every rank at the same step, instead of killing one rank.
     signals = SignalFlag()
     signals.install()
-    env = init_distributed("cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu")
+    cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
+    env = init_distributed("cuda" if cuda else "cpu", cfg.train.collective_timeout_minutes)
     trainer = None
     budget = None
     lease = None
@@ -493,9 +462,12 @@ def train(cfg: Config, args: RunArgs) -> int:
         trainer.setup()
         return trainer.run()
     except BaseException:
-        if trainer is not None:  # the watcher must not go on reading "running" from a dead trainer
-            with contextlib.suppress(Exception):
+        # the watcher must not go on reading "running" from a dead trainer
+        with contextlib.suppress(Exception):
+            if trainer is not None:
                 trainer.beat("failed")
+            elif env.is_rank0:
+                Heartbeat(Path(args.out)).fail_if_written()
         raise
     finally:
         if trainer is not None:

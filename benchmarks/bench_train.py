@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 from app.config import load_config
-from app.data.loader import TrainLoader
-from app.train import RunArgs, Trainer, resolve_data_dir
+from app.data.loader import TrainLoader, resolve_data_dir
+from app.data.manifest import Manifest
+from app.train import RunArgs, train
 from app.trainer.model import build_model
 from app.trainer.optim import build_optimizer
-from app.trainer.parallel import DistEnv
 
 STEPS = 60
 WARMUP = 10  # steps excluded from both timings
@@ -47,16 +47,14 @@ def _config():
 
 
 def trainer_seconds(workdir: Path) -> float:
-    """Seconds per step of the real loop, between step WARMUP and STEPS (from its own JSONL clock)."""
+    """Seconds per step of the real loop (`train()`, as `pretrain train` runs it), between step WARMUP and
+    STEPS, from its own JSONL clock."""
     cfg = _config()
-    cfg.train.log_every = 1  # the most logging the loop can do
+    cfg.train.log_every = 1  # the most logging the loop can do: its numbers are read every step
     cfg.metrics.port = _free_port()
     run = workdir / f"run-{time.monotonic_ns()}"
-    trainer = Trainer(cfg, RunArgs(run, "never"), DistEnv(), torch.device("cpu"))
     with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
-        trainer.setup()
-        trainer.run()
-    trainer.close()
+        assert train(cfg, RunArgs(run, "never")) == 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     times = {r["step"]: r["time"] for r in rows if r["kind"] == "train"}
     return (times[STEPS] - times[WARMUP]) / (STEPS - WARMUP)
@@ -65,9 +63,7 @@ def trainer_seconds(workdir: Path) -> float:
 def bare_seconds() -> float:
     """Seconds per step of forward/backward/clip/step/zero_grad and nothing else."""
     cfg = _config()
-    data_dir = resolve_data_dir(cfg, log=lambda m: None)
-    from app.data.manifest import Manifest
-
+    data_dir = resolve_data_dir(cfg.data, log=lambda m: None)
     cfg.model.vocab_size = Manifest.load(data_dir).vocab_size
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)

@@ -110,6 +110,7 @@ def test_resolve_errors_are_user_errors(tmp_path):
         ckpt.resolve(tmp_path)
 
 
+@pytest.mark.slow  # over 10 s: `make test-slow`, which CI runs too
 def test_resuming_with_a_different_shape_is_refused_in_one_line(tmp_path):
     run = tmp_path / "run"
     assert pretrain("train", "--out", str(run), "--max-steps", "2", *FAST).returncode == 0

@@ -72,3 +72,34 @@ def test_print_config_shows_resolved_config_and_counts():
 def test_unknown_flag_is_one_line():
     proc = pretrain("train", "--max-stpes", "3")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "key,given,stored",
+    [
+        ("train.compile", "true", "true"),
+        ("train.compile", "off", "false"),
+        ("train.compile", "auto", "auto"),
+        ("optim.fused", "false", "false"),
+        ("budget.kube", "off", "off"),  # YAML reads `off` as a boolean: it must still mean off
+        ("budget.kube", "true", "on"),
+    ],
+)
+def test_switches_take_yaml_booleans(key, given, stored):
+    cfg = load_config("tiny", overrides=[f"{key}={given}"])
+    section, name = key.split(".")
+    assert getattr(getattr(cfg, section), name) == stored
+    with pytest.raises(ConfigError, match=f"{key}='maybe' is not valid"):
+        load_config("tiny", overrides=[f"{key}=maybe"])
+
+
+def test_print_config_says_what_the_loop_does_on_the_device():
+    cpu = pretrain("train", "--print-config").stdout
+    assert "# compile: off (train.compile=auto" in cpu and "# runtime (cpu): fp32" in cpu
+    assert "# host syncs: none in the step" in cpu and "fused AdamW" in cpu
+    gpu = pretrain(
+        "train", "--preset", "x1-50m", "--gpu-type", "h100-sxm", "--gpus", "8", "--print-config"
+    ).stdout
+    assert "# runtime (cuda): bf16 autocast over fp32 master weights; TF32" in gpu
+    assert "# compile: each transformer block, mode default" in gpu
+    assert "into pinned memory" in gpu and "GQA without repeating K/V" in gpu

@@ -139,7 +139,7 @@ def cases(p: dict[str, Path], out: Path) -> list[tuple[str, list[str], str]]:
         (
             "out under a file",
             ["--input", str(p["good"]), *tok, "--OUT", str(p["a_file"] / "sub")],
-            "is not writable by uid",
+            "a_file is a file, not a directory; pick another --out",
         ),
         (
             "bad val fraction",

@@ -52,6 +52,7 @@ def test_exact_resume_with_two_ddp_ranks(tmp_path):
     assert_same_run(straight, halves, 10)
 
 
+@pytest.mark.slow  # over 10 s: `make test-slow`, which CI runs too
 def test_fault_injection_sigterm_and_sigkill_lose_nothing(tmp_path):
     """SIGTERM at random steps several times, SIGKILL during a save, resume each time: the final
     weights equal an uninterrupted run's."""

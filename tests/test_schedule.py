@@ -71,6 +71,7 @@ def test_no_weight_decay_on_norms_and_embeddings():
     assert all(p.dim() == 2 for p in decay)
 
 
+@pytest.mark.slow  # over 10 s: `make test-slow`, which CI runs too
 def test_budget_drives_the_wsd_decay_and_ends_annealed_inside_the_cap(tmp_path):
     """A $0.02 cap at $3.60/GPU-hour (about 20 s of training): the watcher's projection starts the LR
     decay before the graceful stop, so the last checkpoint is annealed, and the spend stays under the cap."""

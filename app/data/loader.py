@@ -9,6 +9,8 @@ position is one integer (`micro_steps` done), which a checkpoint stores.
 
 from __future__ import annotations
 
+import queue
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,8 +110,12 @@ class TrainLoader:
             out[j] = self._permutation(epoch)[pos]
         return out
 
+    def batch_at(self, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's micro-batch number `micro_step` (the position does not move)."""
+        return self.windows.batch(self.indices(micro_step))
+
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = self.windows.batch(self.indices(self.state.micro_steps))
+        x, y = self.batch_at(self.state.micro_steps)
         self.state.micro_steps += 1
         return x, y
 
@@ -129,6 +135,60 @@ class TrainLoader:
         else:
             per_step = self.world * self.B
             self.state.micro_steps = -(-int(state["samples"]) // per_step)  # ceil: never repeat a sample
+
+
+class Prefetcher:
+    """A loader's micro-batches on the device, read `depth` ahead on a side thread (into pinned memory on
+    CUDA) and copied without blocking the host, so the GPU never waits for the memmap. The loader's
+    position moves when a batch is taken, not when it is read ahead: checkpoints stay exact. Errors of
+    the reading thread (e.g. token ids beyond the vocab) are raised by the `next()` that meets them.
+    `source` has `batch_at(micro_step)` and `state.micro_steps` (TrainLoader, or synthetic batches)."""
+
+    def __init__(self, source, device: torch.device, depth: int) -> None:
+        self.source, self.device, self.depth = source, device, depth
+        self._queue: queue.Queue | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if depth > 0:
+            self._queue = queue.Queue(maxsize=depth)
+            first = source.state.micro_steps
+            self._thread = threading.Thread(target=self._read, args=(first,), name="prefetch", daemon=True)
+            self._thread.start()
+
+    def _read(self, micro_step: int) -> None:
+        pin = self.device.type == "cuda"
+        while not self._stop.is_set():
+            try:
+                x, y = self.source.batch_at(micro_step)
+                item = (x.pin_memory(), y.pin_memory()) if pin else (x, y)
+            except BaseException as e:  # handed to the loop, which raises it
+                item = e
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+            micro_step += 1
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._queue is None:
+            x, y = self.source.batch_at(self.source.state.micro_steps)
+        else:
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            x, y = item
+        self.source.state.micro_steps += 1
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def close(self) -> None:
+        """Stop the reader and wait for it: a thread still inside torch at interpreter exit aborts it."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def val_batches(

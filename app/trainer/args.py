@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from app.config import Config, load_config, preset_names
+from app.config import Config, load_config, preset_names, vocab_for_estimates
 
 DESCRIPTION = "train a model (locally, or under torchrun / Kubernetes)"
 
@@ -126,9 +126,7 @@ def _apply_layout(cfg: Config, args: argparse.Namespace) -> None:
 
     if any(o.strip().startswith("train.micro_batch_size") for o in args.overrides):
         return
-    sized = dataclasses.replace(cfg.model)  # the estimate needs a vocabulary; the data's is not known yet
-    if not sized.vocab_size:
-        sized.vocab_size = cfg.data.vocab_size if cfg.data.tokenizer == "bpe" else 128
+    sized = dataclasses.replace(cfg.model, vocab_size=vocab_for_estimates(cfg))  # the data's is not known yet
     chosen = layout.fit(dataclasses.replace(cfg, model=sized), cfg.budget.gpu_type, planned_world_size(cfg))
     layout.apply(cfg, chosen)
     if os.environ.get("RANK", "0") == "0":  # a YAML comment, so --print-config's output stays YAML
@@ -143,15 +141,16 @@ def print_config(cfg: Config) -> int:
     from app.trainer.model import count_parameters
 
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
-    if not cfg.model.vocab_size:  # from the data; embedded BPE gets data.vocab_size
-        cfg.model.vocab_size = cfg.data.vocab_size if cfg.data.tokenizer == "bpe" else 128
-        note = f" (vocab from the data; counted with {cfg.model.vocab_size})"
-    else:
-        note = ""
+    note = "" if cfg.model.vocab_size else f" (vocab from the data; counted with {vocab_for_estimates(cfg)})"
+    cfg.model.vocab_size = vocab_for_estimates(cfg)
     counts = count_parameters(cfg.model)
     print(f"# parameters: {counts.total:,} total, {counts.non_embedding:,} non-embedding{note}")
     print(f"# training FLOPs per token: {flops_per_token(cfg.model):,.0f}")
     print("\n".join(print_lines(cfg, planned_world_size(cfg))))
+    from app.trainer.memory import plans_for_cuda
+    from app.trainer.runtime import describe
+
+    print("\n".join(describe(cfg, plans_for_cuda(cfg))))
     from app.trainer.model import build_model
     from app.trainer.optim import describe_groups
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -46,7 +47,8 @@ def sample_text(
     model: torch.nn.Module, data_dir: Path, seed: int, device: torch.device, fsdp: bool, tokens: int = 64
 ) -> str:
     """The same seed on every rank, so under FSDP all ranks draw the same tokens in lockstep. FSDP
-    gathers shards in forward's hooks, which the cached decode path bypasses: no KV cache there."""
+    gathers shards in forward's hooks, which the cached decode path bypasses: no KV cache there. Eager
+    even when the blocks are compiled: each new length would compile a new graph."""
     from app.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(data_dir)
@@ -54,6 +56,8 @@ def sample_text(
     gpt.eval()
     ids = torch.tensor([tok.encode("\n") or [tok.eot_id]], device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    out = gpt.generate(ids, tokens, generator=generator, use_cache=not fsdp)
+    stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    with stance("force_eager") if stance else contextlib.nullcontext():
+        out = gpt.generate(ids, tokens, generator=generator, use_cache=not fsdp)
     gpt.train()
     return tok.decode(out[0, ids.size(1) :].tolist())

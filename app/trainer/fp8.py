@@ -8,7 +8,7 @@ refuses with the fix (`pip install torchao`).
 
 Dynamic tensorwise scaling (torchao's default recipe). The output head stays in bf16 (logits are
 sensitive and, for small vocabularies, too narrow), as does any layer whose sizes are not multiples of
-16 (an FP8 GEMM requirement). Best with train.compile=true, which fuses the casts.
+16 (an FP8 GEMM requirement). Best compiled (train.compile: auto is on for CUDA), which fuses the casts.
 """
 
 from __future__ import annotations

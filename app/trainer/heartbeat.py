@@ -53,3 +53,9 @@ class Heartbeat:
             },
             durable=False,  # a heartbeat: rename keeps it whole, losing one on a crash is fine
         )
+
+    def fail_if_written(self) -> None:
+        """A trainer that dies before its loop: a heartbeat an earlier process left at "running" must not
+        go on telling the watcher so."""
+        if self.path.exists():
+            self.write("failed")

@@ -40,6 +40,16 @@ def peak_flops(gpu_type: str, override_tflops: float = 0.0) -> float:
     return PEAK_TFLOPS.get(gpu_type.lower(), 0.0) * 1e12
 
 
+def device_peak(gpu_type: str, override_tflops: float, device) -> tuple[str, float]:
+    """(GPU type, peak FLOP/s) of the device a process trains on: the configured type (metrics.gpu_type)
+    when the peak table knows it, else the one its CUDA name tells; peak 0 when unknown."""
+    if not peak_flops(gpu_type, override_tflops) and device.type == "cuda":
+        import torch
+
+        gpu_type = detect_gpu_type(torch.cuda.get_device_name(device)) or gpu_type
+    return gpu_type, peak_flops(gpu_type, override_tflops)
+
+
 def flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token: 6 x (matmul parameters a token passes through) + attention.
 
@@ -100,8 +110,13 @@ class TrainerMetrics:
             self.tps = g("pretrain_tokens_per_second", "Global training throughput (tokens/s)")
             # Absent (not 0) without a known peak: an MFU alert must not fire on a CPU run.
             self.mfu = g("pretrain_mfu_ratio", "Model FLOPs utilisation (0..1)") if with_mfu else None
-            self.step_seconds = g("pretrain_step_seconds", "Wall time of the last optimizer step")
-            self.data_wait = g("pretrain_data_wait_seconds", "Time of the last step spent waiting for data")
+            self.step_seconds = g(
+                "pretrain_step_seconds", "Wall time per optimizer step, averaged since the last log"
+            )
+            self.data_wait = g(
+                "pretrain_data_wait_seconds",
+                "Time per step spent waiting for data, averaged since the last log",
+            )
             self.ckpt_seconds = g("pretrain_checkpoint_seconds", "Duration of the last checkpoint save")
             self.ckpt_step = g("pretrain_last_checkpoint_step", "Step of the last checkpoint")
             self.ckpt_time = g(
@@ -116,7 +131,8 @@ class TrainerMetrics:
             )
             self.stop_state = g(
                 "pretrain_stop_state",
-                "0 running, 1 planned end, 2 early stop, 3 budget/graceful, 4 preempted, 5 immediate, 6 diverged",
+                "0 running, 1 planned end, 2 early stop, 3 budget stop, 4 preempted, 5 immediate, 6 diverged, "
+                "7 graceful stop file (not the budget's)",
             )
             self.gpu_mem = g("pretrain_gpu_memory_bytes", "Peak CUDA memory allocated")
             self.loop_loss = Gauge(

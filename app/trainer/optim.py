@@ -88,22 +88,21 @@ def param_groups(gpt: torch.nn.Module, cfg: OptimConfig) -> list[dict]:
 
 
 class ShardedMuon(torch.optim.Muon if hasattr(torch.optim, "Muon") else torch.optim.Optimizer):
-    """torch.optim.Muon, plus the gather for FSDP2's DTensor shards (see the module docstring)."""
+    """torch.optim.Muon, plus the gather for FSDP2's DTensor shards (see the module docstring) and a skip
+    decided on the device (`found_inf`, as GradScaler sets it): the lines of torch's _single_tensor_muon,
+    one matrix at a time."""
 
     @torch.no_grad()
     def step(self, closure=None):
-        from torch.distributed.tensor import DTensor
-
-        if not any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
-            return super().step(closure)
-        from torch.distributed.tensor import distribute_tensor
+        from torch.distributed.tensor import DTensor, distribute_tensor
         from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # The lines of torch's _single_tensor_muon, with the whole matrix gathered for Newton-Schulz.
+        found_inf = getattr(self, "found_inf", None)
+        skip = None if found_inf is None else found_inf.bool()
         for group in self.param_groups:
             lr, wd, mom = group["lr"], group["weight_decay"], group["momentum"]
             for p in group["params"]:
@@ -113,15 +112,26 @@ class ShardedMuon(torch.optim.Muon if hasattr(torch.optim, "Muon") else torch.op
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad)
                 buf = state["momentum_buffer"]
+                sharded = isinstance(p, DTensor)
+                local = p.to_local() if sharded else p
+                local_buf = buf.to_local() if sharded else buf
+                if skip is not None:  # one matrix's copy at a time, restored below when the step is skipped
+                    kept = (local.clone(), local_buf.clone())
                 buf.lerp_(p.grad, 1 - mom)
                 update = p.grad.lerp(buf, mom) if group["nesterov"] else buf
-                full = _zeropower_via_newtonschulz(
-                    update.full_tensor(), group["ns_coefficients"], group["ns_steps"], group["eps"]
-                )
-                mine = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
-                local = p.to_local()
+                args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+                if sharded:  # Newton-Schulz on the whole matrix; this rank applies its own rows
+                    full = _zeropower_via_newtonschulz(update.full_tensor(), *args)
+                    update = distribute_tensor(
+                        full, p.device_mesh, p.placements, src_data_rank=None
+                    ).to_local()
+                else:
+                    update = _zeropower_via_newtonschulz(update, *args)
                 local.mul_(1 - lr * wd)
-                local.add_(mine, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+                local.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+                if skip is not None:
+                    local.copy_(torch.where(skip, kept[0], local))
+                    local_buf.copy_(torch.where(skip, kept[1], local_buf))
         return loss
 
 
@@ -163,14 +173,19 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._adamw.step()
-        if self._muon is not None:
-            self._muon.step()
+        found_inf = getattr(self, "found_inf", None)  # step_unless: both children skip on the device
+        for child in (self._adamw, self._muon):
+            if child is not None:
+                child.found_inf = found_inf
+                child.step()
+                del child.found_inf
         return loss
 
 
 def build_optimizer(gpt: torch.nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
-    fused = device.type == "cuda" if cfg.fused == "auto" else cfg.fused == "true"
+    """optim.fused=auto: fused AdamW (one kernel over all tensors; CUDA and, since torch 2.4, CPU), which
+    also lets step_unless skip a non-finite step on the device."""
+    fused = device.type in ("cuda", "cpu") if cfg.fused == "auto" else cfg.fused == "true"
     groups = param_groups(gpt, cfg)
     if cfg.name == "muon":
         if not hasattr(torch.optim, "Muon"):
@@ -182,6 +197,28 @@ def build_optimizer(gpt: torch.nn.Module, cfg: OptimConfig, device: torch.device
     return torch.optim.AdamW(
         groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None
     )
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether step_unless needs no host read: fused AdamW takes `found_inf`, and so does MuonAdamW when
+    its AdamW is fused (its Muon part always does)."""
+    adamw = optimizer._adamw if isinstance(optimizer, MuonAdamW) else optimizer
+    return isinstance(adamw, torch.optim.AdamW) and bool(adamw.defaults.get("fused"))
+
+
+def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """The optimizer step, skipped when `skip` (0-dim float on the parameters' device, 1.0 = skip) is set:
+    no parameter, moment or step count changes. Decided on the device (GradScaler's `found_inf`) when
+    skips_on_device, so the loop never waits for the GPU; otherwise read here (one device sync)."""
+    if not skips_on_device(optimizer):
+        if not skip.item():
+            optimizer.step()
+        return
+    optimizer.found_inf = skip
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

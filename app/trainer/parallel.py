@@ -63,17 +63,29 @@ class DistEnv:
             dist.barrier()
 
     def all_true(self, flag: bool) -> bool:
-        """Collective: whether `flag` holds on every rank."""
+        """Collective: whether `flag` holds on every rank (over the CPU control group: no GPU sync)."""
         if not self.distributed:
             return flag
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        t = torch.tensor([int(flag)], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control_group())
         return bool(t.item())
 
 
-def init_distributed(device_type: str) -> DistEnv:
-    """Read torchrun's environment; join the process group (gloo on CPU, NCCL on CUDA)."""
+_CONTROL_GROUP = None
+
+
+def control_group():
+    """The process group for the loop's small decisions (stop agreement, checkpoint votes): gloo over
+    CPU tensors. Under NCCL a second group, so a decision never waits for the GPU's queue to drain; on
+    CPU the default (gloo) group."""
+    return _CONTROL_GROUP
+
+
+def init_distributed(device_type: str, timeout_minutes: float = 30.0) -> DistEnv:
+    """Read torchrun's environment; join the process group (gloo on CPU, NCCL on CUDA) and, under NCCL,
+    a gloo control group. The timeout bounds every collective, so it must exceed the longest wait of
+    one rank for another (a checkpoint commit, the step-0 eval): train.collective_timeout_minutes."""
+    global _CONTROL_GROUP
     world = int(os.environ.get("WORLD_SIZE", "1"))
     env = DistEnv(
         rank=int(os.environ.get("RANK", "0")),
@@ -84,11 +96,15 @@ def init_distributed(device_type: str) -> DistEnv:
     )
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=timedelta(minutes=30))
+        timeout = timedelta(minutes=timeout_minutes)
+        dist.init_process_group(backend=backend, timeout=timeout)
+        _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
     return env
 
 
 def shutdown_distributed() -> None:
+    global _CONTROL_GROUP
+    _CONTROL_GROUP = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -176,6 +192,13 @@ def build_parallel_model(
         convert_to_fp8(model, device, log)
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
+    from app.trainer.runtime import compile_blocks, compile_enabled
+
+    if compile_enabled(cfg, device):
+        compile_blocks(model, cfg.train.compile_mode)
+        log(
+            f"compile: {len(model.blocks)} blocks, mode {cfg.train.compile_mode} (compiled at the first step)"
+        )
     if fsdp:
         shard_model(model, device, cfg.train.dtype)
         if meta_init:

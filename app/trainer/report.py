@@ -79,7 +79,16 @@ class Reporter:
 
     def reset_window(self) -> None:
         """Start measuring throughput afresh (after setup or the step-0 eval)."""
-        self.window_tokens, self.window_start = 0, time.perf_counter()
+        self.window_tokens, self.window_steps, self.window_start = 0, 0, time.perf_counter()
+
+    def window(self) -> tuple[float, float]:
+        """(tokens/s, seconds per step) since the last call, then start a new window. Called when the
+        step log is read, which waits for the device: the figures are the device's pace, not the host's."""
+        now = time.perf_counter()
+        seconds = max(now - self.window_start, 1e-9)
+        tps, per_step = self.window_tokens / seconds, seconds / max(self.window_steps, 1)
+        self.window_tokens, self.window_steps, self.window_start = 0, 0, now
+        return tps, per_step
 
     def open_progress(self, total: int, initial: int) -> None:
         self.reset_window()
@@ -130,6 +139,7 @@ class Reporter:
     def step_done(self, step: int, tokens_per_step: int) -> None:
         """Every step, cheap: what the stalled-training alert and the token counter need."""
         self.window_tokens += tokens_per_step
+        self.window_steps += 1
         if self.progress is not None:
             self.progress.update(1)
         g = self.global_metrics
@@ -138,12 +148,9 @@ class Reporter:
             g.tokens.inc(tokens_per_step)
             g.last_step_time.set(time.time())
 
-    def train(self, step: int, tokens: int, m: dict, planned_end_in) -> None:
-        """A train record; throughput is measured over the steps since the previous one.
-        `planned_end_in(tokens_per_second)` gives the seconds left to the planned end."""
-        now = time.perf_counter()
-        tps = self.window_tokens / max(now - self.window_start, 1e-9)
-        self.window_tokens, self.window_start = 0, now
+    def train(self, step: int, tokens: int, m: dict, tps: float, planned_end_in) -> None:
+        """A train record; `tps` from window(). `planned_end_in(tokens_per_second)` gives the seconds left
+        to the planned end. Step time and data wait are the averages over the window."""
         mfu = self.flops_per_token * tps / (self.peak * self.env.world_size) if self.peak else None
         loops = m["loop_losses"]
         refinement = supervision.refinement(loops) if loops else None

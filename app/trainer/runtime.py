@@ -1,5 +1,5 @@
-"""What the machine decides for the loop: the device, the autocast dtype, and how one optimizer step's
-batch is laid out over ranks and micro-batches."""
+"""What the machine decides for the loop: the device and its math settings, the autocast dtype, whether
+the blocks are compiled, and how one optimizer step's batch is laid out over ranks and micro-batches."""
 
 from __future__ import annotations
 
@@ -21,6 +21,30 @@ def pick_device(cfg: Config, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def configure_device(device: torch.device) -> None:
+    """CUDA: TF32 for the fp32 matmuls left outside autocast (the optimizer's, the loss's) and cuDNN."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("high")
+
+
+def compile_enabled(cfg: Config, device: torch.device) -> bool:
+    """train.compile=auto: on for CUDA (where fused kernels pay), off for CPU (compile time dominates)."""
+    return cfg.train.compile == "true" or (cfg.train.compile == "auto" and device.type == "cuda")
+
+
+def compile_blocks(model: torch.nn.Module, mode: str) -> int:
+    """Regional compilation: torch.compile each transformer block's forward in place (parameter names,
+    hence checkpoints, do not change). All blocks share one graph per input shape, so compile time is
+    that of one block, not of the whole model; the looped model's shared blocks are the same modules and
+    compile once. The module's hooks (FSDP2's gathers, activation checkpointing) stay outside the graph."""
+    kwargs = {} if mode == "default" else {"mode": mode}
+    for block in model.blocks:
+        block.forward = torch.compile(block.forward, fullgraph=True, **kwargs)
+    return len(model.blocks)
+
+
 def autocast_for(cfg: Config, device: torch.device):
     """bf16 autocast on CUDA (fp32 master weights), fp32 on CPU unless train.dtype=bf16."""
     if device.type == "cuda" and cfg.train.dtype in ("auto", "bf16"):
@@ -40,3 +64,37 @@ def grad_accum_steps(cfg: Config, world_size: int) -> int:
             f"world_size = {per_micro}; use a multiple such as {max(1, round(cfg.train.batch_tokens / per_micro)) * per_micro}"
         )
     return cfg.train.batch_tokens // per_micro
+
+
+def describe(cfg: Config, cuda: bool) -> list[str]:
+    """What the loop does on this device, for --print-config (as YAML comments)."""
+    t, o = cfg.train, cfg.optim
+    device = torch.device("cuda" if cuda else "cpu")
+    bf16 = (cuda and t.dtype in ("auto", "bf16")) or t.dtype == "bf16"
+    fused = o.fused == "true" or o.fused == "auto"
+    compiled = compile_enabled(cfg, device)
+    lines = [
+        f"# runtime ({device.type}): "
+        + ("bf16 autocast over fp32 master weights" if bf16 else "fp32")
+        + ("; TF32 for fp32 matmuls (float32_matmul_precision=high)" if cuda else ""),
+        f"# optimizer: {'Muon + ' if o.name == 'muon' else ''}{'fused' if fused else 'foreach'} AdamW"
+        + (
+            "; a non-finite step is skipped on the device"
+            if fused
+            else "; a non-finite step is checked on the host"
+        ),
+        "# attention: scaled_dot_product_attention"
+        + (" (flash / memory-efficient kernels)" if cuda else "")
+        + ("; GQA without repeating K/V" if cfg.model.kv_heads != cfg.model.n_head else ""),
+        f"# compile: {'each transformer block, mode ' + t.compile_mode if compiled else 'off'} "
+        f"(train.compile={t.compile}; auto = on for CUDA)",
+        f"# data: {t.prefetch} micro-batches read ahead on a side thread"
+        + (" into pinned memory, copied without blocking" if cuda else "")
+        if t.prefetch
+        else "# data: read in the loop (train.prefetch=0)",
+        f"# host syncs: none in the step; its numbers are read every train.log_every={t.log_every} steps"
+        + ("; train.skip_spike_updates reads every step" if t.skip_spike_updates else "")
+        + "; the stop agreement runs over gloo on the host",
+        f"# collectives: timeout {t.collective_timeout_minutes:g} min (train.collective_timeout_minutes)",
+    ]
+    return lines

@@ -3,7 +3,9 @@
 Every rank computes a local stop code each step; one all-reduce (MAX) of a 3-element tensor gives
 every rank the same decision: the most severe cause wins. The other elements carry a proposal
 for the budget-driven LR decay (steps left) and a request to checkpoint now, decided in the same
-collective.
+collective. The tensor lives on the CPU and goes over gloo (a control group of its own under NCCL,
+app/trainer/parallel.py), so the agreement costs one small network round trip of the host per step
+and never waits for the GPU: the step's kernels stay queued while ranks agree.
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ class StopDecision:
     @property
     def saves(self) -> bool:
         return self.cause not in (StopCause.NONE, StopCause.IMMEDIATE)
+
+    @property
+    def gauge_code(self) -> int:
+        """pretrain_stop_state: the cause, except 7 for a graceful stop file not written by the budget
+        watcher (a user's `touch`, or a malformed request), so a dashboard does not call it a budget stop."""
+        if self.cause == StopCause.BUDGET and self.name != "budget":
+            return 7
+        return int(self.cause)
 
     @property
     def exit_code(self) -> int:
@@ -234,7 +244,6 @@ class StopAgreement:
         planned: PlannedEnd,
         early: EarlyStopping,
         is_rank0: bool,
-        device: torch.device,
         signals: SignalFlag | None = None,
         bad_steps: BadSteps | None = None,
         warn=print,
@@ -245,8 +254,7 @@ class StopAgreement:
         self.signals = signals or SignalFlag()
         self.bad_steps = bad_steps
         self.warn = warn
-        self.device = device
-        self._buf = torch.zeros(3, dtype=torch.int64, device=device)
+        self._buf = torch.zeros(3, dtype=torch.int64)  # on the host: see the module docstring
         self._reasons: dict[int, str] = {}
 
     def local(self, step: int, tokens: int, elapsed: float) -> StopDecision:
@@ -274,7 +282,9 @@ class StopAgreement:
         if not (dist.is_available() and dist.is_initialized()):
             return mine, decay_proposal, want_save
         self._buf[0], self._buf[1], self._buf[2] = mine.encode(), decay_proposal, int(want_save)
-        dist.all_reduce(self._buf, op=dist.ReduceOp.MAX)
+        from app.trainer.parallel import control_group
+
+        dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=control_group())
         code, decay, save = (int(v) for v in self._buf.tolist())
         if code == mine.encode():
             return mine, decay, bool(save)
