@@ -69,6 +69,34 @@ def write_json_durable(path: Path, data: Any) -> None:
         os.fsync(f.fileno())
 
 
+def create_exclusive(path: Path, text: str, durable: bool = False) -> bool:
+    """Create `path` holding `text` unless it exists (O_EXCL: one of several racing creators wins, also on
+    NFS v3+); False when it was there. The primitive of the lock files (lease.json, the retry state's)."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    return True
+
+
+def read_lock_file(path: Path) -> dict | None:
+    """A lock file's JSON object: None when there is none, {} while it cannot be parsed (being written)."""
+    try:
+        raw = Path(path).read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

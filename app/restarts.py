@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from app.data.wait import EXIT_DATA_NOT_READY
-from app.files import atomic_write_json
+from app.files import atomic_write_json, create_exclusive, read_lock_file
 from app.trainer.lease import holder_is_dead, identity
 
 EXIT_RETRIES_SPENT = 5  # 3 is the trainer's "diverged"
@@ -111,25 +111,10 @@ class StateLock:
         self.me = {**identity(), "token": uuid.uuid4().hex}
 
     def _read(self) -> dict | None:
-        """The lock's content, {} while it cannot be parsed (being written), None when there is none."""
-        try:
-            raw = self.path.read_text()
-        except FileNotFoundError:
-            return None
-        try:
-            data = json.loads(raw)
-        except ValueError:
-            return {}
-        return data if isinstance(data, dict) else {}
+        return read_lock_file(self.path)
 
     def _create(self) -> bool:
-        try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps({**self.me, "unix": time.time()}))
-        return True
+        return create_exclusive(self.path, json.dumps({**self.me, "unix": time.time()}))
 
     def _take_over(self, stale: dict) -> bool:
         """Move the stale lock aside (one taker's rename finds it); if what moved is not the lock judged

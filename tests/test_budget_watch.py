@@ -141,7 +141,10 @@ def test_dry_run_prints_thresholds_and_writes_nothing(tmp_path, capsys):
     )
     assert code == 0, err
     assert "static: ok, rate $1.79/h" in out
-    assert "horizon 82.9 s = max(poll 10, step 0.9 + checkpoint 12.0) + poll 10 + margin 60" in out
+    assert (
+        "horizon 82.9 s = max(poll 10, S) + poll 10 + max(margin 60, S) with S = step 0.9 + checkpoint 12.0 = 12.9"
+        in out
+    )
     for what in ("alert", "LR decay (WSD)", "graceful stop", "immediate stop"):
         assert what in out
     assert "graceful stop     at $34.9588  in 19h31m" in out

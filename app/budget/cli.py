@@ -32,11 +32,11 @@ from app.budget.config import BudgetConfig, check_budget_config
 from app.budget.files import read_status
 from app.budget.ledger import load_ledger
 from app.budget.metrics import BudgetMetrics
-from app.budget.policy import PolicyInput, decide
+from app.budget.policy import decide, stop_seconds
 from app.budget.pricing import no_price_error, static_rate
 from app.budget.sources import make_source
 from app.budget.view import ledger_path_for, state_path_for
-from app.budget.watcher import Watcher
+from app.budget.watcher import Watcher, policy_input
 from app.errors import UserError
 from app.files import atomic_write_json, check_writable_dir
 
@@ -293,25 +293,11 @@ def dry_run(
         if reading.spent_usd is not None:
             spent = max(spent, reading.spent_usd)
     status = read_status(run_dir / "status.json")
-    step = status.step_seconds if status and status.step_seconds else led.step_seconds
-    ckpt = status.checkpoint_seconds if status and status.checkpoint_seconds else led.checkpoint_seconds
-    write = status.checkpoint_write_seconds if status and status.checkpoint_write_seconds else 0.0
-    write = write or led.checkpoint_write_seconds
+    inp = policy_input(cfg, led, spent, r, status, now)
     seen = f"status.json: step {status.step}, state {status.state}" if status else "no status.json yet"
-    out.append(f"  trainer   {seen}; step {step:.2f} s, checkpoint {ckpt:.2f} s (0 = not measured yet)")
-    inp = PolicyInput(
-        spent_usd=spent,
-        cap_usd=cfg.cap_usd,
-        rate_usd_per_hour=r,
-        step_seconds=step,
-        checkpoint_seconds=ckpt,
-        checkpoint_write_seconds=write,
-        poll_seconds=cfg.poll_seconds,
-        margin_seconds=cfg.margin_seconds,
-        alert_fraction=cfg.alert_fraction,
-        alert_usd=cfg.alert_usd,
-        decay_fraction=cfg.decay_fraction,
-        stopping=led.stop.mode if led.stop else "",
+    out.append(
+        f"  trainer   {seen}; step {inp.step_seconds:.2f} s, checkpoint {inp.checkpoint_seconds:.2f} s "
+        "(0 = not measured yet)"
     )
     dec = decide(inp)
     per_s = r / 3600
@@ -326,10 +312,11 @@ def dry_run(
         return _dur((at - spent) / per_s if per_s > 0 else None)
 
     out.append(
-        f"  policy    at ${r:.2f}/h, horizon {dec.horizon_seconds:.1f} s = max(poll {cfg.poll_seconds:g}, step "
-        f"{step:.1f}"
-        + (f" + pending write {write:.1f}" if write else "")
-        + f" + checkpoint {ckpt:.1f}) + poll {cfg.poll_seconds:g} + margin {cfg.margin_seconds:g}"
+        f"  policy    at ${r:.2f}/h, horizon {dec.horizon_seconds:.1f} s = max(poll {cfg.poll_seconds:g}, S) "
+        f"+ poll {cfg.poll_seconds:g} + max(margin {cfg.margin_seconds:g}, S) with S = step "
+        f"{inp.step_seconds:.1f}"
+        + (f" + pending write {inp.checkpoint_write_seconds:.1f}" if inp.checkpoint_write_seconds else "")
+        + f" + checkpoint {inp.checkpoint_seconds:.1f} = {stop_seconds(inp):.1f}"
     )
     out.append(f"    alert             at ${alert_at:.4f}  {when(alert_at)}")
     out.append(f"    LR decay (WSD)    at ${max(decay_at, 0):.4f}  {when(decay_at)}")

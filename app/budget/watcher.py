@@ -39,6 +39,40 @@ LOOK_SECONDS = 0.1
 LEASE_FILE = "lease.json"  # held by a trainer for its whole life (app/trainer/lease.py, docs/contracts.md)
 
 
+def trainer_figures(led: Ledger, status: Any) -> tuple[float, float, float]:
+    """(step, checkpoint, write) seconds: the trainer's latest (status.json), else the ledger's last known."""
+    if not status:
+        return led.step_seconds, led.checkpoint_seconds, led.checkpoint_write_seconds
+    return (
+        status.step_seconds or led.step_seconds,
+        status.checkpoint_seconds or led.checkpoint_seconds,
+        status.checkpoint_write_seconds or led.checkpoint_write_seconds,
+    )
+
+
+def policy_input(
+    cfg: BudgetConfig, led: Ledger, spent: float, rate: float, status: Any, now: float, starting: bool = False
+) -> PolicyInput:
+    """What the policy decides on: spend and rate, the trainer's figures, the config and a stop under way."""
+    step, ckpt, write = trainer_figures(led, status)
+    return PolicyInput(
+        spent_usd=spent,
+        cap_usd=cfg.cap_usd,
+        rate_usd_per_hour=rate,
+        step_seconds=step,
+        checkpoint_seconds=ckpt,
+        checkpoint_write_seconds=write,
+        poll_seconds=cfg.poll_seconds,
+        margin_seconds=cfg.margin_seconds,
+        alert_fraction=cfg.alert_fraction,
+        alert_usd=cfg.alert_usd,
+        decay_fraction=cfg.decay_fraction,
+        stopping=led.stop.mode if led.stop else "",
+        stopping_seconds=max(0.0, now - led.stop.unix) if led.stop else 0.0,
+        trainer_starting=starting,
+    )
+
+
 class Watcher:
     def __init__(
         self,
@@ -247,36 +281,8 @@ class Watcher:
         """How long the loop may sleep before asking `due` again: LOOK_SECONDS at most."""
         return min(max(0.0, self._next_tick - now), LOOK_SECONDS)
 
-    def _figures(self, status: Any) -> tuple[float, float, float]:
-        """(step, checkpoint, write) seconds: the trainer's latest, else the ledger's last known."""
-        led = self.ledger
-        if not status:
-            return led.step_seconds, led.checkpoint_seconds, led.checkpoint_write_seconds
-        return (
-            status.step_seconds or led.step_seconds,
-            status.checkpoint_seconds or led.checkpoint_seconds,
-            status.checkpoint_write_seconds or led.checkpoint_write_seconds,
-        )
-
     def _policy_input(self, spent: float, rate: float, status: Any, now: float) -> PolicyInput:
-        led, cfg = self.ledger, self.cfg
-        step, ckpt, write = self._figures(status)
-        return PolicyInput(
-            spent_usd=spent,
-            cap_usd=cfg.cap_usd,
-            rate_usd_per_hour=rate,
-            step_seconds=step,
-            checkpoint_seconds=ckpt,
-            checkpoint_write_seconds=write,
-            poll_seconds=cfg.poll_seconds,
-            margin_seconds=cfg.margin_seconds,
-            alert_fraction=cfg.alert_fraction,
-            alert_usd=cfg.alert_usd,
-            decay_fraction=cfg.decay_fraction,
-            stopping=led.stop.mode if led.stop else "",
-            stopping_seconds=max(0.0, now - led.stop.unix) if led.stop else 0.0,
-            trainer_starting=self._trainer_starting(status),
-        )
+        return policy_input(self.cfg, self.ledger, spent, rate, status, now, self._trainer_starting(status))
 
     # ------------------------------------------------------------ the tick
 
@@ -288,7 +294,9 @@ class Watcher:
         status = read_status(self.status_path)
         self._status_seen = status.updated_unix if status else None
         # a final (synchronous) save reports write 0: the ledger keeps the last figure
-        led.step_seconds, led.checkpoint_seconds, led.checkpoint_write_seconds = self._figures(status)
+        led.step_seconds, led.checkpoint_seconds, led.checkpoint_write_seconds = trainer_figures(
+            self.ledger, status
+        )
         if (
             not led.trained_unix
             and status

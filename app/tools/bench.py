@@ -20,20 +20,9 @@ DESCRIPTION = "measure tokens/s, MFU, memory and the step-time breakdown of a pr
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from app.config import preset_names
+    from app.trainer.args import add_config_arguments
 
-    p.add_argument("--preset", help=f"config preset: {', '.join(preset_names())} (default: tiny)")
-    p.add_argument(
-        "--config", metavar="FILE.yaml", help="YAML file of config keys (applied after the preset)"
-    )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one config key, as for `pretrain train` (e.g. --set train.compile=false); repeatable",
-    )
+    add_config_arguments(p)  # as for `pretrain train`: e.g. --set train.compile=false
     p.add_argument("--steps", type=int, default=20, metavar="N", help="timed optimizer steps (default: 20)")
     p.add_argument(
         "--warmup",
@@ -234,7 +223,7 @@ def _peak_memory(device, step, n: int) -> tuple[int | None, str]:
     try:
         from torch.distributed._tools.mem_tracker import MemTracker
     except ImportError:  # pragma: no cover - older torch
-        return None, "unavailable (no MemTracker in this torch)"
+        return None, "this torch has no MemTracker"
     try:
         tracker = MemTracker()
         tracker.track_external(step.model, step.optimizer)
@@ -243,7 +232,7 @@ def _peak_memory(device, step, n: int) -> tuple[int | None, str]:
             step.log.read()
         return int(tracker.get_tracker_snapshot("peak")[device]["Total"]), "MemTracker (one step)"
     except Exception as e:  # a measurement aid: its failure must not hide the other figures
-        return None, f"unavailable ({type(e).__name__})"
+        return None, f"MemTracker failed ({type(e).__name__}; it follows eager tensors only)"
 
 
 def describe(r: dict) -> list[str]:
@@ -268,11 +257,13 @@ def describe(r: dict) -> list[str]:
             f"  achieved     {r['achieved_tflops_per_device'] * 1000:.1f} GFLOP/s per device "
             "(no peak known for this device: MFU not computed; --gpu-type or metrics.peak_tflops sets one)"
         )
-    est, peak = r["estimated_memory_bytes"], r["peak_memory_bytes"]
-    ratio = f" ({peak / est:.2f}x the estimate)" if peak and est else ""
-    lines.append(
-        f"  memory       peak {gb(peak)} vs estimate {gb(est)}{ratio}; measured by {r['peak_memory_measured_by']}"
-    )
+    est, peak, how = r["estimated_memory_bytes"], r["peak_memory_bytes"], r["peak_memory_measured_by"]
+    if peak:
+        lines.append(
+            f"  memory       peak {gb(peak)} vs estimate {gb(est)} ({peak / est:.2f}x); measured by {how}"
+        )
+    else:
+        lines.append(f"  memory       estimate {gb(est)}; peak not measured: {how}")
     if r["compile"]:
         lines.append(
             f"  compile      first step {r['first_step_seconds']:.1f} s (~{r['compile_seconds']:.1f} s compiling)"

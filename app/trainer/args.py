@@ -11,7 +11,8 @@ from app.config import Config, load_config, preset_names, vocab_for_estimates
 DESCRIPTION = "train a model (locally, or under torchrun / Kubernetes)"
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    """--preset, --config, --set: how a run's config is chosen (`pretrain train`, `pretrain bench`)."""
     p.add_argument("--preset", help=f"config preset: {', '.join(preset_names())} (default: tiny)")
     p.add_argument(
         "--config", metavar="FILE.yaml", help="YAML file of config keys (applied after the preset)"
@@ -24,6 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override one config key, dotted (e.g. --set model.n_layer=8); repeatable",
     )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
     p.add_argument(
         "--out",
         metavar="RUN_DIR",

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from app.errors import UserError
-from app.files import check_writable_dir
+from app.files import check_writable_dir, create_exclusive, read_lock_file
 
 LEASE = "lease.json"
 BUSY_EXIT = 142  # 128 + SIGALRM: the wait timed out; retryable, and distinct from preemption (143)
@@ -124,27 +124,10 @@ class RunLease:
         return json.dumps(data, sort_keys=True) + "\n"
 
     def _read(self) -> dict | None:
-        """The lease, {} if it exists but cannot be parsed (mid-rewrite), None if there is none."""
-        try:
-            raw = self.path.read_text()
-        except FileNotFoundError:
-            return None
-        try:
-            data = json.loads(raw)
-        except json.JSONDecodeError:
-            return {}
-        return data if isinstance(data, dict) else {}
+        return read_lock_file(self.path)
 
     def _create(self, path: Path) -> bool:
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "w") as f:
-            f.write(self._content())
-            f.flush()
-            os.fsync(f.fileno())
-        return True
+        return create_exclusive(path, self._content(), durable=True)
 
     def _take_over(self) -> bool:
         """Rename the stale lease aside (only one waiter's rename finds it) and create ours."""
