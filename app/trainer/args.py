@@ -23,7 +23,9 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override one config key, dotted (e.g. --set model.n_layer=8); repeatable",
+        help="override one config key, dotted, e.g. --set model.n_layer=8, --set optim.name=muon, "
+        "--set train.compile=false, --set metrics.trackers=tensorboard,mlflow; repeatable; "
+        "--print-config lists every key",
     )
 
 
