@@ -186,7 +186,8 @@ def test_every_dashboard_query_returns_data_from_a_real_scrape(tmp_path):
     log = tmp_path / "trainer.log"
     trainer_port, budget_port = free_port(), free_port()
     # A looped model with deep supervision, so the per-loop loss panels have data too; a peak for the CPU, so
-    # MFU is reported; the in-process budget guard with a cap far above what a minute costs at $1/h.
+    # MFU is reported; the in-process budget guard with a cap far above what a minute costs at $1/h; a
+    # tracker, so its error counter has a series (0) for the tracker-errors panel.
     looped = (
         "model.loop.prelude=1",
         "model.loop.recurrent=1",
@@ -195,7 +196,7 @@ def test_every_dashboard_query_returns_data_from_a_real_scrape(tmp_path):
     )
     args = ["train", "--out", str(run), "--max-steps", "1000000", *FAST,
             *sets(*looped, "model.loop.deep_supervision=true", "train.eval_every=100", "train.eval_batches=2",
-                  "checkpoint.every_steps=150", "metrics.peak_tflops=1"),
+                  "checkpoint.every_steps=150", "metrics.peak_tflops=1", "metrics.trackers=tensorboard"),
             "--metrics-port", str(trainer_port),
             "--budget-cap-usd", "1000", "--price-per-gpu-hour", "1", "--gpus", "1",
             *sets(f"budget.metrics_port={budget_port}", "budget.poll_seconds=1", "budget.stale_seconds=5")]  # fmt: skip

@@ -80,7 +80,9 @@ def test_mlflow_file_store_has_metrics_params_and_the_checkpoint(tracked, monkey
     assert params["metrics.trackers"] == '["tensorboard", "mlflow", "wandb"]'
     assert json.loads(run.data.tags["event.stop"])["cause"] == "planned"
     files = {f.path for f in client.list_artifacts(run.info.run_id, "checkpoint")}
-    assert {"checkpoint/model.safetensors", "checkpoint/meta.json", "checkpoint/tokenizer.json"} <= files
+    # the checkpoint as the run wrote it (sharded: `pretrain sample/serve --checkpoint DIR` reads it)
+    sharded = {"model.index.json", "model-rank00000.safetensors", "meta.json", "tokenizer.json"}
+    assert {f"checkpoint/{f}" for f in sharded} <= files
 
 
 def wandb_records(path: Path) -> list:
@@ -137,7 +139,9 @@ def test_wandb_offline_run_has_config_history_and_the_checkpoint(tracked):
     arts = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"]
     assert len(arts) == 2  # the final checkpoint of each process that ended with exit 0 (steps 6, 12)
     assert all(a.type == "model" and a.name == "run-checkpoint" for a in arts)
-    assert "model.safetensors" in {m.path for m in arts[-1].manifest.contents}
+    assert {"model.index.json", "model-rank00000.safetensors", "meta.json", "tokenizer.json"} <= {
+        m.path for m in arts[-1].manifest.contents
+    }
     exits = [r.exit for r in records if r.WhichOneof("record_type") == "exit"]
     assert [e.exit_code for e in exits] == [0, 0]
     assert "history" in kinds

@@ -48,6 +48,8 @@ class Reporter:
             from app.trainer.trackers import Trackers
 
             self.trackers = Trackers(cfg, Path(run_dir), self._tracker_warning, self._tracker_error)
+            for name in cfg.metrics.trackers if self.global_metrics else ():  # 0, not absent, until one fails
+                self.global_metrics.tracker_errors.labels(tracker=name)
         self.exit_code = 1  # until a stop event says otherwise
         self.last_step = 0
 
