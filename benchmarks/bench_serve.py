@@ -1,5 +1,5 @@
 """`pretrain serve` on the tiny preset: requests/s and p50/p95 latency at 1 and 8 concurrent clients, and
-generation tokens/s through the server against a bare `model.generate` loop on the same checkpoint in the
+generation tokens/s through the server against a bare `generate` loop on the same checkpoint in the
 same run (target >= 80%). Also the KV cache's speedup over the uncached loop that `pretrain sample` used.
 """
 
@@ -18,6 +18,8 @@ import urllib.request
 from pathlib import Path
 
 import torch
+
+from app.trainer.generate import generate
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 64
@@ -45,19 +47,19 @@ def train_tiny(run: Path) -> None:
 
 
 def bare_tokens_per_second(run: Path) -> tuple[float, float]:
-    """(cached, uncached) tokens/s of model.generate in this process, greedy, MAX_TOKENS per prompt."""
+    """(cached, uncached) tokens/s of generate in this process, greedy, MAX_TOKENS per prompt."""
     from app.tools.sample import load_for_inference
 
     model, tok, _ = load_for_inference(str(run), which="latest", warn=lambda m: None)
     with torch.inference_mode():
-        model.generate(torch.tensor([tok.encode(PROMPTS[0])]), 8, temperature=0)  # warm-up
+        generate(model, torch.tensor([tok.encode(PROMPTS[0])]), 8, temperature=0)  # warm-up
     rates = {}
     for use_cache in (True, False):
         n, start = 0, time.perf_counter()
         for p in PROMPTS if use_cache else PROMPTS[:2]:
             ids = torch.tensor([tok.encode(p)])
             with torch.inference_mode():
-                out = model.generate(ids, MAX_TOKENS, temperature=0, use_cache=use_cache)
+                out = generate(model, ids, MAX_TOKENS, temperature=0, use_cache=use_cache)
             n += out.size(1) - ids.size(1)
         rates[use_cache] = n / (time.perf_counter() - start)
     return rates[True], rates[False]
@@ -73,8 +75,13 @@ def sample_seconds(run: Path, tokens: int = 200) -> str:
     for use_cache in (True, False):
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(
-                ids, tokens, temperature=0.8, generator=torch.Generator().manual_seed(0), use_cache=use_cache
+            generate(
+                model,
+                ids,
+                tokens,
+                temperature=0.8,
+                generator=torch.Generator().manual_seed(0),
+                use_cache=use_cache,
             )
         took[use_cache] = time.perf_counter() - start
     return (
@@ -137,7 +144,7 @@ def run() -> list[str]:
         cached, uncached = bare_tokens_per_second(run_dir)
         out.append(sample_seconds(run_dir))
         out.append(
-            f"bare model.generate (tiny, greedy, {MAX_TOKENS} tokens): {cached:,.0f} tok/s with the KV cache, "
+            f"bare generate (tiny, greedy, {MAX_TOKENS} tokens): {cached:,.0f} tok/s with the KV cache, "
             f"{uncached:,.0f} tok/s without: {cached / uncached:.1f}x"
         )
         proc, url = start_server(run_dir)
@@ -155,7 +162,7 @@ def run() -> list[str]:
             )
         ratio = one["tps"] / cached
         out.append(
-            f"server generation vs bare model.generate: {ratio:.0%} (target >= 80%) "
+            f"server generation vs bare generate: {ratio:.0%} (target >= 80%) "
             f"{'ok' if ratio >= 0.8 else 'BELOW TARGET'}"
         )
     return out

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from app.cli import main as cli_main
+from app.trainer.generate import generate
 from tests.inference_helpers import trained_run
 
 pytest.importorskip("lm_eval", reason="the eval tests need the eval extra (make setup)")
@@ -43,7 +44,7 @@ def known(tmp_path_factory):
     items = []
     for p in PROMPTS:
         ids = tok.encode(p)
-        greedy = model.generate(torch.tensor([ids]), 4, temperature=0)[0, len(ids) :].tolist()
+        greedy = generate(model, torch.tensor([ids]), 4, temperature=0)[0, len(ids) :].tolist()
         text = tok.decode(greedy)
         if tok.eot_id in greedy or not text.strip() or tok.encode(p + text) != ids + greedy:
             continue  # keep items whose continuation re-tokenizes to exactly the greedy tokens

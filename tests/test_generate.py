@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from app.config import LoopConfig, ModelConfig
-from app.trainer.model import build_model, sample_next
+from app.trainer.generate import generate, generate_stream, sample_next
+from app.trainer.model import build_model
 
 
 def model_for(**kw):
@@ -30,8 +31,8 @@ def test_cached_greedy_is_exactly_uncached_greedy(case):
     model = model_for(**CASES[case])
     prompt = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(1))
     n = model.cfg.seq_len - prompt.size(1)  # fills the window exactly
-    cached = model.generate(prompt, n, temperature=0)
-    uncached = model.generate(prompt, n, temperature=0, use_cache=False)
+    cached = generate(model, prompt, n, temperature=0)
+    uncached = generate(model, prompt, n, temperature=0, use_cache=False)
     assert cached.shape == (2, 7 + n)
     assert torch.equal(cached, uncached)
     # not a degenerate model that repeats one token: the test would pass for the wrong reason
@@ -42,8 +43,8 @@ def test_cached_sampling_draws_the_same_tokens_for_the_same_seed():
     model = model_for()
     prompt = torch.tensor([[3, 1, 4, 1, 5]])
     kw = {"temperature": 0.9, "top_k": 40, "top_p": 0.95}
-    a = model.generate(prompt, 30, generator=torch.Generator().manual_seed(7), **kw)
-    b = model.generate(prompt, 30, generator=torch.Generator().manual_seed(7), use_cache=False, **kw)
+    a = generate(model, prompt, 30, generator=torch.Generator().manual_seed(7), **kw)
+    b = generate(model, prompt, 30, generator=torch.Generator().manual_seed(7), use_cache=False, **kw)
     assert torch.equal(a, b)
 
 
@@ -51,14 +52,14 @@ def test_generation_past_the_window_slides_and_keeps_going():
     model = model_for()
     window = model.cfg.seq_len
     prompt = torch.randint(0, 256, (1, 60))  # longer than the window: only its last `window` tokens count
-    out = model.generate(prompt, 2 * window, temperature=0)
+    out = generate(model, prompt, 2 * window, temperature=0)
     assert out.shape == (1, 60 + 2 * window)
-    ref = model.generate(prompt, 1, temperature=0, use_cache=False)
+    ref = generate(model, prompt, 1, temperature=0, use_cache=False)
     assert out[0, 60] == ref[0, 60]  # the first token sees the same (cropped) context either way
     # The window is full after the first new token: the slide re-encodes the newest 3/4 window, then
     # decoding continues from there until the window is full again. Check each of those steps by hand.
     keep = window - window // 4
-    seq = model.generate(prompt[:, -window:], 1 + window // 4 + 1, temperature=0)[0]
+    seq = generate(model, prompt[:, -window:], 1 + window // 4 + 1, temperature=0)[0]
     start = window + 1 - keep  # first position the slid context holds
     for i in range(window + 1, window + 1 + window // 4 + 1):
         ctx = seq[start:i][None]
@@ -69,8 +70,8 @@ def test_generation_past_the_window_slides_and_keeps_going():
 def test_streamed_tokens_are_the_generated_tokens():
     model = model_for()
     prompt = torch.tensor([[9, 8, 7]])
-    streamed = torch.cat(list(model.generate_stream(prompt, 12, temperature=0)), dim=1)
-    assert torch.equal(torch.cat([prompt, streamed], 1), model.generate(prompt, 12, temperature=0))
+    streamed = torch.cat(list(generate_stream(model, prompt, 12, temperature=0)), dim=1)
+    assert torch.equal(torch.cat([prompt, streamed], 1), generate(model, prompt, 12, temperature=0))
 
 
 def test_sampling_filters():

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from app.trainer.generate import generate, generate_stream
 from tests.conftest import REPO, cli_env
 from tests.inference_helpers import best_is_not_latest_run, trained_run
 
@@ -87,7 +88,7 @@ def reference(run_dir):
 
     def greedy(prompt: str, n: int) -> str:
         ids = tok.encode(prompt)
-        out = model.generate(torch.tensor([ids]), n, temperature=0)[0, len(ids) :].tolist()
+        out = generate(model, torch.tensor([ids]), n, temperature=0)[0, len(ids) :].tolist()
         if tok.eot_id in out:
             out = out[: out.index(tok.eot_id)]
         return tok.decode(out)
@@ -298,7 +299,7 @@ def test_cli_errors_are_one_line(run_dir, tmp_path, capsys, monkeypatch):
 
 def sampled_of(spec: str, prompt: str, n: int, seed: int) -> str:
     """What the server answers at temperature 1 with this seed, straight from one checkpoint's model (the
-    engine seeds a torch.Generator and samples with model.generate_stream)."""
+    engine seeds a torch.Generator and samples with generate_stream)."""
     import torch
 
     from app.tools.sample import load_for_inference
@@ -307,7 +308,7 @@ def sampled_of(spec: str, prompt: str, n: int, seed: int) -> str:
     g = torch.Generator().manual_seed(seed)
     out = [
         int(t[0, 0])
-        for t in model.generate_stream(torch.tensor([tok.encode(prompt)]), n, 1.0, None, generator=g)
+        for t in generate_stream(model, torch.tensor([tok.encode(prompt)]), n, 1.0, None, generator=g)
     ]
     return tok.decode(out[: out.index(tok.eot_id)] if tok.eot_id in out else out)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from app.data.tokenizer import Tokenizer
+from app.trainer.generate import generate_stream
 from app.trainer.model import GPT
 
 
@@ -160,8 +161,8 @@ class Engine:
         text = TextStream(self.tok, job.stops)
         g = torch.Generator(device=self.device).manual_seed(job.seed)
         x = torch.tensor([job.ids], device=self.device)
-        stream = self.model.generate_stream(
-            x, job.max_tokens, job.temperature, job.top_k or None, job.top_p, generator=g
+        stream = generate_stream(
+            self.model, x, job.max_tokens, job.temperature, job.top_k or None, job.top_p, generator=g
         )
         reason = "length"
         for nxt in stream:

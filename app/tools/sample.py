@@ -11,6 +11,7 @@ from app.config import config_from_dict
 from app.data.tokenizer import load_tokenizer
 from app.errors import UserError
 from app.trainer import checkpoint as ckpt
+from app.trainer.generate import generate
 from app.trainer.model import build_model
 
 
@@ -85,8 +86,8 @@ def sample(
     out = []
     for _ in range(num_samples):
         x = torch.tensor([ids])
-        y = model.generate(
-            x, max_new_tokens, temperature=temperature, top_k=top_k or None, top_p=top_p, generator=g
+        y = generate(
+            model, x, max_new_tokens, temperature=temperature, top_k=top_k or None, top_p=top_p, generator=g
         )
         out.append(prompt + tok.decode(y[0, len(ids) :].tolist()))
     return out

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from app.data.tokenizer import Tokenizer
 from app.tools.generation import TextStream
+from app.trainer.generate import generate_stream
 from app.trainer.model import GPT
 
 
@@ -81,7 +82,7 @@ class Scorer:
         ids = (self.tok.encode(context) or [self.tok.eot_id])[-(self.window - max_tokens) :]
         text = TextStream(self.tok, until)
         x = torch.tensor([ids], device=self.device)
-        for nxt in self.model.generate_stream(x, max_tokens, temperature=0):
+        for nxt in generate_stream(self.model, x, max_tokens, temperature=0):
             token = int(nxt[0, 0])
             if token == self.tok.eot_id:
                 break

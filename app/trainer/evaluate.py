@@ -10,6 +10,7 @@ import torch
 
 from app.config import Config
 from app.data.loader import val_batches
+from app.trainer.generate import generate
 from app.trainer.parallel import DistEnv, all_reduce_sum, unwrap
 
 
@@ -58,6 +59,6 @@ def sample_text(
     generator = torch.Generator(device=device).manual_seed(seed)
     stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
     with stance("force_eager") if stance else contextlib.nullcontext():
-        out = gpt.generate(ids, tokens, generator=generator, use_cache=not fsdp)
+        out = generate(gpt, ids, tokens, generator=generator, use_cache=not fsdp)
     gpt.train()
     return tok.decode(out[0, ids.size(1) :].tolist())

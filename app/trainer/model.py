@@ -11,7 +11,6 @@ they combine into one objective (app/trainer/supervision.py); in eval mode the l
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -20,8 +19,6 @@ import torch.nn.functional as F
 
 from app.config import ModelConfig
 from app.trainer.supervision import loop_weights, objective
-
-_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
 
 
 class RMSNorm(nn.Module):
@@ -50,23 +47,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
-class LayerKV:
-    """One attention call's keys and values for the positions seen so far (preallocated to the window)."""
-
-    def __init__(self, batch: int, n_kv: int, seq_len: int, head_dim: int, device, dtype) -> None:
-        self.k = torch.zeros(batch, n_kv, seq_len, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
-        self.n = 0  # positions filled
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this call's keys/values; return those of every position so far."""
-        t = k.size(2)
-        self.k[:, :, self.n : self.n + t] = k
-        self.v[:, :, self.n : self.n + t] = v
-        self.n += t
-        return self.k[:, :, : self.n], self.v[:, :, : self.n]
-
-
 class Attention(nn.Module):
     """Causal self-attention with fewer key/value heads than query heads (GQA) to shrink the KV cache."""
 
@@ -79,31 +59,21 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, self.n_kv * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_head * self.head_dim, cfg.d_model, bias=False)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv is not None:  # generation: attend to the cached earlier positions too
+        if kv is not None:  # generation (app/trainer/generate.py): attend to cached positions too
             k, v = kv.append(k, v)
         # Query i sits at position (Tk - T + i) and sees keys up to there: the usual causal mask when
         # Tq == Tk, nothing to mask for one new token, an offset triangle for a chunk after a prefix.
         Tk = k.size(2)
         mask = None if T in (1, Tk) else torch.ones(T, Tk, dtype=torch.bool, device=x.device).tril(Tk - T)
         causal = T > 1 and Tk == T
-        if self.n_kv != self.n_head:
-            if _SDPA_HAS_GQA:
-                y = F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, enable_gqa=True)
-            else:
-                rep = self.n_head // self.n_kv
-                y = F.scaled_dot_product_attention(
-                    q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), mask, is_causal=causal
-                )
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal)  # flash/mem-efficient on GPU
+        gqa = self.n_kv != self.n_head  # K/V heads are shared by groups of query heads, not repeated
+        y = F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -128,9 +98,7 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, kv)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -225,94 +193,6 @@ class GPT(nn.Module):
         lp = self.cfg.loop  # deep supervision: weights and improvement term in app/trainer/supervision.py
         terms = objective(losses, loop_weights(lp, len(losses)), lp.improvement_reward_scale)
         return ModelOutput(logits, terms.total, loop_losses)
-
-    # ------------------------------------------------------------ generation
-
-    def run_order(self) -> list[Block]:
-        """Blocks in the order a forward pass runs them (recurrent ones once per recurrence)."""
-        recurrent = list(self.blocks[self.n_prelude : self.n_prelude + self.n_recurrent])
-        prelude, coda = self.blocks[: self.n_prelude], self.blocks[self.n_prelude + self.n_recurrent :]
-        return [*prelude, *recurrent * self.recurrence, *coda]
-
-    def new_cache(self, batch: int) -> list[LayerKV]:
-        """An empty KV cache: one LayerKV per block run (a recurrent block sees new inputs each loop)."""
-        hd, w = self.cfg.d_model // self.cfg.n_head, self.tok_emb.weight
-        return [
-            LayerKV(batch, self.cfg.kv_heads, self.cfg.seq_len, hd, w.device, w.dtype)
-            for _ in self.run_order()
-        ]
-
-    def decode(self, idx: torch.Tensor, cache: list[LayerKV]) -> torch.Tensor:
-        """Logits (B, vocab) of the token after `idx`, given the positions already in `cache`.
-        Same read-out as forward(idx, last_only=True) on the whole sequence, at the cost of `idx` alone."""
-        pos, t = cache[0].n, idx.size(1)
-        cos, sin = self.rope_cos[pos : pos + t], self.rope_sin[pos : pos + t]
-        h = self.tok_emb(idx)
-        for block, kv in zip(self.run_order(), cache, strict=True):
-            h = block(h, cos, sin, kv)
-        return self.head(self.norm(h[:, -1:]))[:, -1]
-
-    @torch.no_grad()
-    def generate_stream(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 0.8,
-        top_k: int | None = 50,
-        top_p: float = 1.0,
-        generator: torch.Generator | None = None,
-        use_cache: bool = True,
-    ) -> Iterator[torch.Tensor]:
-        """Yield the sampled tokens (B, 1), one step at a time, for streaming.
-
-        With the KV cache a step runs the model on one new token. The window is cfg.seq_len positions
-        (the RoPE table); when it is full the context slides by a quarter window: the newest 3/4 are
-        re-encoded in one pass and decoding goes on. Without the cache every step re-reads the whole
-        (cropped) context; inside the window both give the same tokens.
-        """
-        window = self.cfg.seq_len
-        cache: list[LayerKV] | None = None
-        for _ in range(max_new_tokens):
-            if not use_cache:
-                logits = self(idx[:, -window:], last_only=True).logits[:, -1]
-            elif cache is None or cache[0].n == window:
-                keep = window if cache is None else window - window // 4
-                cache = self.new_cache(idx.size(0))
-                logits = self.decode(idx[:, -keep:], cache)
-            else:
-                logits = self.decode(idx[:, -1:], cache)
-            nxt = sample_next(logits, temperature, top_k, top_p, generator)
-            idx = torch.cat([idx, nxt], dim=1)
-            yield nxt
-
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:
-        """idx (B, T) followed by max_new_tokens sampled tokens; `sampling` as in generate_stream."""
-        new = list(self.generate_stream(idx, max_new_tokens, **sampling))
-        return torch.cat([idx, *new], dim=1)
-
-
-def sample_next(
-    logits: torch.Tensor,
-    temperature: float,
-    top_k: int | None = None,
-    top_p: float = 1.0,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """One token per row from logits (B, vocab): greedy at temperature 0, else softmax(logits / T)
-    restricted to the k likeliest tokens and to the smallest set whose probability reaches top_p."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1, None]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= top_p  # tokens after the nucleus (the first always stays)
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
-    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> GPT:

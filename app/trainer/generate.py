@@ -1,0 +1,119 @@
+"""Generation from a GPT: a KV cache, one-token decode steps, sampling, streaming.
+
+Kept out of model.py so the model reads as training sees it; the model's only hook is the optional `kv`
+argument of its attention, through which a step stores and reads the keys and values of earlier positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from app.trainer.model import GPT, Block
+
+
+class LayerKV:
+    """One attention call's keys and values for the positions seen so far (preallocated to the window)."""
+
+    def __init__(self, batch: int, n_kv: int, seq_len: int, head_dim: int, device, dtype) -> None:
+        self.k = torch.zeros(batch, n_kv, seq_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.n = 0  # positions filled
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this call's keys/values; return those of every position so far."""
+        t = k.size(2)
+        self.k[:, :, self.n : self.n + t] = k
+        self.v[:, :, self.n : self.n + t] = v
+        self.n += t
+        return self.k[:, :, : self.n], self.v[:, :, : self.n]
+
+
+def run_order(model: GPT) -> list[Block]:
+    """Blocks in the order a forward pass runs them (recurrent ones once per recurrence)."""
+    p, r = model.n_prelude, model.n_recurrent
+    return [*model.blocks[:p], *list(model.blocks[p : p + r]) * model.recurrence, *model.blocks[p + r :]]
+
+
+def new_cache(model: GPT, batch: int) -> list[LayerKV]:
+    """An empty KV cache: one LayerKV per block run (a recurrent block sees new inputs each loop)."""
+    cfg, w = model.cfg, model.tok_emb.weight
+    hd = cfg.d_model // cfg.n_head
+    return [LayerKV(batch, cfg.kv_heads, cfg.seq_len, hd, w.device, w.dtype) for _ in run_order(model)]
+
+
+def decode(model: GPT, idx: torch.Tensor, cache: list[LayerKV]) -> torch.Tensor:
+    """Logits (B, vocab) of the token after `idx`, given the positions already in `cache`: the same
+    read-out as model(idx, last_only=True) on the whole sequence, at the cost of `idx` alone."""
+    pos, t = cache[0].n, idx.size(1)
+    cos, sin = model.rope_cos[pos : pos + t], model.rope_sin[pos : pos + t]
+    h = model.tok_emb(idx)
+    for block, kv in zip(run_order(model), cache, strict=True):
+        h = block(h, cos, sin, kv)
+    return model.head(model.norm(h[:, -1:]))[:, -1]
+
+
+@torch.no_grad()
+def generate_stream(
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+) -> Iterator[torch.Tensor]:
+    """Yield the sampled tokens (B, 1), one step at a time, for streaming.
+
+    With the KV cache a step runs the model on one new token. The window is cfg.seq_len positions (the
+    RoPE table); when it is full the context slides by a quarter window: the newest 3/4 are re-encoded in
+    one pass and decoding goes on. Without the cache every step re-reads the whole (cropped) context;
+    inside the window both give the same tokens.
+    """
+    window = model.cfg.seq_len
+    cache: list[LayerKV] | None = None
+    for _ in range(max_new_tokens):
+        if not use_cache:
+            logits = model(idx[:, -window:], last_only=True).logits[:, -1]
+        elif cache is None or cache[0].n == window:
+            keep = window if cache is None else window - window // 4
+            cache = new_cache(model, idx.size(0))
+            logits = decode(model, idx[:, -keep:], cache)
+        else:
+            logits = decode(model, idx[:, -1:], cache)
+        nxt = sample_next(logits, temperature, top_k, top_p, generator)
+        idx = torch.cat([idx, nxt], dim=1)
+        yield nxt
+
+
+@torch.no_grad()
+def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:
+    """idx (B, T) followed by max_new_tokens sampled tokens; `sampling` as in generate_stream."""
+    new = list(generate_stream(model, idx, max_new_tokens, **sampling))
+    return torch.cat([idx, *new], dim=1)
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One token per row from logits (B, vocab): greedy at temperature 0, else softmax(logits / T)
+    restricted to the k likeliest tokens and to the smallest set whose probability reaches top_p."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1, None]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p  # tokens after the nucleus (the first always stays)
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
