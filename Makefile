@@ -54,9 +54,10 @@ test: $(STAMP)  ## the default test suite (fast; under ~10 minutes on 2 cores)
 test-slow: $(STAMP)  ## the slow tests (CI runs them after `make test`)
 	$(PY) -m pytest -m slow $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]  # 5: none marked slow
 
-lint: $(STAMP)  ## ruff + hadolint
+lint: $(STAMP)  ## ruff, vulture (dead code) and hadolint
 	$(VENV)/bin/ruff check app tests benchmarks
 	$(VENV)/bin/ruff format --check app tests benchmarks
+	$(VENV)/bin/vulture app scripts/vulture_whitelist.py --min-confidence 80
 	$(VENV)/bin/hadolint Dockerfile
 
 bench: $(STAMP)  ## benchmarks; figures printed as ratios against a baseline measured in the same run

@@ -80,17 +80,15 @@ def train(
     """
     if gpus < 0:
         raise ValueError(f"gpus={gpus}: must be >= 0")
-    if gpus == 0:
-        nnodes, per_node = 1, max(nproc, 1)
-    elif gpus < gpus_per_node:
-        nnodes, per_node = 1, gpus
-    elif gpus % gpus_per_node:
+    if gpus > gpus_per_node and gpus % gpus_per_node:
         lo = gpus // gpus_per_node * gpus_per_node
         raise ValueError(
             f"gpus={gpus} is not a multiple of gpus_per_node={gpus_per_node}: use {lo} or {lo + gpus_per_node}"
         )
-    else:
-        nnodes, per_node = gpus // gpus_per_node, gpus_per_node
+    # fewer GPUs than a node has: one node; none: CPU processes on one node
+    nnodes, per_node = (
+        (max(gpus // gpus_per_node, 1), min(gpus, gpus_per_node)) if gpus else (1, max(nproc, 1))
+    )
     args = ["--config", config] if config else ["--preset", preset]
     args += ["--out", out, "--metrics-port", str(metrics_port)]
     if data:
@@ -103,7 +101,6 @@ def train(
             args += ["--set", f"budget.gpu_type={gpu_type}"]
         if gpus:
             args += ["--gpus", str(gpus)]
-    mounts = _mounts(data_pvc, ckpt_pvc, data_readonly=True)
     return dist.ddp(
         *args,
         *script_args,
@@ -117,7 +114,7 @@ def train(
         j=f"{nnodes}x{per_node}",
         env=env,
         max_retries=max_retries,
-        mounts=mounts or None,
+        mounts=_mounts(data_pvc, ckpt_pvc, data_readonly=True) or None,
     )
 
 
@@ -165,8 +162,6 @@ def prepare(
     args += ["--val-fraction", str(val_fraction)]
     if workers > 0:
         args += ["--workers", str(workers)]
-    args += list(extra_args)
-    role_env = dict(env or {})
     mounts = _mounts(data_pvc, "", data_readonly=False)
     return specs.AppDef(
         name=name,
@@ -175,8 +170,8 @@ def prepare(
                 name="prepare",
                 image=image,
                 entrypoint="pretrain",
-                args=args,
-                env=role_env,
+                args=[*args, *extra_args],
+                env=dict(env or {}),
                 resource=specs.resource(cpu=cpu, gpu=0, memMB=memMB),
                 max_retries=max_retries,
                 mounts=specs.parse_mounts(mounts) if mounts else [],

@@ -29,16 +29,12 @@ def fsync_file(path: Path) -> None:
 
 def fsync_dir(path: Path) -> None:
     """Make a rename or a new file in `path` durable; some filesystems cannot, the rename stays atomic."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def atomic_write_json(path: Path, data: Any, durable: bool = True, indent: int | None = None) -> None:
@@ -90,11 +86,10 @@ def read_lock_file(path: Path) -> dict | None:
         raw = Path(path).read_text()
     except FileNotFoundError:
         return None
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        return {}
-    return data if isinstance(data, dict) else {}
+    with contextlib.suppress(ValueError):
+        if isinstance(data := json.loads(raw), dict):
+            return data
+    return {}
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:

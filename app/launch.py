@@ -17,10 +17,9 @@ This launcher runs torchrun's own `run()` in-process and changes only those two 
   terminationGracePeriodSeconds is the only deadline). A signal before the workers exist aborts
   the launch as torchrun would.
 - The exit code: 0 when every worker exited 0; 128 + signal when this launcher was signalled and a
-  worker did not exit 0; else
-  the code of the first worker that failed, the cause (143 when it stopped because a peer on
-  another node was preempted, 2 bad config, 1 crash; killed by signal S: 128 + S). torchrun records
-  failures in the order it saw them; the workers it terminates afterwards come later and are ignored.
+  worker did not exit 0; else the code of the first worker that failed, the cause (143 when it stopped
+  because a peer on another node was preempted, 2 bad config, 1 crash; killed by signal S: 128 + S).
+  torchrun records failures in the order it saw them; those it terminates afterwards are ignored.
 
 And two things a container needs:
 - One node rendezvous on 127.0.0.1. torchrun otherwise hands the workers this machine's FQDN (c10d,
@@ -49,12 +48,14 @@ received: list = []
 handled = [0]  # signals the Python handler has run for (the watchdog compares)
 
 
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def children(pid: int) -> list:
     """Live direct children of `pid` (Linux /proc): torchrun's worker processes."""
     out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/stat") as f:
                 stat = f.read()
@@ -73,11 +74,11 @@ def forward(signum, _frame) -> None:
     if not workers and not received:
         raise elastic_api.SignalException(f"launch: got signal {signum}", sigval=signal.Signals(signum))
     if not received:
-        print(
-            f"launch: got {signal.Signals(signum).name}, passed to workers {workers}",
-            file=sys.stderr,
-            flush=True,
-        )
+        _log(f"launch: got {signal.Signals(signum).name}, passed to workers {workers}")
+    pass_on(signum, workers)
+
+
+def pass_on(signum: int, workers: list) -> None:
     received.append(signum)
     for pid in workers:
         with contextlib.suppress(ProcessLookupError):
@@ -91,9 +92,7 @@ def rendezvous_locally(args: argparse.Namespace) -> None:
     if not args.local_addr:
         args.local_addr = LOOPBACK  # the address c10d hands the workers as MASTER_ADDR
     if args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_addr != LOOPBACK:
-        print(
-            f"launch: one node: rendezvous on {LOOPBACK}, not {args.master_addr}", file=sys.stderr, flush=True
-        )
+        _log(f"launch: one node: rendezvous on {LOOPBACK}, not {args.master_addr}")
         args.master_addr = LOOPBACK
 
 
@@ -123,31 +122,25 @@ def watch_signals_in_c(grace: float = 1.0) -> None:
                     continue
                 workers = children(os.getpid())
                 if not workers:
-                    name = signal.Signals(signum).name
-                    msg = f"launch: got {name} while waiting in rendezvous -> exit {128 + signum}"
-                    print(msg, file=sys.stderr, flush=True)
                     code = 128 + signum
+                    _log(
+                        f"launch: got {signal.Signals(signum).name} while waiting in rendezvous "
+                        f"-> exit {code}"
+                    )
                     for hook in hard_exit_hooks:  # e.g. the retry budget records the attempt
                         code = hook(code)
                     os._exit(code)
                 handled[0] = seen
-                received.append(signum)
-                for pid in workers:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signum)
+                pass_on(signum, workers)
 
     threading.Thread(target=loop, name="launch-signals", daemon=True).start()
 
 
-def worker_exit_code(exitcode: int) -> int:
-    """A worker's exit code as a shell reports it (negative = killed by that signal)."""
-    return 128 - exitcode if exitcode < 0 else exitcode
-
-
 def failure_exit_code(codes: list) -> int:
-    """The exit code for failures listed in the order torchrun recorded them (the cause first)."""
-    first = [worker_exit_code(c) for c in codes if c != 0][:1]
-    return first[0] if first else 1
+    """The first failed worker's code (torchrun lists the cause first) as a shell reports it (negative =
+    killed by that signal); 1 when none is listed."""
+    code = next((c for c in codes if c != 0), 1)
+    return 128 - code if code < 0 else code
 
 
 def main(argv: list) -> int:
@@ -163,13 +156,11 @@ def main(argv: list) -> int:
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]
         code = 128 + received[0] if received else failure_exit_code(codes)
-        print(f"launch: worker exit codes {codes} -> exit {code}", file=sys.stderr, flush=True)
+        _log(f"launch: worker exit codes {codes} -> exit {code}")
         return code
     except elastic_api.SignalException as e:
         code = 128 + int(e.sigval)
-        print(
-            f"launch: stopped by {signal.Signals(e.sigval).name} -> exit {code}", file=sys.stderr, flush=True
-        )
+        _log(f"launch: stopped by {signal.Signals(e.sigval).name} -> exit {code}")
         return code
     return 0  # every worker exited 0, even if a signal came: the run is done, nothing to retry
 

@@ -77,16 +77,12 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 def latest_checkpoint_step(run_dir: Path) -> int:
     """The newest complete checkpoint's step, 0 when there is none. A checkpoint dir appears by an atomic
     rename of a finished temp dir (app/trainer/checkpoint.py), so its name alone is proof enough here."""
-    best = 0
     try:
         entries = list((Path(run_dir) / "checkpoints").iterdir())
     except OSError:
         return 0
-    for p in entries:
-        m = STEP_DIR.match(p.name)
-        if m and (p / "meta.json").exists():
-            best = max(best, int(m.group(1)))
-    return best
+    steps = [int(m.group(1)) for p in entries if (m := STEP_DIR.match(p.name)) and (p / "meta.json").exists()]
+    return max(steps, default=0)
 
 
 def termination_message(text: str) -> None:
@@ -96,6 +92,15 @@ def termination_message(text: str) -> None:
     with contextlib.suppress(OSError):
         if path.is_file():
             path.write_text(text[:4000] + "\n")
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _say(line: str) -> None:
+    _log(line)
+    termination_message(line)
 
 
 def is_failure(code: int | None) -> bool:
@@ -109,12 +114,6 @@ class StateLock:
         self.path = Path(path)
         self.stale_seconds, self.poll = stale_seconds, poll_seconds
         self.me = {**identity(), "token": uuid.uuid4().hex}
-
-    def _read(self) -> dict | None:
-        return read_lock_file(self.path)
-
-    def _create(self) -> bool:
-        return create_exclusive(self.path, json.dumps({**self.me, "unix": time.time()}))
 
     def _take_over(self, stale: dict) -> bool:
         """Move the stale lock aside (one taker's rename finds it); if what moved is not the lock judged
@@ -139,8 +138,8 @@ class StateLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         seen: dict | None = None
         since = time.monotonic()
-        while not self._create():
-            held = self._read()
+        while not create_exclusive(self.path, json.dumps({**self.me, "unix": time.time()})):
+            held = read_lock_file(self.path)
             if held is None:
                 continue  # released between our create and read: try again at once
             now = time.monotonic()
@@ -152,11 +151,9 @@ class StateLock:
             elif now - since >= self.stale_seconds:
                 why = f"it has not changed for {now - since:.0f} s"
             if why and self._take_over(held):
-                print(
+                _log(
                     f"launch: took over the lock {self.path} of pid {held.get('pid')} on "
-                    f"{held.get('host', '?')}: {why}",
-                    file=sys.stderr,
-                    flush=True,
+                    f"{held.get('host', '?')}: {why}"
                 )
                 seen, since = None, time.monotonic()
                 continue
@@ -164,7 +161,7 @@ class StateLock:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        held = self._read()
+        held = read_lock_file(self.path)
         if held is not None and held.get("token") == self.me["token"]:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
@@ -248,21 +245,11 @@ class RetryBudget:
             elif step > int(st.get("checkpoint_step", 0)):
                 st.update(failures=0, checkpoint_step=step)
             refusal = self._refusal() if st["failures"] > self.max_restarts else ""
-            st["attempts"].append(
-                {
-                    "id": self.attempt_id,
-                    "epoch": self.epoch,
-                    "start_unix": time.time(),
-                    "checkpoint_step": step,
-                    "host": socket.gethostname(),
-                    "pid": os.getpid(),
-                    **(
-                        {"refused": True, "end_unix": time.time(), "exit_code": EXIT_RETRIES_SPENT}
-                        if refusal
-                        else {}
-                    ),
-                }
-            )
+            attempt = {"id": self.attempt_id, "epoch": self.epoch, "start_unix": time.time()}
+            attempt.update(checkpoint_step=step, host=socket.gethostname(), pid=os.getpid())
+            if refusal:
+                attempt.update(refused=True, end_unix=time.time(), exit_code=EXIT_RETRIES_SPENT)
+            st["attempts"].append(attempt)
             self._save()
         return refusal
 
@@ -290,11 +277,9 @@ class RetryBudget:
                 attempt["replaced_by"] = EXIT_RETRIES_SPENT
                 code = EXIT_RETRIES_SPENT
             elif attempt["counted"]:
-                print(
+                _log(
                     f"launch: exit {attempt['exit_code']} without a new checkpoint: failure "
-                    f"{st['failures']} of {self.max_restarts + 1} allowed in a row ({self.path})",
-                    file=sys.stderr,
-                    flush=True,
+                    f"{st['failures']} of {self.max_restarts + 1} allowed in a row ({self.path})"
                 )
             self._save()
         return code, line
@@ -307,39 +292,22 @@ VERDICTS = (
 )
 
 
-def read_verdict(env: str) -> dict[str, Any] | None:
-    """The verdict an init step left in the file named by $env, when it has one with a reason."""
-    path = os.environ.get(env, "")
-    if not path:
-        return None
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) and data.get("reason") else None
-
-
-def verdict_exit(verdict: dict[str, Any], default: int) -> int:
-    """The verdict's code when it is a permanent one under ExitCode (1-127), else `default`."""
-    code = verdict.get("code")
-    return code if isinstance(code, int) and not isinstance(code, bool) and 1 <= code <= 127 else default
-
-
 def verdict_line() -> tuple[str, int] | None:
-    """(the line to end with, the exit code) for the first verdict an init step left, or None."""
+    """(the line to end with, the exit code) for the first verdict with a reason an init step left in the
+    file named by its variable, or None. Its code is kept when permanent under ExitCode (1-127)."""
     for env, what, default in VERDICTS:
-        verdict = read_verdict(env)
-        if verdict:
-            code = verdict_exit(verdict, default)
-            if env == "PRETRAIN_DATA_VERDICT" and code != EXIT_DATA_NOT_READY:
-                what = "the wait-for-data step failed"
-            return f"launch: {what}: {verdict['reason']} -> exit {code} (permanent)", code
+        try:
+            verdict = json.loads(Path(os.environ[env]).read_text()) if os.environ.get(env) else None
+        except (OSError, ValueError):
+            continue
+        if not isinstance(verdict, dict) or not verdict.get("reason"):
+            continue
+        code = verdict.get("code")
+        code = code if type(code) is int and 1 <= code <= 127 else default
+        if env == "PRETRAIN_DATA_VERDICT" and code != EXIT_DATA_NOT_READY:
+            what = "the wait-for-data step failed"
+        return f"launch: {what}: {verdict['reason']} -> exit {code} (permanent)", code
     return None
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-    termination_message(line)
 
 
 def before_launch() -> tuple[RetryBudget | None, int | None]:
@@ -375,7 +343,7 @@ def after_launch(budget: RetryBudget | None, code: int) -> int:
     try:
         new, line = budget.end(code)
     except OSError as e:  # the volume went away under us: keep the worker's code
-        print(f"launch: cannot record the attempt in {budget.path}: {e.strerror}", file=sys.stderr)
+        _log(f"launch: cannot record the attempt in {budget.path}: {e.strerror}")
         return code
     if line:
         _say(line)

@@ -1,5 +1,6 @@
-"""The training loop: set up, step, evaluate, save, stop. The policy lives in the components under
-app/trainer/ (schedule, stopping, checkpoint, budget link, report); this file wires them.
+"""The training loop. `train_step` is the algorithm (get a batch, forward, backward, clip, update); the
+Trainer runs it until the ranks agree to stop, with evaluation, checkpoints, the budget and the log each
+behind one call into app/trainer/.
 
 Run as `pretrain train ...` or, under torchrun, `torchrun --nproc-per-node N -m app.train ...`.
 """
@@ -11,7 +12,8 @@ import contextlib
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,31 +25,58 @@ from app.data.manifest import Manifest
 from app.trainer import checkpoint as ckpt
 from app.trainer.args import DESCRIPTION, add_arguments, config_from_args, print_config
 from app.trainer.budget_link import BudgetLink
+from app.trainer.checkpoint_state import find_checkpoint, restore_weights, schedule_note
 from app.trainer.checkpoint_writer import CheckpointWriter, SaveResult
+from app.trainer.distributed import DistEnv, init_distributed, shutdown_distributed
 from app.trainer.evaluate import sample_text, validation_loss
 from app.trainer.heartbeat import Heartbeat
 from app.trainer.lease import hold_run_dir, release
 from app.trainer.metrics import device_peak, flops_per_token
-from app.trainer.model import GPT, count_parameters
-from app.trainer.optim import build_optimizer, set_lr
-from app.trainer.parallel import DistEnv, init_distributed, shutdown_distributed, unwrap
+from app.trainer.model import count_parameters
+from app.trainer.optim import build_optimizer, set_lr, step_unless
+from app.trainer.parallelize import grad_sync, unwrap
 from app.trainer.report import Reporter
-from app.trainer.restore import find_checkpoint, restore_weights, schedule_note
 from app.trainer.rundir import check_fresh_start, move_run_aside
 from app.trainer.runtime import autocast_for, configure_device, grad_accum_steps, pick_device
 from app.trainer.schedule import DecayPlan, lr_at
-from app.trainer.spikes import SpikeDetector, spike_batch
-from app.trainer.step import StepLog, StepReader, TrainStep
-from app.trainer.stopping import (
-    BadSteps,
-    EarlyStopping,
-    PlannedEnd,
-    SignalFlag,
-    StopAgreement,
-    StopCause,
-    StopDecision,
-    consume_stop_file,
-)
+from app.trainer.spikes import SpikeDetector, SpikeDrill
+from app.trainer.steplog import StepLog
+from app.trainer.stopping import BadSteps, EarlyStopping, PlannedEnd, SignalFlag, StopAgreement, StopDecision
+
+
+def train_step(
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Prefetcher,
+    accum: int,
+    autocast,
+    grad_clip: float,
+    step: int,
+    lr: float,
+    log: StepLog,
+    skip_update: Callable[[], bool] | None = None,
+) -> None:
+    """Optimizer step number `step` (1-based) over `accum` micro-batches. Nothing here reads a number back
+    from the device: the losses and the gradient norm go to `log`, and a step whose gradient is not
+    finite is skipped on the device. `skip_update` (train.skip_spike_updates) decides on the host instead."""
+    set_lr(optimizer, lr)
+    losses = None
+    for micro in range(accum):
+        x, y = batches.next()
+        with grad_sync(model, last_micro_batch=micro == accum - 1), autocast:
+            out = model(x, y)
+        (out.loss / accum).backward()
+        micro_losses = torch.stack([out.loss.detach(), *out.loop_losses])
+        losses = micro_losses if losses is None else losses + micro_losses
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: DTensor
+    log.add(step, lr, losses / accum, grad_norm)
+    skip = ~torch.isfinite(grad_norm)  # the norm is global: every rank takes the same decision
+    if skip_update is not None:
+        skip = torch.tensor(skip_update(), device=grad_norm.device)
+    step_unless(optimizer, skip.float())
+    optimizer.zero_grad(set_to_none=True)
 
 
 @dataclass
@@ -79,205 +108,194 @@ class TrainerState:
 
 class Trainer:
     def __init__(
-        self,
-        cfg: Config,
-        args: RunArgs,
-        env: DistEnv,
-        device: torch.device,
-        budget: BudgetLink,
-        signals: SignalFlag,
+        self, *, cfg: Config, args: RunArgs, env: DistEnv, device, budget: BudgetLink, signals: SignalFlag
     ) -> None:
         self.cfg, self.args, self.env, self.device, self.budget = cfg, args, env, device, budget
-        self.signals = signals
         self.run_dir = Path(args.out)
-        self.rank0 = env.is_rank0
         self.state = TrainerState()
-        self.report: Reporter | None = None
-        self.heartbeat = Heartbeat(self.run_dir, enabled=self.rank0)
-        self.last_saved_step = -1
+        self.heartbeat = Heartbeat(self.run_dir, enabled=env.is_rank0)
         self.steplog = StepLog(env)
+        self.step_seconds = 0.0  # moving average over reads of the step log: the device's pace
+        self.last_saved_step = -1
         self.last_save: SaveResult | None = None  # its timings go to the heartbeat
-        self.last_ckpt_time = time.monotonic()
+        self.last_save_time = time.monotonic()
         self.last_eval_step = -1
-        self.resumed_saved_unix = 0.0
-
-    def log(self, msg: str) -> None:
-        if self.report is not None:
-            self.report.log(msg)
-        elif self.rank0:
-            print(msg, flush=True)
-
-    def warn(self, msg: str) -> None:
-        if self.report is not None:
-            self.report.warn(msg)
-        elif self.rank0:
-            print(msg, file=sys.stderr, flush=True)
-
-    # ------------------------------------------------------------ setup
+        self.signals = signals
 
     def setup(self) -> None:
-        cfg, env = self.cfg, self.env
-        if self.rank0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            ckpt.clean_temp_dirs(self.run_dir)
-        env.barrier()
+        cfg, env, t = self.cfg, self.env, self.cfg.train
         configure_device(self.device)
-        _, self.peak = device_peak(cfg.metrics.gpu_type, cfg.metrics.peak_tflops, self.device)
-        # the reporter first: a busy metrics port fails here, before the data and the model
-        self.report = Reporter(cfg, env, self.run_dir, with_mfu=bool(self.peak))
+        _, peak = device_peak(cfg.metrics.gpu_type, cfg.metrics.peak_tflops, self.device)
+        self.report = Reporter(
+            cfg, env, self.run_dir, peak
+        )  # first: a busy metrics port fails before the data
+        self.log, self.warn = self.report.log, self.report.warn
         self.data_dir = resolve_data_dir(cfg.data, self.log)
         self.manifest = Manifest.load(self.data_dir)
         fit_vocab(cfg.model, self.manifest, self.data_dir)
         self.accum = grad_accum_steps(cfg, env.world_size)
-        self.tokens_per_step = self.accum * cfg.train.micro_batch_size * cfg.model.seq_len * env.world_size
+        self.tokens_per_step = self.accum * t.micro_batch_size * cfg.model.seq_len * env.world_size
 
         from app.trainer.memory import plan as plan_parallel
-        from app.trainer.parallel import build_parallel_model
+        from app.trainer.parallelize import build_parallel_model
 
-        torch.manual_seed(cfg.train.seed)
+        torch.manual_seed(t.seed)
         self.parallel = plan_parallel(cfg, env.world_size, self.device)  # resolves train.parallel=auto
         est = self.parallel.fsdp if self.parallel.mode == "fsdp" else self.parallel.ddp
         self.log(f"parallel: {self.parallel.mode} ({self.parallel.reason}); estimate {est.describe()}")
-        model = build_parallel_model(cfg, env, self.device, self.parallel.mode, self.log)
-        self.counts = count_parameters(unwrap(model))
-        self.optimizer = build_optimizer(unwrap(model), cfg.optim, self.device)
-        t = cfg.train
+        self.model = build_parallel_model(cfg, env, self.device, self.parallel.mode, self.log)
+        self.counts = count_parameters(unwrap(self.model))
+        self.optimizer = build_optimizer(unwrap(self.model), cfg.optim, self.device)
         self.loader = TrainLoader(
-            self.data_dir,
-            cfg.model.seq_len,
-            t.micro_batch_size,
-            env.rank,
-            env.world_size,
-            t.seed,
-            cfg.model.vocab_size,
+            data_dir=self.data_dir,
+            seq_len=cfg.model.seq_len,
+            micro_batch_size=t.micro_batch_size,
+            rank=env.rank,
+            world_size=env.world_size,
+            seed=t.seed,
+            vocab_size=cfg.model.vocab_size,
         )
-        self.early = EarlyStopping(cfg.train.early_stop_patience, cfg.train.early_stop_min_delta)
-        self.spikes = SpikeDetector(cfg.train.spike_factor)
-        self.bad_steps = BadSteps(cfg.train.max_bad_steps)
-        self.reader = StepReader(self.steplog, self.bad_steps, self.spikes, self.report, cfg.train)
-        self._maybe_resume(unwrap(model))
-        self.model = model
-        self.writer = CheckpointWriter(self.run_dir, env.rank, env.world_size, env.barrier, cfg.checkpoint)
+        self.early = EarlyStopping(patience=t.early_stop_patience, min_delta=t.early_stop_min_delta)
+        self.spikes = SpikeDetector(factor=t.spike_factor)
+        self.bad_steps = BadSteps(max_bad=t.max_bad_steps)
+        resumed_unix = self._resume()
+        self.writer = CheckpointWriter(self.run_dir, env.rank, env.world_size, config=cfg.checkpoint)
         self.autocast = autocast_for(cfg, self.device)
-        self.batches = Prefetcher(self.loader, self.device, t.prefetch)  # after resume: from its position
-        self.step = TrainStep(
-            model,
-            self.optimizer,
-            self.batches,
-            self.accum,
-            self.autocast,
-            env,
-            cfg.optim.grad_clip,
-            self.steplog,
-        )
-
-        self.flops_per_token = flops_per_token(cfg.model)
-        self.report.throughput(self.flops_per_token, self.peak)
-
+        source, self.drill = self.loader, None
+        if t.inject_spike_at_step:
+            source = self.drill = SpikeDrill(
+                source, t.inject_spike_at_step, t.spike_batches, self.accum, cfg.model.vocab_size
+            )
+        self.batches = Prefetcher(source, self.device, t.prefetch)  # after resume: from its position
         self.stop_file = self.args.stop_file or self.run_dir / "stop.json"
-        self.planned = PlannedEnd(cfg.train.max_steps, cfg.train.max_tokens, cfg.train.max_hours * 3600)
+        self.planned = PlannedEnd(t.max_steps, t.max_tokens, t.max_hours * 3600)
         self.stopper = StopAgreement(
-            self.stop_file,
-            self.planned,
-            self.early,
-            self.rank0,
-            self.signals,
-            self.bad_steps,
+            stop_file=self.stop_file if env.is_rank0 else None,  # in Kubernetes only the master pod has it
+            planned=self.planned,
+            early=self.early,
+            signals=self.signals,
+            bad_steps=self.bad_steps,
             warn=self.warn,
         )
-        self.report.resumed(self.state.tokens, self.last_saved_step, self.resumed_saved_unix)
-        self.report.info(
-            {
-                "preset": cfg.preset,
-                "run": self.run_dir.name,
-                "world_size": str(env.world_size),
-                "parameters": str(self.counts.total),
-                "non_embedding_parameters": str(self.counts.non_embedding),
-            }
+        flops = flops_per_token(cfg.model)
+        self.report.started(
+            counts=self.counts,
+            flops_per_token=flops,
+            tokens=self.state.tokens,
+            checkpoint_step=self.last_saved_step,
+            checkpoint_unix=resumed_unix,
         )
-        self._announce()
-
-    def _maybe_resume(self, model: GPT) -> None:
-        c = self.cfg.checkpoint
-        info = find_checkpoint(self.run_dir, self.args.resume, c.verify, self.env, self.warn, self.log)
-        if info is None:
-            return
-        restore_weights(model, self.optimizer, info, self.env, self.warn, self.log)
-        self.state = TrainerState(**ckpt.load_trainer_state(info))
-        st = self.state
-        for part, saved in (
-            (self.loader, st.loader),
-            (self.early, st.early_stopping),
-            (self.spikes, st.spikes),
-            (self.bad_steps, st.bad_steps),
-        ):
-            if saved:
-                part.load_state_dict(saved)
-        self.last_saved_step = info.step if self.args.resume == "auto" else -1
-        self.resumed_saved_unix = float(info.meta.get("saved_unix", 0.0))
-        self.log(f"resumed from {ckpt.describe(info)}")
-        if note := schedule_note(info, self.cfg, st.budget_decay):
-            self.log(note)
-
-    def _announce(self) -> None:
-        cfg, env = self.cfg, self.env
-        self.log(f"preset {cfg.preset}: {self.counts}")
         self.log(
             f"data {self.data_dir} (vocab {self.manifest.vocab_size}, "
             f"{sum(s.tokens for s in self.manifest.train):,} train tokens); device {self.device}, "
-            f"world size {env.world_size}, {self.tokens_per_step:,} tokens/step "
-            f"({cfg.train.micro_batch_size} x {cfg.model.seq_len} x {env.world_size} ranks x {self.accum} accum), "
-            f"{self.flops_per_token / 1e6:.1f} MFLOPs/token"
+            f"world size {env.world_size}, {self.tokens_per_step:,} tokens/step ({t.micro_batch_size} x "
+            f"{cfg.model.seq_len} x {env.world_size} ranks x {self.accum} accum), {flops / 1e6:.1f} MFLOPs/token"
         )
-        self.report.event(
-            "event",
-            self.state.step,
-            event="start",
-            preset=cfg.preset,
-            parameters=self.counts.total,
-            non_embedding=self.counts.non_embedding,
-            world_size=env.world_size,
-            tokens_per_step=self.tokens_per_step,
+        self.report.event("event", self.state.step, event="start", preset=cfg.preset,
+                          parameters=self.counts.total, non_embedding=self.counts.non_embedding,
+                          world_size=env.world_size, tokens_per_step=self.tokens_per_step)  # fmt: skip
+
+    def _resume(self) -> float:
+        """Restore the newest usable checkpoint (per --resume); returns its save time (0: none)."""
+        info = find_checkpoint(
+            self.run_dir, self.args.resume, self.cfg.checkpoint.verify, self.env, self.warn, self.log
         )
+        if info is None:
+            return 0.0
+        restore_weights(unwrap(self.model), self.optimizer, info, self.env, self.warn, self.log)
+        self.state = st = TrainerState(**ckpt.load_trainer_state(info))
+        parts = [(self.loader, st.loader), (self.early, st.early_stopping), (self.spikes, st.spikes)]
+        for part, saved in [*parts, (self.bad_steps, st.bad_steps)]:
+            if saved:
+                part.load_state_dict(saved)
+        self.last_saved_step = info.step if self.args.resume == "auto" else -1
+        self.log(f"resumed from {ckpt.describe(info)}")
+        if note := schedule_note(info, self.cfg, st.budget_decay):
+            self.log(note)
+        return float(info.meta.get("saved_unix", 0.0))
 
-    # ------------------------------------------------------------ one step
+    # ------------------------------------------------------------ the loop
 
-    def train_step(self) -> None:
-        """One optimizer step; its numbers stay on the device until read_steps (app/trainer/step.py)."""
-        t, st = self.cfg.train, self.state
-        decay = DecayPlan(**st.budget_decay) if st.budget_decay else None
-        lr = lr_at(st.step, self.cfg.schedule, self.cfg.optim, t.max_steps, decay)
-        set_lr(self.optimizer, lr)
-        inject = bool(t.inject_spike_at_step) and 0 <= st.step - t.inject_spike_at_step < t.spike_batches
-        vocab = unwrap(self.model).cfg.vocab_size
-        replace = (
-            (lambda x, y, micro: spike_batch(x, st.step * self.accum + micro, vocab)) if inject else None
-        )
-        # skip_spike_updates decides on the host, before the update: the one case that reads every step
-        decide = (lambda: float(any(self.read_steps()))) if t.skip_spike_updates else None
-        self.reader.note(st.step + 1, lr, inject)
-        self.reader.waited(self.step(st.step + 1, replace, decide))
-        st.step += 1
-        st.tokens += self.tokens_per_step
+    def run(self) -> int:
+        cfg, st = self.cfg, self.state
+        skip_spikes = self.skip_if_spike if cfg.train.skip_spike_updates else None
+        self.report.open_progress(cfg.train.max_steps, st.step)
+        self.write_heartbeat("running")
+        start, elapsed_before = time.monotonic(), st.elapsed_seconds
+        while True:
+            now = time.monotonic()
+            st.elapsed_seconds = elapsed_before + (now - start)
+            minutes = cfg.checkpoint.every_minutes
+            save_due = bool(minutes) and now - self.last_save_time >= minutes * 60
+            proposal = self.budget.decay_proposal(st.step, self.step_seconds, bool(st.budget_decay))
+            decision, decay, save_now = self.stopper.agree(
+                st.step, st.tokens, st.elapsed_seconds, proposal, save_due
+            )
+            if decision.stops:
+                break
+            if st.step == 0 and cfg.train.eval_every and self.last_eval_step != 0:
+                self.evaluate()  # after the first agreement: a stop during setup skips it
+                self.report.reset_window()
+            if decay and not st.budget_decay:
+                st.budget_decay = {"start_step": st.step, "steps": decay}
+                self.log(f"budget: starting the LR decay now, {decay} steps before the cap")
+            if save_now and self.last_saved_step != st.step:
+                self.save("every_minutes")
+            decay_plan = DecayPlan(**st.budget_decay) if st.budget_decay else None
+            lr = lr_at(st.step, cfg.schedule, cfg.optim, cfg.train.max_steps, decay_plan)
+            train_step(model=self.model, optimizer=self.optimizer, batches=self.batches, accum=self.accum,
+                       autocast=self.autocast, grad_clip=cfg.optim.grad_clip, step=st.step + 1, lr=lr,
+                       log=self.steplog, skip_update=skip_spikes)  # fmt: skip
+            st.step += 1
+            st.tokens += self.tokens_per_step
+            self.report.step_done(st.step, self.tokens_per_step)
+            if st.step % cfg.train.log_every == 0:
+                self.read_step_log()
+            if cfg.train.eval_every and st.step % cfg.train.eval_every == 0:
+                self.evaluate()
+            if cfg.train.sample_every and st.step % cfg.train.sample_every == 0:
+                text = sample_text(self.model, self.data_dir, cfg.train.seed + st.step, self.device,
+                                   fsdp=self.parallel.mode == "fsdp")  # fmt: skip  # every rank: FSDP gathers
+                self.log(f"sample at step {st.step}: {text!r}")
+            if cfg.checkpoint.every_steps and st.step % cfg.checkpoint.every_steps == 0:
+                self.save("every_steps")
+            self.report_save(self.writer.poll())
+            if self.heartbeat.due():
+                self.write_heartbeat("running")
+        return self.finish(decision)
 
-    def read_steps(self) -> tuple[bool, bool]:
-        """Collective: the step log's numbers to the guards and the reporter; (bad, spike) of the last step."""
-        st = self.state
-        return self.reader.read(st.step, st.tokens, self.tokens_per_step, self.planned_end_in)
+    def read_step_log(self) -> tuple[bool, bool]:
+        """Collective: the steps logged since the last read go, in order, through the divergence guard and
+        the spike detector to the reporter. Returns (bad, spike) of the last step."""
+        rows = self.steplog.read()
+        if not rows:
+            return False, False
+        st, t = self.state, self.cfg.train
+        tps, seconds = self.report.window()
+        self.step_seconds = seconds if self.step_seconds == 0 else 0.5 * (self.step_seconds + seconds)
+        data_wait, self.batches.wait_seconds = self.batches.wait_seconds / len(rows), 0.0
+        planned_in = self.planned.seconds_left(st.step, st.tokens, st.elapsed_seconds, self.step_seconds, tps)
+        bad = spike = False
+        for r in rows:
+            bad = self.bad_steps.update(r.finite)  # the device skipped this update exactly when not finite
+            spike = not bad and self.spikes.update(r.loss)
+            self.report.guards(r, bad, spike, self.bad_steps, self.spikes, t.skip_spike_updates)
+            if r.step % t.log_every == 0 or spike or bad:
+                injected = self.drill is not None and self.drill.covers(r.step - 1)
+                tokens = st.tokens - (st.step - r.step) * self.tokens_per_step
+                self.report.train(r, tokens=tokens, tokens_per_second=tps, step_seconds=seconds,
+                                  data_wait_seconds=data_wait, spike=spike, bad=bad, injected=injected,
+                                  seconds_to_planned_end=planned_in)  # fmt: skip
+        return bad, spike
 
-    # ------------------------------------------------------------ eval, sample, save
+    def skip_if_spike(self) -> bool:
+        """train.skip_spike_updates: read this step's loss now (a host sync every step, by choice)."""
+        return any(self.read_step_log())
 
     def evaluate(self) -> None:
         cfg, st = self.cfg, self.state
-        val, bpb = validation_loss(
-            self.model,
-            self.data_dir,
-            cfg,
-            self.env,
-            self.device,
-            self.autocast,
-            self.manifest.bytes_per_token("val"),
-        )
+        val, bpb = validation_loss(self.model, self.data_dir, cfg, self.env, self.device, self.autocast,
+                                   self.manifest.bytes_per_token("val"))  # fmt: skip
         st.last_val_loss = val
         if math.isfinite(val) and (st.best_val_loss is None or val < st.best_val_loss):
             st.best_val_loss = val
@@ -285,16 +303,10 @@ class Trainer:
         self.last_eval_step = st.step
         self.report.eval(st.step, val, bpb)
 
-    def planned_end_in(self, tokens_per_second: float) -> float:
-        st = self.state
-        return self.planned.seconds_left(
-            st.step, st.tokens, st.elapsed_seconds, self.reader.step_seconds, tokens_per_second
-        )
-
-    def beat(self, state: str) -> None:
+    def write_heartbeat(self, state: str) -> None:
         st = self.state
         self.heartbeat.write(
-            state, st.step, st.tokens, self.reader.step_seconds, self.last_saved_step, self.last_save
+            state, st.step, st.tokens, self.step_seconds, self.last_saved_step, self.last_save
         )
 
     def save(self, reason: str, final: bool = False) -> None:
@@ -303,11 +315,9 @@ class Trainer:
         st = self.state
         if st.step == 0:
             return
-        self.read_steps()  # the guards' state goes into the checkpoint
-        st.loader = self.loader.state_dict()
-        st.early_stopping = self.early.state_dict()
-        st.spikes = self.spikes.state_dict()
-        st.bad_steps = self.bad_steps.state_dict()
+        self.read_step_log()  # the guards' state goes into the checkpoint
+        st.loader, st.early_stopping = self.loader.state_dict(), self.early.state_dict()
+        st.spikes, st.bad_steps = self.spikes.state_dict(), self.bad_steps.state_dict()
         st.spent_usd = self.budget.spent_usd(st.spent_usd)
         meta = {
             "config": self.cfg.to_dict(),
@@ -318,106 +328,41 @@ class Trainer:
             "reason": reason,
             "data": {"dir": str(self.data_dir), "tokenizer_sha256": self.manifest.tokenizer.get("sha256")},
         }
-        self.saved(self.writer.wait())  # the previous background save, if one is still running
-        self.beat("saving")
+        self.report_save(self.writer.wait())  # the previous background save, if one is still running
+        self.write_heartbeat("saving")
         files = [self.data_dir / "tokenizer.json"]  # a checkpoint dir alone is enough to sample or export
-        result = self.writer.save(
-            st.step, self.model, self.optimizer, st.__dict__, meta, files, reason, final
-        )
-        self.last_saved_step = st.step
-        self.last_ckpt_time = time.monotonic()
-        self.saved(result)
-        self.beat("running")
+        result = self.writer.save(st.step, self.model, self.optimizer, asdict(st), meta, files, reason, final)
+        self.last_saved_step, self.last_save_time = st.step, time.monotonic()
+        self.report_save(result)
+        self.write_heartbeat("running")
 
-    def saved(self, r: SaveResult | None) -> None:
+    def report_save(self, result: SaveResult | None) -> None:
         """Report a save once it is committed (at once when synchronous, later from the background)."""
-        if r is not None:
-            self.last_save = r
-            self.report.checkpoint(r)
+        if result is not None:
+            self.last_save = result
+            self.report.checkpoint(result)
 
-    # ------------------------------------------------------------ the loop
-
-    def run(self) -> int:
-        cfg, st = self.cfg, self.state
-        self.report.open_progress(cfg.train.max_steps, st.step)
-        self.beat("running")
-        start = time.monotonic()
-        elapsed_before = st.elapsed_seconds
-        while True:
-            now = time.monotonic()
-            st.elapsed_seconds = elapsed_before + (now - start)
-            due = (
-                bool(cfg.checkpoint.every_minutes)
-                and now - self.last_ckpt_time >= cfg.checkpoint.every_minutes * 60
-            )
-            proposal = self.budget.decay_proposal(st.step, self.reader.step_seconds, bool(st.budget_decay))
-            decision, decay, save_now = self.stopper.agree(
-                st.step, st.tokens, st.elapsed_seconds, proposal, due
-            )
-            if decision.cause != StopCause.NONE:
-                break
-            if st.step == 0 and cfg.train.eval_every and self.last_eval_step != 0:
-                self.evaluate()  # after the first agreement: a stop during setup skips it
-                self.report.reset_window()
-            if decay and not st.budget_decay:
-                st.budget_decay = {"start_step": st.step, "steps": decay}
-                self.log(f"budget: starting the LR decay now, {decay} steps before the cap")
-            if save_now and self.last_saved_step != st.step:
-                self.save("every_minutes")
-            self.train_step()
-            self.report.step_done(st.step, self.tokens_per_step)
-            if st.step % cfg.train.log_every == 0:
-                self.read_steps()
-            if cfg.train.eval_every and st.step % cfg.train.eval_every == 0:
-                self.evaluate()
-            if cfg.train.sample_every and st.step % cfg.train.sample_every == 0:
-                # every rank: FSDP's forward gathers shards from all of them
-                text = sample_text(
-                    self.model,
-                    self.data_dir,
-                    cfg.train.seed + st.step,
-                    self.device,
-                    self.parallel.mode == "fsdp",
-                )
-                self.log(f"sample at step {st.step}: {text!r}")
-            if cfg.checkpoint.every_steps and st.step % cfg.checkpoint.every_steps == 0:
-                self.save("every_steps")
-            self.saved(self.writer.poll())
-            if self.heartbeat.due():
-                self.beat("running")
-        return self._finish(decision)
-
-    def _finish(self, decision: StopDecision) -> int:
+    def finish(self, decision: StopDecision) -> int:
         st = self.state
-        self.read_steps()
+        self.read_step_log()
         self.report.close_progress()
         self.log(f"stopping at step {st.step}: {decision.reason}")
         self.report.stop_state(decision.gauge_code)
-        self.beat("stopping")
-        if (
-            decision.cause in (StopCause.PLANNED, StopCause.EARLY)
-            and self.last_eval_step != st.step
-            and self.cfg.train.eval_every
-        ):
+        self.write_heartbeat("stopping")
+        if decision.planned_or_early and self.last_eval_step != st.step and self.cfg.train.eval_every:
             self.evaluate()
         if decision.saves and self.last_saved_step != st.step:
             self.save(decision.name, final=True)
         if decision.saves:
-            self.saved(self.writer.wait())  # a stop ends on a complete, committed checkpoint
+            self.report_save(self.writer.wait())  # a stop ends on a complete, committed checkpoint
         else:
             self.writer.abandon()  # immediate: exit now; a pending write stays an uncommitted temp dir
-        self.report.event(
-            "event",
-            st.step,
-            event="stop",
-            cause=decision.name,
-            reason=decision.reason,
-            exit_code=decision.exit_code,
-        )
-        if self.rank0 and decision.cause in (StopCause.BUDGET, StopCause.IMMEDIATE):
-            consume_stop_file(self.stop_file)
-        self.beat("done" if decision.exit_code == 0 else "preempted")
-        if self.rank0:
+        self.report.event("event", st.step, event="stop", cause=decision.name, reason=decision.reason,
+                          exit_code=decision.exit_code)  # fmt: skip
+        if self.env.is_rank0 and decision.consumes_stop_file:
+            self.stopper.consume_stop_file()
+        self.write_heartbeat("done" if decision.exit_code == 0 else "preempted")
+        if self.env.is_rank0:
             for line in ckpt.summary(self.run_dir, self.cfg.checkpoint.verify, self.warn):
                 self.log(line)
         return decision.exit_code
@@ -427,7 +372,7 @@ class Trainer:
             self.batches.close()
         if hasattr(self, "writer"):
             self.writer.abandon()  # still pending only after a crash: the last committed checkpoint stands
-        if self.report is not None:
+        if hasattr(self, "report"):
             self.report.close()
 
 
@@ -438,9 +383,7 @@ def train(cfg: Config, args: RunArgs) -> int:
     signals.install()
     cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
     env = init_distributed("cuda" if cuda else "cpu", cfg.train.collective_timeout_minutes)
-    trainer = None
-    budget = None
-    lease = None
+    trainer = budget = lease = None
     try:
         lease = hold_run_dir(Path(args.out), cfg.checkpoint, signals, env.is_rank0)  # one writer per run dir
         device = pick_device(cfg, env.local_rank)
@@ -448,6 +391,10 @@ def train(cfg: Config, args: RunArgs) -> int:
             if env.is_rank0:
                 move_run_aside(args.out, print)
             env.barrier()
+        if env.is_rank0:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            ckpt.clean_temp_dirs(Path(args.out))
+        env.barrier()
         stop_file = args.stop_file or Path(args.out) / "stop.json"
         try:
             budget = BudgetLink(cfg, Path(args.out), stop_file, env.is_rank0, env.world_size)
@@ -455,17 +402,16 @@ def train(cfg: Config, args: RunArgs) -> int:
             if env.is_rank0:
                 spent = isinstance(e, BudgetExhausted)
                 print(f"{'budget already spent, nothing to do' if spent else 'price guard'}: {e}", flush=True)
-                Path(args.out).mkdir(parents=True, exist_ok=True)
                 Heartbeat(Path(args.out)).write("done")  # tells a sidecar watcher we are done
             return 0
-        trainer = Trainer(cfg, args, env, device, budget, signals)
+        trainer = Trainer(cfg=cfg, args=args, env=env, device=device, budget=budget, signals=signals)
         trainer.setup()
         return trainer.run()
     except BaseException:
         # the watcher must not go on reading "running" from a dead trainer
         with contextlib.suppress(Exception):
             if trainer is not None:
-                trainer.beat("failed")
+                trainer.write_heartbeat("failed")
             elif env.is_rank0:
                 Heartbeat(Path(args.out)).fail_if_written()
         raise

@@ -3,7 +3,7 @@
 1. Overhead on training step time: a torch matmul loop timed with and without the in-process watcher thread
    (poll 1 s, real ledger/state/status files), alternating rounds in the same process; plus the watcher's own
    time per tick, whose ratio to the poll interval bounds the overhead when the measurement is in the noise.
-2. Final spend as a fraction of the cap over 100 simulated jobs (app/budget/simulate.py: the real watcher on
+2. Final spend as a fraction of the cap over 100 simulated jobs (benchmarks/budget_sim.py: the real watcher on
    a simulated clock, with source failures, preemptions and restarts). Goal: within [0.98, 1.0].
 3. The graceful window over 300 simulated jobs with random poll (1-120 s), margin (0-30 s), step (0.05-30 s)
    and checkpoint (0.5-120 s) times and caps from below one step plus one checkpoint to hours. Of the
@@ -31,8 +31,8 @@ from app.budget import start_in_process
 from app.budget import watcher as watcher_mod
 from app.budget.config import BudgetConfig
 from app.budget.policy import Decision, PolicyInput
-from app.budget.simulate import SimParams, SimResult, simulate, summary
 from app.budget.watcher import LOOK_SECONDS, Watcher
+from benchmarks.budget_sim import SimParams, SimResult, simulate, summary
 
 ROUNDS = 9
 STEPS = 100  # 1.5-3 s a segment: watcher ticks land inside each timed segment

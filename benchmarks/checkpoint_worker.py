@@ -43,10 +43,12 @@ from app.config import ModelConfig, OptimConfig
 from app.files import fsync_file, sha256_file
 from app.trainer.checkpoint import step_dir_name as ckpt_dir
 from app.trainer.checkpoint_format import BLOCK, _raw, write_safetensors
+from app.trainer.checkpoint_state import model_pieces, optimizer_pieces
 from app.trainer.checkpoint_writer import CheckpointWriter
+from app.trainer.distributed import init_distributed
 from app.trainer.model import build_model
 from app.trainer.optim import build_optimizer
-from app.trainer.parallel import init_distributed, model_pieces, optimizer_pieces, shard_model, unwrap
+from app.trainer.parallelize import shard_model, unwrap
 
 REPEATS = 3
 THROUGHPUT_REPEATS = 5  # pairs: the figure a shared disk varies most
@@ -155,9 +157,10 @@ def own_tensors(model, opt, rank: int, world: int) -> list[torch.Tensor]:
 
 def load_check(path: str) -> int:
     """A fresh process loads a sharded checkpoint into one unsharded model, the way `pretrain sample`
-    does (build the model, then ckpt.load_into, tensor by tensor): its peak RSS above the level before the
+    does (build the model, then load_into, tensor by tensor): its peak RSS above the level before the
     model is built, against the model + its largest tensor. Prints one JSON line."""
     from app.trainer import checkpoint as ckpt
+    from app.trainer.checkpoint_state import load_into
 
     info = ckpt.resolve(path)
     model, seconds = None, 0.0
@@ -165,7 +168,7 @@ def load_check(path: str) -> int:
     def build_and_load():
         nonlocal model
         model = build_model(MODEL)
-        ckpt.load_into(info, model, None)
+        load_into(info, model, None)
 
     before, peak, seconds, _ = measure(build_and_load)
     tensors = list(model.state_dict().values())
@@ -206,8 +209,8 @@ def main(workdir: str) -> int:
     def record(name: str, value: float) -> None:
         results.setdefault(name, []).append(value)
 
-    sync = CheckpointWriter(root / "sync", env.rank, env.world_size, env.barrier, async_save=False)
-    background = CheckpointWriter(root / "async", env.rank, env.world_size, env.barrier, async_save=True)
+    sync = CheckpointWriter(root / "sync", env.rank, env.world_size, async_save=False)
+    background = CheckpointWriter(root / "async", env.rank, env.world_size, async_save=True)
     nbytes = 0
     async_base = None
     for i in range(REPEATS):
@@ -281,7 +284,7 @@ def main(workdir: str) -> int:
         if env.rank == 0:
             record("own_sha256_seconds", sha256_alone(mine))
     record("own_bytes", float(sum(t.numel() * t.element_size() for t in mine)))  # rank 0's: printed
-    CheckpointWriter(root / "load", env.rank, env.world_size, env.barrier).save(1, model, opt, {}, {})
+    CheckpointWriter(root / "load", env.rank, env.world_size).save(1, model, opt, {}, {})
     if env.rank == 0:
         summary = {k: statistics.median(v) for k, v in results.items()}
         # the throughput pairs: the best of each (what the writer can do when the shared disk and CPUs

@@ -1,6 +1,6 @@
 """The budget policy: its thresholds, and randomized jobs under the real watcher on a simulated clock.
 
-The simulation (app/budget/simulate.py) runs the real Watcher, ledger, stop file and billing-file source;
+The simulation (benchmarks/budget_sim.py) runs the real Watcher, ledger, stop file and billing-file source;
 only time and the trainer are simulated: random rates, step and checkpoint times with jitter, billing files
 that go missing, malformed or stale, SIGTERM/SIGKILL preemptions and restarts.
 """
@@ -18,9 +18,9 @@ import pytest
 
 from app.budget.config import BudgetConfig
 from app.budget.policy import PolicyInput, allowance_seconds, decide, horizon_seconds, stop_seconds
-from app.budget.simulate import SimParams, simulate, summary
 from app.budget.watcher import LOOK_SECONDS, Watcher
 from app.files import atomic_write_json
+from benchmarks.budget_sim import SimParams, simulate, summary
 
 T = 1_700_000_000.0
 

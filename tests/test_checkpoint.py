@@ -12,14 +12,14 @@ from app.config import ModelConfig
 from app.errors import UserError
 from app.files import sha256_file
 from app.trainer import checkpoint as ckpt
+from app.trainer.checkpoint_state import load_optimizer
 from app.trainer.checkpoint_writer import CheckpointWriter
 from app.trainer.model import build_model
-from app.trainer.parallel import load_optimizer
 from tests.conftest import FAST, pretrain
 
 
 def _save(run_dir, step, model, val_loss=None, optimizer=None):
-    writer = CheckpointWriter(run_dir, 0, 1, lambda: None)
+    writer = CheckpointWriter(run_dir, 0, 1)
     return writer.save(step, model, optimizer, {"step": step}, {"val_loss": val_loss})
 
 

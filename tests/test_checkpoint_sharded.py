@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from app.config import ModelConfig
+from app.errors import UserError
 from app.trainer import checkpoint as ckpt
 from app.trainer.checkpoint_writer import CheckpointWriter
 from app.trainer.model import build_model
-from app.trainer.parallel import load_model, load_optimizer
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, cli_env, pretrain
 
 # Run under torchrun: build a small GPT (FSDP over the ranks, or DDP/plain), then either train two steps
 # and save (async), or load a checkpoint from any world size and save it again at once (sync).
@@ -30,7 +30,10 @@ WORKER = textwrap.dedent(
     from app.trainer.checkpoint_writer import CheckpointWriter
     from app.trainer.model import build_model
     from app.trainer.optim import build_optimizer
-    from app.trainer.parallel import DistEnv, init_distributed, load_model, load_optimizer, shard_model, unwrap
+    from app.errors import UserError
+from app.trainer.checkpoint_state import load_model, load_optimizer
+    from app.trainer.distributed import DistEnv, init_distributed
+    from app.trainer.parallelize import shard_model, unwrap
 
     action, mode, src, dst = sys.argv[1:5]
     env = init_distributed("cpu")
@@ -58,7 +61,7 @@ WORKER = textwrap.dedent(
             load_model(model, r)
         with ckpt.open_reader(info, "optimizer") as r:
             load_optimizer(model, opt, r)
-    writer = CheckpointWriter(Path(dst), env.rank, env.world_size, env.barrier, async_save=action == "train")
+    writer = CheckpointWriter(Path(dst), env.rank, env.world_size, async_save=action == "train")
     writer.save(step, model, opt, {"step": step}, {"val_loss": None}, reason=action)
     if action == "train":  # the loop goes on while the write runs: the saved state must not move
         with torch.no_grad():
@@ -149,7 +152,7 @@ def _trained(seed=0):
 def test_an_async_save_writes_the_staged_state_while_the_loop_moves_on(tmp_path):
     model, opt = _trained()
     want = {k: v.clone() for k, v in model.state_dict().items()}
-    writer = CheckpointWriter(tmp_path, 0, 1, lambda: None, async_save=True)
+    writer = CheckpointWriter(tmp_path, 0, 1, async_save=True)
     assert writer.save(3, model, opt, {"step": 3}, {}) is None  # went to the background
     with torch.no_grad():
         for p in model.parameters():
@@ -189,7 +192,7 @@ def test_an_abandoned_write_commits_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpoint_writer, "write_safetensors", held)
     model, opt = _trained()
-    writer = CheckpointWriter(tmp_path, 0, 1, lambda: None, async_save=True)
+    writer = CheckpointWriter(tmp_path, 0, 1, async_save=True)
     writer.save(1, model, opt, {"step": 1}, {})
     writer.wait()
     assert writer.save(2, model, opt, {"step": 2}, {}) is None  # in the background
@@ -205,10 +208,9 @@ def test_an_abandoned_write_commits_nothing(tmp_path, monkeypatch):
     assert (root / ".tmp-step_000002").exists() and not (root / ".tmp-step_000002" / ckpt.META).exists()
 
 
-def _write_v1(run_dir, step, model, opt, legacy=False):
+def _write_v1(run_dir, step, model, opt):
     """A checkpoint as format 1 wrote it (rank 0 alone, full tensors): model.safetensors with tied weights
-    once, optimizer.safetensors keyed "<i>.<state>", optimizer.json, meta.json with checksums. `legacy`:
-    as written before parameter names (torch's index keys, no param_keys)."""
+    once, optimizer.safetensors keyed "<i>.<state>", optimizer.json, meta.json with checksums."""
     from safetensors.torch import save_file
 
     from app.files import sha256_file
@@ -230,9 +232,6 @@ def _write_v1(run_dir, step, model, opt, legacy=False):
         for g in opt.param_groups
     ]
     structure = {"param_keys": keys, "param_groups": groups, "scalars": scalars}
-    if legacy:
-        structure = opt.state_dict()
-        structure = {"param_groups": structure["param_groups"], "scalars": {}}
     save_file(tensors, str(path / "optimizer.safetensors"))
     (path / "optimizer.json").write_text(json.dumps(structure))
     (path / "trainer_state.json").write_text(json.dumps({"step": step}))
@@ -242,29 +241,18 @@ def _write_v1(run_dir, step, model, opt, legacy=False):
     return path
 
 
-@pytest.mark.parametrize("legacy", [False, True], ids=["name-keys", "index-keys"])
-def test_the_old_full_weight_format_still_loads_and_retention_handles_it(tmp_path, legacy):
+def test_a_checkpoint_of_the_old_full_weight_format_is_refused_in_one_line(tmp_path):
+    """One format is read. An older checkpoint is refused (exit 2, one line naming the format and what to
+    do), never skipped: a fresh start beside it would bury the old run under new checkpoints."""
     model, opt = _trained()
-    _write_v1(tmp_path, 1, model, opt, legacy)
-    info = ckpt.resolve_latest(tmp_path, warn=pytest.fail)
-    assert info.format_version == 1 and info.has_optimizer
-    fresh, fresh_opt = _trained(seed=1)
-    with ckpt.open_reader(info) as r:
-        load_model(fresh, r)
-    with ckpt.open_reader(info, "optimizer") as r:
-        load_optimizer(fresh, fresh_opt, r)
-    assert fresh.head.weight is fresh.tok_emb.weight
-    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
-    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
-        for k, v in opt.state[p].items():
-            assert torch.equal(fresh_opt.state[q][k], v), k
-    # A new-format save beside it; dropping optimizer state from the old one keeps it loadable.
-    CheckpointWriter(tmp_path, 0, 1, lambda: None).save(2, model, opt, {"step": 2}, {})
-    ckpt.apply_retention(tmp_path, keep_last=2, keep_best=False, drop_optimizer_older=True)
-    old = ckpt.verify(ckpt.checkpoints_root(tmp_path) / "step_000001")[0]
-    assert old is not None and not old.has_optimizer
-    assert not (old.path / "optimizer.safetensors").exists() and not (old.path / "optimizer.json").exists()
-    assert torch.equal(ckpt.load_model_state(old)["tok_emb.weight"], model.tok_emb.weight)
+    _write_v1(tmp_path, 3, model, opt)
+    with pytest.raises(UserError, match=r"step_000003 is in checkpoint format 1 .* use the pretrain version"):
+        ckpt.resolve_latest(tmp_path, warn=pytest.fail)
+    proc = pretrain("train", "--out", str(tmp_path), "--max-steps", "2", timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and "checkpoint format 1" in lines[0] and "new --out" in lines[0], lines
+    assert sorted(p.name for p in ckpt.checkpoints_root(tmp_path).iterdir()) == ["step_000003"]  # untouched
 
 
 def test_the_reader_reads_rows_in_place_and_any_other_box_through_safetensors(tmp_path, monkeypatch):

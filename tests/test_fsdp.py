@@ -14,9 +14,9 @@ import torch
 from app.config import ModelConfig, OptimConfig
 from app.errors import ConfigError
 from app.trainer import checkpoint as ckpt
+from app.trainer.checkpoint_state import model_pieces, optimizer_pieces
 from app.trainer.model import build_model
 from app.trainer.optim import build_optimizer
-from app.trainer.parallel import model_pieces, optimizer_pieces
 from tests.conftest import FAST, REPO, cli_env, losses_by_step, pretrain, torchrun
 
 MICRO = 8 * 64  # FAST: micro-batch 8 x seq 64 tokens
@@ -139,7 +139,8 @@ META_WORKER = """
 import torch, torch.distributed as dist
 from app.config import load_config
 from app.trainer.optim import build_optimizer
-from app.trainer.parallel import build_parallel_model, init_distributed, unwrap
+from app.trainer.distributed import init_distributed
+from app.trainer.parallelize import build_parallel_model, unwrap
 
 env = init_distributed("cpu")
 cfg = load_config(overrides=["model.vocab_size=256", "model.n_layer=2", "model.d_model=64", "model.n_head=4",

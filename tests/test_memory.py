@@ -24,7 +24,7 @@ def measure(cfg: ModelConfig, micro_batch: int, checkpointing: bool) -> dict:
     torch.manual_seed(0)
     model = build_model(cfg)
     if checkpointing:
-        from app.trainer.parallel import apply_activation_checkpointing
+        from app.trainer.parallelize import apply_activation_checkpointing
 
         apply_activation_checkpointing(model)
     opt = build_optimizer(model, OptimConfig(), torch.device("cpu"))

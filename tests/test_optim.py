@@ -12,6 +12,7 @@ import torch
 from app.config import ModelConfig, OptimConfig, ScheduleConfig
 from app.errors import UserError
 from app.trainer import checkpoint as ckpt
+from app.trainer.checkpoint_state import load_into
 from app.trainer.checkpoint_writer import CheckpointWriter
 from app.trainer.model import build_model
 from app.trainer.optim import build_optimizer, fit_state, param_groups, set_lr
@@ -118,8 +119,8 @@ def named_state(model, opt) -> dict:
 
 def roundtrip(run, step, model, saved_with, loaded_into) -> list[str]:
     """A real checkpoint written with one optimizer and resumed into another; the loader's notes."""
-    CheckpointWriter(run, 0, 1, lambda: None).save(step, model, saved_with, {"step": step}, {})
-    return ckpt.load_into(ckpt.resolve_latest(run), model, loaded_into)
+    CheckpointWriter(run, 0, 1).save(step, model, saved_with, {"step": step}, {})
+    return load_into(ckpt.resolve_latest(run), model, loaded_into)
 
 
 def test_resuming_adamw_state_with_muon_converts_and_back_restarts_the_moments(tmp_path):
@@ -157,7 +158,8 @@ from torch.distributed.tensor import distribute_tensor
 from app.config import ModelConfig, OptimConfig
 from app.trainer.model import build_model
 from app.trainer.optim import build_optimizer
-from app.trainer.parallel import init_distributed, shard_model
+from app.trainer.distributed import init_distributed
+from app.trainer.parallelize import shard_model
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 def optimizer_state_dict(model, opt):

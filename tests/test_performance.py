@@ -15,11 +15,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from app.config import LoopConfig, ModelConfig, load_config
 from app.data.loader import Prefetcher, TrainLoader
+from app.train import train_step
+from app.trainer.distributed import DistEnv
 from app.trainer.metrics import flops_per_token
 from app.trainer.model import build_model
 from app.trainer.optim import build_optimizer
-from app.trainer.parallel import DistEnv
-from app.trainer.step import StepLog, TrainStep
+from app.trainer.steplog import StepLog
 from tests.conftest import FAST, losses_by_step, pretrain, torchrun
 from tests.test_resume import assert_same_run, weights
 
@@ -71,13 +72,19 @@ class Batches:
         return rows[:, :-1], rows[:, 1:]
 
 
+def stepper(model, optimizer, batches, accum: int, log: StepLog):
+    """The trainer's step with everything but its number fixed."""
+    parts = dict(model=model, optimizer=optimizer, batches=batches, accum=accum, log=log)
+    return lambda n: train_step(step=n, lr=1e-3, autocast=contextlib.nullcontext(), grad_clip=1.0, **parts)
+
+
 def _steps(cfg: ModelConfig, optim: list[str], monkeypatch, steps: int = 3) -> tuple[list[str], StepLog]:
     full = load_config("tiny", overrides=optim)
     torch.manual_seed(0)
     model = build_model(cfg)
     optimizer = build_optimizer(model, full.optim, torch.device("cpu"))
     log = StepLog(DistEnv())
-    step = TrainStep(model, optimizer, Batches(cfg), 2, contextlib.nullcontext(), DistEnv(), 1.0, log)
+    step = stepper(model, optimizer, Batches(cfg), 2, log)
     step(1)  # optimizer state created outside the count
     counter = CountHostReads(monkeypatch)
     for i in range(steps):
@@ -112,7 +119,7 @@ def test_a_non_finite_step_is_skipped_on_the_device():
     model = build_model(GQA)
     optimizer = build_optimizer(model, load_config("tiny").optim, torch.device("cpu"))
     log = StepLog(DistEnv())
-    step = TrainStep(model, optimizer, Batches(GQA), 1, contextlib.nullcontext(), DistEnv(), 1.0, log)
+    step = stepper(model, optimizer, Batches(GQA), 1, log)
     step(1)
     with torch.no_grad():
         model.norm.weight.fill_(float("nan"))  # the loss, hence the gradient norm, is NaN

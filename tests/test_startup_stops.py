@@ -44,7 +44,7 @@ EVAL_OFF = ["--set", "train.eval_every=0"]
 # on the loop's thread for SIGTERM (so the stop step is exact), and in the middle of the write (the
 # model shard on disk, the optimizer shard not yet) for SIGKILL, which leaves a half-written temp dir.
 PHASES = {
-    "before-model": ([], "app.trainer.parallel:build_parallel_model", None),
+    "before-model": ([], "app.trainer.parallelize:build_parallel_model", None),
     "step-0-eval": ([], "app.trainer.evaluate:validation_loss", None),
     "first-step": (EVAL_OFF, "torch.nn.utils:clip_grad_norm_", None),  # after backward, before the update
     "first-save": (
@@ -257,7 +257,7 @@ def test_a_step_0_checkpoint_of_an_older_version_resumes_exactly(tmp_path, strai
     stale = get_optimizer_state_dict(model, opt)  # what the old save did: a zero-lr step first
     assert all(float(s["step"]) == 1 for s in stale["state"].values())
     run = tmp_path / "run"
-    writer = CheckpointWriter(run, 0, 1, lambda: None)  # writes opt's state: the stale one above
+    writer = CheckpointWriter(run, 0, 1)  # writes opt's state: the stale one above
     writer.save(0, model, opt, {"step": 0}, {"config": cfg.to_dict(), "val_loss": None})
     again = pretrain("train", "--out", str(run), *COMMON, *EVAL_OFF)
     assert again.returncode == 0, again.stdout + again.stderr

@@ -150,8 +150,8 @@ def test_wandb_offline_run_has_config_history_and_the_checkpoint(tracked):
 def test_a_failing_tracker_warns_once_counts_and_the_run_goes_on(tmp_path, monkeypatch):
     """MLflow pointed at a port nobody listens on: every write fails; training does not notice."""
     from app.config import load_config
+    from app.trainer.distributed import DistEnv
     from app.trainer.metrics import TrainerMetrics
-    from app.trainer.parallel import DistEnv
     from app.trainer.report import Reporter
 
     with socket.socket() as s:
@@ -163,7 +163,7 @@ def test_a_failing_tracker_warns_once_counts_and_the_run_goes_on(tmp_path, monke
         "tiny",
         overrides=["metrics.trackers=mlflow,tensorboard", f"metrics.mlflow_uri=http://127.0.0.1:{dead}"],
     )
-    rep = Reporter(cfg, DistEnv(), tmp_path, with_mfu=False)
+    rep = Reporter(cfg, DistEnv(), tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -207,13 +207,13 @@ def test_a_tracker_failing_mid_run_is_counted_each_time_and_warned_once(tmp_path
     from mlflow.tracking import MlflowClient
 
     from app.config import load_config
+    from app.trainer.distributed import DistEnv
     from app.trainer.metrics import TrainerMetrics
-    from app.trainer.parallel import DistEnv
     from app.trainer.report import Reporter
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     cfg = load_config("tiny", overrides=["metrics.trackers=mlflow,tensorboard"])
-    rep = Reporter(cfg, DistEnv(), tmp_path, with_mfu=False)
+    rep = Reporter(cfg, DistEnv(), tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -15,13 +15,13 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from app.budget.config import BudgetConfig, check_budget_config
+from app.budget.kube import KubeActions
 from app.budget.ledger import load_ledger
 from app.budget.metrics import BudgetMetrics
-from app.budget.price_guard import PriceAboveMax
-from app.budget.pricing import detect_cuda_gpu_type, no_price_error, static_rate
+from app.budget.price_guard import PriceAboveMax, PriceGuard, PriceWatcher, check_price_at_launch
+from app.budget.pricing import detect_cuda_gpu_type, no_price_error, resolve_gpus, static_rate
 from app.budget.view import View, ledger_path_for, read_budget_state
 from app.budget.watcher import Watcher
 from app.errors import UserError
@@ -34,6 +34,7 @@ __all__ = [
     "check_not_exhausted",
     "check_price_at_launch",
     "read_budget_state",
+    "resolve_gpus",
     "start_in_process",
 ]
 
@@ -65,46 +66,16 @@ def check_not_exhausted(cfg: BudgetConfig, run_dir: Path) -> None:
         )
 
 
-def check_price_at_launch(cfg: BudgetConfig, run_dir: Path, world_size: int, is_rank0: bool) -> None:
-    """The launch price guard: raises PriceAboveMax (exit 0, no training) above budget.max_price_per_gpu_hour."""
-    if cfg.max_price_per_gpu_hour <= 0:
-        return
-    from app.budget.price_guard import check_launch_price
-
-    gpus = resolve_gpus(cfg, world_size)
-    _rate, price = static_rate(
-        cfg.gpu_type or detect_cuda_gpu_type(), cfg.price_per_gpu_hour, gpus, cfg.price_table
-    )
-    check_launch_price(cfg, Path(run_dir), gpus, price, is_rank0)
-
-
-def resolve_gpus(cfg: BudgetConfig, world_size: int) -> int:
-    """GPUs billed: the config, else the world size on GPUs, else 1 (a CPU box bills as one unit)."""
-    if cfg.gpus > 0:
-        return cfg.gpus
-    try:
-        import torch
-
-        cuda = torch.cuda.is_available()
-    except ImportError:
-        cuda = False
-    return max(1, world_size) if cuda else 1
-
-
 class WatcherHandle:
     """The in-process watcher thread; `close()` stops it and flushes the ledger (idempotent)."""
 
-    def __init__(self, watcher: Watcher | None):
+    def __init__(self, watcher: Watcher | PriceWatcher | None):
         self.watcher = watcher
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if watcher is not None:
             self._thread = threading.Thread(
-                target=watcher.run,
-                args=(self._stop,),
-                kwargs={"first_tick": False},
-                name="budget-watcher",
-                daemon=True,
+                target=watcher.run, args=(self._stop,), name="budget-watcher", daemon=True
             )
             self._thread.start()
 
@@ -121,12 +92,6 @@ class WatcherHandle:
         self.watcher.close(time.time())
         self.watcher = None
 
-    def __enter__(self) -> WatcherHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 def start_in_process(cfg: BudgetConfig, run_dir: Path, stop_file: Path, world_size: int) -> WatcherHandle:
     """Host the watcher in the trainer (rank 0). Raises BudgetExhausted, or UserError for a bad config.
@@ -136,69 +101,65 @@ def start_in_process(cfg: BudgetConfig, run_dir: Path, stop_file: Path, world_si
     check_budget_config(cfg)
     gpu_type = cfg.gpu_type or detect_cuda_gpu_type()
     gpus = resolve_gpus(cfg, world_size)
-    rate, _price = static_rate(gpu_type, cfg.price_per_gpu_hour, gpus, cfg.price_table)
-    if cfg.cap_usd <= 0:
-        return _start_price_watcher(cfg, run_dir, stop_file, gpus, _price)
-    if rate <= 0 and cfg.source == "static":
-        raise no_price_error(gpu_type)
-    check_not_exhausted(cfg, run_dir)
-    from app.budget.kube import KubeActions
+    rate, price = static_rate(gpu_type, cfg.price_per_gpu_hour, gpus, cfg.price_table)
+    run_dir, stop_file = Path(run_dir), Path(stop_file)
+    watcher: Watcher | PriceWatcher
+    if cfg.cap_usd > 0:
+        if rate <= 0 and cfg.source == "static":
+            raise no_price_error(gpu_type)
+        check_not_exhausted(cfg, run_dir)
+        watcher = open_watcher(cfg, run_dir, stop_file, rate, price, gpus, "in-process")
+    else:  # a price ceiling without a cap: poll the source for the price alone
+        watcher = PriceWatcher(cfg, run_dir, stop_file, gpus, price)
+    watcher.tick(time.time())  # the first view (or price) and any stop right away, before training starts
+    if cfg.metrics_port:
+        try:
+            watcher.metrics.serve(cfg.metrics_port)
+        except OSError as e:
+            watcher.close()
+            msg = f"budget metrics port {cfg.metrics_port} is not available ({e.strerror})"
+            raise UserError(f"{msg}; set budget.metrics_port") from None
+    if isinstance(watcher, Watcher):
+        log.info(
+            "budget: watching in-process: cap $%.4f, %s at $%.2f/h, ledger %s",
+            cfg.cap_usd,
+            cfg.source,
+            watcher.view.rate_usd_per_hour if watcher.view else rate,
+            watcher.ledger_path,
+        )
+    else:
+        log.info(
+            "budget: no cap; checking the price against max_price_per_gpu_hour $%.4f every %g s (%s source)",
+            cfg.max_price_per_gpu_hour,
+            cfg.poll_seconds,
+            cfg.source,
+        )
+    return WatcherHandle(watcher)
 
-    metrics = BudgetMetrics()
+
+def open_watcher(
+    cfg: BudgetConfig,
+    run_dir: Path,
+    stop_file: Path,
+    rate: float,
+    price: float,
+    gpus: int,
+    host: str,
+    ledger_path: Path | None = None,
+) -> Watcher:
+    """A Watcher with its metrics, Kubernetes actions and, with budget.max_price_per_gpu_hour, the price
+    guard; not ticked yet (`pretrain watch` and start_in_process)."""
+    kube = KubeActions.from_config(cfg)
     watcher = Watcher(
         cfg,
-        run_dir=Path(run_dir),
-        stop_file=Path(stop_file),
+        run_dir=run_dir,
+        stop_file=stop_file,
         static_rate_usd_per_hour=rate,
-        host="in-process",
-        metrics=metrics,
-        kube=KubeActions.from_config(cfg),
+        ledger_path=ledger_path,
+        host=host,
+        metrics=BudgetMetrics(),
+        kube=kube,
     )
     if cfg.max_price_per_gpu_hour > 0:
-        from app.budget.price_guard import PriceGuard
-
-        watcher.price_guard = PriceGuard(cfg, gpus, _price)
-    watcher.tick(time.time())  # the first view and any stop right away, before training starts
-    _serve_metrics(cfg, metrics, watcher)
-    log.info(
-        "budget: watching in-process: cap $%.4f, %s at $%.2f/h, ledger %s",
-        cfg.cap_usd,
-        cfg.source,
-        watcher.view.rate_usd_per_hour if watcher.view else rate,
-        watcher.ledger_path,
-    )
-    return WatcherHandle(watcher)
-
-
-def _serve_metrics(cfg: BudgetConfig, metrics: BudgetMetrics, watcher: Any) -> None:
-    if not cfg.metrics_port:
-        return
-    try:
-        metrics.serve(cfg.metrics_port)
-    except OSError as e:
-        watcher.close()
-        raise UserError(
-            f"budget metrics port {cfg.metrics_port} is not available ({e.strerror}); set budget.metrics_port"
-        ) from None
-
-
-def _start_price_watcher(
-    cfg: BudgetConfig, run_dir: Path, stop_file: Path, gpus: int, price: float
-) -> WatcherHandle:
-    """budget.max_price_per_gpu_hour without a cap: poll the source for the price alone."""
-    from app.budget.kube import KubeActions
-    from app.budget.price_guard import PriceWatcher
-
-    metrics = BudgetMetrics()
-    watcher = PriceWatcher(
-        cfg, Path(run_dir), Path(stop_file), gpus, price, metrics, KubeActions.from_config(cfg)
-    )
-    watcher.tick(time.time())  # the gauges at once (the launch check has just passed)
-    _serve_metrics(cfg, metrics, watcher)
-    log.info(
-        "budget: no cap; checking the price against max_price_per_gpu_hour $%.4f every %g s (%s source)",
-        cfg.max_price_per_gpu_hour,
-        cfg.poll_seconds,
-        cfg.source,
-    )
-    return WatcherHandle(watcher)
+        watcher.price_guard = PriceGuard(cfg, gpus, price)
+    return watcher

@@ -27,16 +27,16 @@ from typing import Any
 
 import yaml
 
-from app.budget import BudgetExhausted, check_not_exhausted
-from app.budget.config import BudgetConfig, check_budget_config
+from app.budget import BudgetExhausted, check_not_exhausted, open_watcher
+from app.budget.config import CHOICES, BudgetConfig, check_budget_config
 from app.budget.files import read_status
 from app.budget.ledger import load_ledger
 from app.budget.metrics import BudgetMetrics
-from app.budget.policy import decide, stop_seconds
+from app.budget.policy import decide, policy_input, stop_seconds
 from app.budget.pricing import no_price_error, static_rate
 from app.budget.sources import make_source
 from app.budget.view import ledger_path_for, state_path_for
-from app.budget.watcher import Watcher, policy_input
+from app.budget.watcher import Watcher
 from app.errors import UserError
 from app.files import atomic_write_json, check_writable_dir
 
@@ -44,93 +44,58 @@ log = logging.getLogger("pretrain.budget")
 
 DEFAULT_METRICS_PORT = 9401
 
-# flag dest -> BudgetConfig field
-FIELD_FLAGS = {
-    "cap_usd": ("--cap-usd", float, "budget cap in USD, > 0"),
-    "gpu_type": ("--gpu-type", str, "GPU type for the built-in price table, e.g. h100-sxm, a100-80gb"),
-    "price_per_gpu_hour": ("--price-per-gpu-hour", float, "USD per GPU-hour; overrides the price table"),
-    "gpus": ("--gpus", int, "GPUs billed (all nodes x GPUs per node); required with a price"),
-    "price_table": (
-        "--price-table",
-        str,
-        "JSON/YAML file {gpu_type: usd_per_gpu_hour} overriding built-in prices",
-    ),
-    "source": ("--source", str, "where spend comes from: static (price x GPUs x time), file, opencost"),
-    "source_path": ("--source-path", str, "JSON spend file kept current by a billing poller (--source file)"),
-    "opencost_url": ("--opencost-url", str, "OpenCost API base URL, e.g. http://opencost.opencost:9003"),
+# BudgetConfig field -> the help of its flag (--cap-usd for cap_usd, typed as the field)
+FIELD_HELP = {
+    "cap_usd": "budget cap in USD, > 0",
+    "gpu_type": "GPU type for the built-in price table, e.g. h100-sxm, a100-80gb",
+    "price_per_gpu_hour": "USD per GPU-hour; overrides the price table",
+    "gpus": "GPUs billed (all nodes x GPUs per node); required with a price",
+    "price_table": "JSON/YAML file {gpu_type: usd_per_gpu_hour} overriding built-in prices",
+    "source": "where spend comes from: static (price x GPUs x time), file, opencost",
+    "source_path": "JSON spend file kept current by a billing poller (--source file)",
+    "opencost_url": "OpenCost API base URL, e.g. http://opencost.opencost:9003",
     "opencost_selector": (
-        "--opencost-selector",
-        str,
-        "the job's allocation: <aggregate>:<value>, e.g. label:training.kubeflow.org/job-name:NAME",
+        "the job's allocation: <aggregate>:<value>, e.g. label:training.kubeflow.org/job-name:NAME"
     ),
-    "poll_seconds": ("--poll-seconds", float, "seconds between polls of the source"),
-    "stale_seconds": (
-        "--stale-seconds",
-        float,
-        "a source figure older than this falls back to the static rate",
-    ),
-    "alert_fraction": ("--alert-fraction", float, "alert when spent >= this fraction of the cap"),
-    "alert_usd": ("--alert-usd", float, "also alert when spent >= this amount (0 = off)"),
-    "margin_seconds": (
-        "--margin-seconds",
-        float,
-        "safety margin added to step + checkpoint time when projecting",
-    ),
-    "decay_fraction": ("--decay-fraction", float, "fraction of the run the budget-driven LR decay takes"),
-    "kube": ("--kube", str, "Kubernetes Events and last-resort suspend: auto (in a cluster), on, off"),
-    "job_name": ("--job-name", str, "PyTorchJob name for Events/suspend (default $PRETRAIN_JOB_NAME)"),
-    "namespace": (
-        "--namespace",
-        str,
-        "the job's namespace (default $POD_NAMESPACE or the service account's)",
-    ),
+    "poll_seconds": "seconds between polls of the source",
+    "stale_seconds": "a source figure older than this falls back to the static rate",
+    "alert_fraction": "alert when spent >= this fraction of the cap",
+    "alert_usd": "also alert when spent >= this amount (0 = off)",
+    "margin_seconds": "safety margin added to step + checkpoint time when projecting",
+    "decay_fraction": "fraction of the run the budget-driven LR decay takes",
+    "kube": "Kubernetes Events and last-resort suspend: auto (in a cluster), on, off",
+    "job_name": "PyTorchJob name for Events/suspend (default $PRETRAIN_JOB_NAME)",
+    "namespace": "the job's namespace (default $POD_NAMESPACE or the service account's)",
     "max_price_per_gpu_hour": (
-        "--max-price-per-gpu-hour",
-        float,
-        "launch price guard: stop gracefully while the source's price per GPU-hour is above this (0 = off)",
+        "launch price guard: stop gracefully while the source's price per GPU-hour is above this (0 = off)"
     ),
     "suspend_grace_seconds": (
-        "--suspend-grace-seconds",
-        float,
-        "suspend the PyTorchJob when the trainer still runs this long after an immediate stop",
+        "suspend the PyTorchJob when the trainer still runs this long after an immediate stop"
     ),
     "idle_allowance_seconds": (
-        "--idle-allowance-seconds",
-        float,
         "time charged to the cap before the trainer first reports training (a data wait, a crash loop); "
-        "the rest is recorded as unbilled in the ledger",
+        "the rest is recorded as unbilled in the ledger"
     ),
 }
 
 
-CHOICES = {"source": ("static", "file", "opencost"), "kube": ("auto", "on", "off")}
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     required = parser.add_argument_group("required (here or in the --config file's budget: section)")
-    defaults = BudgetConfig()
-    for dest, (flag, typ, help_) in FIELD_FLAGS.items():
+    defaults, types = BudgetConfig(), typing.get_type_hints(BudgetConfig)
+    for dest, help_ in FIELD_HELP.items():
         group = required if dest == "cap_usd" else parser
         default = getattr(defaults, dest)
         shown = "" if dest == "cap_usd" or default in ("", 0) else f" (default: {default})"
+        flag = "--" + dest.replace("_", "-")
         group.add_argument(
-            flag, dest=dest, type=typ, default=None, choices=CHOICES.get(dest), help=help_ + shown
+            flag, dest=dest, type=types[dest], default=None, choices=CHOICES.get(dest), help=help_ + shown
         )
+    parser.add_argument("--config", help="run config YAML; its `budget:` section sets the defaults")
+    parser.add_argument("--run-dir", help="the trainer's run dir (--out): ledger, status.json, stop.json")
+    parser.add_argument("--ledger", help="ledger path (default RUN_DIR/budget/ledger.json)")
+    parser.add_argument("--stop-file", help="stop file the trainer polls (default RUN_DIR/stop.json)")
     parser.add_argument(
-        "--config", default=None, help="run config YAML; its `budget:` section sets the defaults"
-    )
-    parser.add_argument(
-        "--run-dir", default=None, help="the trainer's run dir (--out): ledger, status.json, stop.json"
-    )
-    parser.add_argument("--ledger", default=None, help="ledger path (default RUN_DIR/budget/ledger.json)")
-    parser.add_argument(
-        "--stop-file", default=None, help="stop file the trainer polls (default RUN_DIR/stop.json)"
-    )
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help=f"Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0 = off)",
+        "--metrics-port", type=int, help=f"Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0 = off)"
     )
     parser.add_argument("--metrics-addr", default="0.0.0.0", help="address /metrics binds to")
     parser.add_argument(
@@ -141,7 +106,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--verdict",
-        default=None,
         help="sidecar mode: when the watcher cannot start, write {code, reason} here, serve an empty "
         "/metrics and wait for SIGTERM instead of exiting (the launcher then ends the pod with the code)",
     )
@@ -197,7 +161,7 @@ def config_from_file(path: str) -> BudgetConfig:
 
 def build_config(args: argparse.Namespace) -> BudgetConfig:
     cfg = config_from_file(args.config) if args.config else BudgetConfig()
-    for dest in FIELD_FLAGS:
+    for dest in FIELD_HELP:
         value = getattr(args, dest, None)
         if value is not None:
             setattr(cfg, dest, value)
@@ -211,13 +175,15 @@ def build_config(args: argparse.Namespace) -> BudgetConfig:
     return cfg
 
 
-def _paths(args: argparse.Namespace) -> tuple[Path, Path, Path]:
+def _settings(args: argparse.Namespace) -> tuple[BudgetConfig, Path, Path, Path, float, float]:
+    """(config, run dir, ledger, stop file, static USD per hour, USD per GPU-hour) from the flags."""
+    cfg = build_config(args)
     if not args.run_dir and not args.ledger:
         raise UserError("pass --run-dir DIR (the trainer's --out) so the ledger and status.json are found")
     run_dir = Path(args.run_dir) if args.run_dir else Path(args.ledger).resolve().parent.parent
     ledger = Path(args.ledger) if args.ledger else ledger_path_for(run_dir)
     stop_file = Path(args.stop_file) if args.stop_file else run_dir / "stop.json"
-    return run_dir, ledger, stop_file
+    return cfg, run_dir, ledger, stop_file, *_rate(cfg)
 
 
 def _rate(cfg: BudgetConfig) -> tuple[float, float]:
@@ -270,9 +236,7 @@ def dry_run(
     problems = write_problems(run_dir, ledger_path, stop_file)
     writable = "writable" if not problems else "NOT writable: the watcher would fail"
     new = (
-        "new"
-        if not led.sessions
-        else f"{len(led.sessions)} sessions, {led.running_seconds / 3600:.2f} h charged"
+        f"{len(led.sessions)} sessions, {led.running_seconds / 3600:.2f} h charged" if led.sessions else "new"
     )
     out.append(f"  ledger    {ledger_path}: spent ${spent:.4f} ({new}); {writable}")
     static = f"${price:.2f}/GPU-h x {cfg.gpus} GPUs = ${rate:.2f}/h" if price > 0 else "no static price"
@@ -322,10 +286,8 @@ def dry_run(
     out.append(f"    LR decay (WSD)    at ${max(decay_at, 0):.4f}  {when(decay_at)}")
     out.append(f"    graceful stop     at ${graceful_at:.4f}  {when(graceful_at)}")
     out.append(f"    immediate stop    at ${cap:.4f}  {when(cap)}")
-    act = {
-        "graceful": f"write a graceful stop to {stop_file}",
-        "immediate": f"write an immediate stop to {stop_file}",
-    }.get(dec.stop, "nothing")
+    act = {"graceful": "a graceful", "immediate": "an immediate"}.get(dec.stop)
+    act = f"write {act} stop to {stop_file}" if act else "nothing"
     out.append(f"  now       state {dec.state}; the watcher would do: {act}")
     try:
         check_not_exhausted(cfg, run_dir)
@@ -341,17 +303,17 @@ def _setup_logging() -> None:
         )
 
 
-def _wait_for_signal() -> None:
+def _stop_on_signals(then: str = "") -> threading.Event:
+    """An Event that SIGTERM or SIGINT sets (logged, with `then` after the signal's name)."""
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
-        log.info("budget: %s received", signal.Signals(signum).name)
+        log.info("budget: %s received%s", signal.Signals(signum).name, then)
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    while not stop.wait(1.0):
-        pass
+    return stop
 
 
 def hold(args: argparse.Namespace, code: int, reason: str) -> int:
@@ -377,40 +339,24 @@ def hold(args: argparse.Namespace, code: int, reason: str) -> int:
         args.verdict,
         code,
     )
-    _wait_for_signal()
+    stop = _stop_on_signals()
+    while not stop.wait(1.0):
+        pass
     return 0
 
 
-def start(args: argparse.Namespace) -> tuple[Watcher, BudgetConfig, Path, Path, float]:
+def start(args: argparse.Namespace) -> Watcher:
     """Everything that may refuse to watch: the settings, the price, the files, the ledger lock, the port."""
-    cfg = build_config(args)
-    run_dir, ledger_path, stop_file = _paths(args)
-    rate, price = _rate(cfg)
+    cfg, run_dir, ledger_path, stop_file, rate, price = _settings(args)
     problems = write_problems(run_dir, ledger_path, stop_file)
     if problems:
         raise UserError(problems[0])
-    from app.budget.kube import KubeActions
-
-    metrics = BudgetMetrics()
-    watcher = Watcher(
-        cfg,
-        run_dir=run_dir,
-        stop_file=stop_file,
-        static_rate_usd_per_hour=rate,
-        ledger_path=ledger_path,
-        host="sidecar",
-        metrics=metrics,
-        kube=KubeActions.from_config(cfg),
-    )
+    watcher = open_watcher(cfg, run_dir, stop_file, rate, price, max(cfg.gpus, 1), "sidecar", ledger_path)
     try:
-        if cfg.max_price_per_gpu_hour > 0:
-            from app.budget.price_guard import PriceGuard
-
-            watcher.price_guard = PriceGuard(cfg, max(cfg.gpus, 1), price)
         watcher.tick(time.time())  # real figures before the first scrape
         if cfg.metrics_port:
             try:
-                port = metrics.serve(cfg.metrics_port, args.metrics_addr)
+                port = watcher.metrics.serve(cfg.metrics_port, args.metrics_addr)
             except OSError as e:
                 raise UserError(
                     f"cannot serve metrics on port {cfg.metrics_port} ({e.strerror}); pass --metrics-port"
@@ -419,56 +365,42 @@ def start(args: argparse.Namespace) -> tuple[Watcher, BudgetConfig, Path, Path, 
     except BaseException:
         watcher.close()
         raise
-    return watcher, cfg, run_dir, stop_file, rate
+    return watcher
 
 
 def run(args: argparse.Namespace) -> int:
     _setup_logging()
     if args.dry_run_budget:
-        cfg = build_config(args)
-        run_dir, ledger_path, stop_file = _paths(args)
-        rate, price = _rate(cfg)
+        cfg, run_dir, ledger_path, stop_file, rate, price = _settings(args)
         lines, problems = dry_run(cfg, run_dir, ledger_path, stop_file, rate, price)
         print("\n".join(lines), flush=True)
         if problems:
             raise UserError(problems[0])
         return 0
     try:
-        watcher, cfg, run_dir, stop_file, rate = start(args)
-    except UserError as e:
-        if not args.verdict:
-            raise
-        return hold(args, e.exit_code, str(e))
+        watcher = start(args)
     except Exception as e:
         if not args.verdict:
             raise
-        where = traceback.extract_tb(e.__traceback__)[-1]
+        if isinstance(e, UserError):
+            return hold(args, e.exit_code, str(e))
+        tb = traceback.extract_tb(e.__traceback__)[-1]
         first = (str(e).splitlines() or [""])[0]
-        return hold(
-            args,
-            1,
-            f"the budget watcher crashed: {type(e).__name__}: {first} "
-            f"({Path(where.filename).name}:{where.lineno})",
-        )
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        log.info("budget: %s received; closing the ledger", signal.Signals(signum).name)
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+        where = f"{Path(tb.filename).name}:{tb.lineno}"
+        return hold(args, 1, f"the budget watcher crashed: {type(e).__name__}: {first} ({where})")
+    stop = _stop_on_signals("; closing the ledger")
+    cfg = watcher.cfg
     log.info(
         "budget: watching %s: cap $%.4f, source %s, static $%.2f/h, poll %g s, stop file %s",
-        run_dir,
+        watcher.run_dir,
         cfg.cap_usd,
         cfg.source,
-        rate,
+        watcher.static_rate,
         cfg.poll_seconds,
-        stop_file,
+        watcher.stop_file,
     )
     try:
-        why = watcher.run(stop, exit_when_done=args.exit_when_done, first_tick=False)
+        why = watcher.run(stop, exit_when_done=args.exit_when_done)
     finally:
         watcher.close()
     v = watcher.view

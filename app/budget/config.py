@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from app.errors import UserError
 
+CHOICES = {"source": ("static", "file", "opencost"), "kube": ("auto", "on", "off")}  # valid values
+
 
 @dataclass
 class BudgetConfig:
@@ -24,9 +26,8 @@ class BudgetConfig:
     alert_usd: float = 0.0  # or at this amount (whichever comes first); 0 = off
     margin_seconds: float = 60.0  # safety margin added to (step + checkpoint) when projecting
     decay_fraction: float = 0.15  # WSD: fraction of the run spent in the budget-driven LR decay
-    in_process: bool = (
-        True  # run the watcher as a thread on rank 0; false when a sidecar watches (Kubernetes)
-    )
+    # run the watcher as a thread on rank 0; false when a sidecar watches (Kubernetes)
+    in_process: bool = True
     metrics_port: int = 0  # watcher /metrics port; 0 = off (`pretrain watch` defaults to 9401)
     price_table: str = ""  # JSON/YAML file {gpu_type: price_per_gpu_hour} overriding the built-in table
     kube: str = "auto"  # auto (in a cluster with a job name) | on | off: Events and last-resort suspend
@@ -37,6 +38,11 @@ class BudgetConfig:
     # is charged to the cap; the rest is recorded in the ledger as unbilled_usd, not spent from the budget.
     idle_allowance_seconds: float = 1800.0
     max_price_per_gpu_hour: float = 0.0  # launch price guard: do not train above this USD/GPU-hour; 0 = off
+
+
+def is_amount(val: object) -> bool:
+    """A finite number >= 0 as JSON or YAML gives it (a bool is not a number here)."""
+    return isinstance(val, int | float) and not isinstance(val, bool) and math.isfinite(val) and val >= 0
 
 
 def check_budget_config(cfg: BudgetConfig) -> None:
@@ -68,14 +74,9 @@ def check_budget_config(cfg: BudgetConfig) -> None:
     need(
         0 <= cfg.metrics_port < 65536, f"budget.metrics_port must be a TCP port or 0, got {cfg.metrics_port}"
     )
-    need(
-        cfg.source in ("static", "file", "opencost"),
-        f"budget.source='{cfg.source}' is not valid; choose one of: static, file, opencost",
-    )
-    need(
-        cfg.kube in ("auto", "on", "off"),
-        f"budget.kube='{cfg.kube}' is not valid; choose one of: auto, on, off",
-    )
+    for key, choices in CHOICES.items():
+        val = getattr(cfg, key)
+        need(val in choices, f"budget.{key}='{val}' is not valid; choose one of: {', '.join(choices)}")
     if cfg.source == "file":
         need(bool(cfg.source_path), "budget.source=file needs budget.source_path (--source-path FILE.json)")
     if cfg.source == "opencost":

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import json
-import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
+from app.budget.config import is_amount
 from app.files import atomic_write_json
 
 
 def _num(data: dict, key: str) -> float:
     val = data.get(key, 0.0)
-    if isinstance(val, bool) or not isinstance(val, int | float) or not math.isfinite(val) or val < 0:
-        return 0.0
-    return float(val)
+    return float(val) if is_amount(val) else 0.0
 
 
 @dataclass(frozen=True)
@@ -30,26 +28,8 @@ class TrainerStatus:
     checkpoint_write_seconds: float = 0.0  # of checkpoint_seconds, what ran in the background
 
 
-def read_status(path: Path) -> TrainerStatus | None:
-    """None when missing or unreadable: the trainer may not have started yet, which is not an error."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict):
-        return None
-    step = data.get("step", 0)
-    return TrainerStatus(
-        step=step if isinstance(step, int) and not isinstance(step, bool) else 0,
-        step_seconds=_num(data, "step_seconds"),
-        checkpoint_seconds=_num(data, "checkpoint_seconds"),
-        state=str(data.get("state", "")),
-        updated_unix=_num(data, "updated_unix"),
-        checkpoint_write_seconds=_num(data, "checkpoint_write_seconds"),
-    )
-
-
-def read_stop_file(path: Path) -> dict | None:
+def read_json_object(path: Path) -> dict | None:
+    """A JSON object file (status.json, the stop file, state.json); None when missing or unreadable."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
@@ -57,21 +37,28 @@ def read_stop_file(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+read_stop_file = read_json_object
+
+
+def read_status(path: Path) -> TrainerStatus | None:
+    """None when missing or unreadable: the trainer may not have started yet, which is not an error."""
+    data = read_json_object(path)
+    if data is None:
+        return None
+    step = data.get("step", 0)
+    step = step if isinstance(step, int) and not isinstance(step, bool) else 0
+    seconds = {f.name: _num(data, f.name) for f in fields(TrainerStatus) if f.type == "float"}
+    return TrainerStatus(step=step, state=str(data.get("state", "")), **seconds)
+
+
 def write_stop_file(path: Path, mode: str, reason: str, now: float | None = None) -> bool:
     """Ask the trainer to stop (contract shape). Never downgrades an immediate stop someone already asked
     for, and leaves an existing graceful request alone unless escalating; True when written."""
-    current = read_stop_file(path)
-    if current is not None:
-        if current.get("mode") == "immediate":
-            return False
-        if current.get("mode") == "graceful" and mode == "graceful":
-            return False
-    data = {
-        "mode": mode,
-        "cause": "budget",
-        "reason": reason,
-        "written_unix": time.time() if now is None else now,
-    }
+    current = (read_stop_file(path) or {}).get("mode")
+    if current == "immediate" or current == mode == "graceful":
+        return False
+    now = time.time() if now is None else now
+    data = {"mode": mode, "cause": "budget", "reason": reason, "written_unix": now}
     atomic_write_json(Path(path), data, durable=True)
     return True
 

@@ -35,13 +35,12 @@ JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 COMPONENT = "pretrain-budget-watcher"
 TIMEOUT = 5.0
+MERGE_PATCH = {"_request_timeout": TIMEOUT, "_content_type": "application/merge-patch+json"}
 
 
 def _namespace(cfg: BudgetConfig) -> str:
-    if cfg.namespace:
-        return cfg.namespace
-    if os.environ.get("POD_NAMESPACE"):
-        return os.environ["POD_NAMESPACE"]
+    if namespace := cfg.namespace or os.environ.get("POD_NAMESPACE"):
+        return namespace
     try:
         return SA_NAMESPACE.read_text().strip()
     except OSError:
@@ -86,10 +85,7 @@ class KubeActions:
         from kubernetes import client, config
 
         try:
-            if in_cluster:
-                config.load_incluster_config()
-            else:
-                config.load_kube_config()
+            (config.load_incluster_config if in_cluster else config.load_kube_config)()
         except Exception as e:  # the client raises several types for a missing/invalid config
             if cfg.kube == "on":
                 raise UserError(f"budget.kube=on but no Kubernetes credentials: {e}") from None
@@ -98,42 +94,42 @@ class KubeActions:
         return cls(_namespace(cfg), job, client.ApiClient())
 
     def _job_meta(self) -> dict:
+        """The PyTorchJob's metadata (fetched once), or {} when it cannot be read: a failed read is logged
+        and the caller carries on without (an Event without uid still shows; a plain suspend is tried)."""
         if self._job is None:
-            job = self.custom.get_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, PLURAL, self.job_name, _request_timeout=TIMEOUT
-            )
-            self._job = dict(job.get("metadata", {}))
+            try:
+                job = self.custom.get_namespaced_custom_object(
+                    GROUP, VERSION, self.namespace, PLURAL, self.job_name, _request_timeout=TIMEOUT
+                )
+                self._job = dict(job.get("metadata", {}))
+            except Exception as e:  # no 'get' permission or job gone
+                log.warning(
+                    "budget: cannot read PyTorchJob %s/%s: %s", self.namespace, self.job_name, _short(e)
+                )
+                return {}
         return self._job
 
-    def _job_uid(self) -> str:
-        return str(self._job_meta().get("uid", ""))
+    def _patch(self, group: str, version: str, plural: str, name: str, body: dict) -> None:
+        self.custom.patch_namespaced_custom_object(
+            group, version, self.namespace, plural, name, body, **MERGE_PATCH
+        )
 
     def event(self, reason: str, message: str, warning: bool = True) -> bool:
         """A core/v1 Event on the PyTorchJob (shows in `kubectl describe pytorchjob`)."""
         try:
-            try:
-                uid = self._job_uid()
-            except Exception as e:  # no 'get' permission or job gone: an Event without uid still shows
-                log.warning(
-                    "budget: cannot read PyTorchJob %s/%s: %s", self.namespace, self.job_name, _short(e)
-                )
-                uid = ""
+            uid = str(self._job_meta().get("uid", ""))
             now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
             involved = {
                 "apiVersion": f"{GROUP}/{VERSION}",
                 "kind": KIND,
                 "name": self.job_name,
                 "namespace": self.namespace,
+                **({"uid": uid} if uid else {}),
             }
-            if uid:
-                involved["uid"] = uid
             body = {
                 "apiVersion": "v1",
                 "kind": "Event",
-                "metadata": {
-                    "generateName": f"{self.job_name}-{self.prefix}-",
-                    "namespace": self.namespace,
-                },
+                "metadata": {"generateName": f"{self.job_name}-{self.prefix}-", "namespace": self.namespace},
                 "involvedObject": involved,
                 "reason": reason,
                 "message": message[:1024],
@@ -154,24 +150,10 @@ class KubeActions:
     def suspend(self) -> bool:
         """spec.runPolicy.suspend=true (merge patch): the operator deletes the pods and keeps the job.
         Under Kueue: deactivate the job's Workload instead (see the module docstring)."""
-        try:
-            labels = self._job_meta().get("labels") or {}
-        except Exception as e:  # cannot read the job: try the plain suspend
-            log.warning("budget: cannot read PyTorchJob %s/%s: %s", self.namespace, self.job_name, _short(e))
-            labels = {}
-        if labels.get(QUEUE_LABEL):
+        if (self._job_meta().get("labels") or {}).get(QUEUE_LABEL):
             return self._deactivate_workload()
         try:
-            self.custom.patch_namespaced_custom_object(
-                GROUP,
-                VERSION,
-                self.namespace,
-                PLURAL,
-                self.job_name,
-                {"spec": {"runPolicy": {"suspend": True}}},
-                _request_timeout=TIMEOUT,
-                _content_type="application/merge-patch+json",
-            )
+            self._patch(GROUP, VERSION, PLURAL, self.job_name, {"spec": {"runPolicy": {"suspend": True}}})
             return True
         except Exception as e:
             log.error("budget: cannot suspend PyTorchJob %s/%s: %s", self.namespace, self.job_name, _short(e))
@@ -180,39 +162,24 @@ class KubeActions:
     def _deactivate_workload(self) -> bool:
         """spec.active=false on the Kueue Workload owned by this job (found by Kueue's job-uid label, or
         by its owner reference on Kueue versions without that label)."""
-        uid = self._job_uid()
-        try:
-            found = self.custom.list_namespaced_custom_object(
-                KUEUE_GROUP,
-                KUEUE_VERSION,
-                self.namespace,
-                WORKLOADS,
-                label_selector=f"{JOB_UID_LABEL}={uid}",
-                _request_timeout=TIMEOUT,
+        uid = str(self._job_meta().get("uid", ""))
+
+        def workloads(**selector: str) -> list:
+            return self.custom.list_namespaced_custom_object(
+                KUEUE_GROUP, KUEUE_VERSION, self.namespace, WORKLOADS, _request_timeout=TIMEOUT, **selector
             ).get("items", [])
-            if not found:
-                every = self.custom.list_namespaced_custom_object(
-                    KUEUE_GROUP, KUEUE_VERSION, self.namespace, WORKLOADS, _request_timeout=TIMEOUT
-                ).get("items", [])
-                found = [
-                    w
-                    for w in every
-                    if any(o.get("uid") == uid for o in w.get("metadata", {}).get("ownerReferences", []))
-                ]
+
+        try:
+            found = workloads(label_selector=f"{JOB_UID_LABEL}={uid}") or [
+                w
+                for w in workloads()
+                if any(o.get("uid") == uid for o in w.get("metadata", {}).get("ownerReferences", []))
+            ]
             if not found:
                 log.error("budget: no Kueue Workload owned by PyTorchJob %s (uid %s)", self.job_name, uid)
                 return False
             name = found[0]["metadata"]["name"]
-            self.custom.patch_namespaced_custom_object(
-                KUEUE_GROUP,
-                KUEUE_VERSION,
-                self.namespace,
-                WORKLOADS,
-                name,
-                {"spec": {"active": False}},
-                _request_timeout=TIMEOUT,
-                _content_type="application/merge-patch+json",
-            )
+            self._patch(KUEUE_GROUP, KUEUE_VERSION, WORKLOADS, name, {"spec": {"active": False}})
             log.error("budget: deactivated Kueue Workload %s of PyTorchJob %s", name, self.job_name)
             return True
         except Exception as e:

@@ -15,12 +15,12 @@ import contextlib
 import dataclasses
 import errno
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.budget.config import is_amount
 from app.errors import UserError
 from app.files import atomic_write_json, not_a_directory, not_a_directory_message, unwritable_message
 
@@ -98,9 +98,14 @@ def _bad(path: Path, what: str) -> LedgerError:
 
 def _float(data: dict, key: str, path: Path) -> float:
     val = data.get(key, 0.0)
-    if isinstance(val, bool) or not isinstance(val, int | float) or not math.isfinite(val) or val < 0:
+    if not is_amount(val):
         raise _bad(path, f"'{key}' must be a number >= 0, got {val!r}")
     return float(val)
+
+
+def _floats(cls: type, data: dict, path: Path) -> dict[str, float]:
+    """The float fields of dataclass `cls` from `data`, each a number >= 0 (0 when absent)."""
+    return {f.name: _float(data, f.name, path) for f in dataclasses.fields(cls) if f.type in ("float", float)}
 
 
 def ledger_from_json(data: Any, path: Path) -> Ledger:
@@ -108,10 +113,7 @@ def ledger_from_json(data: Any, path: Path) -> Ledger:
         raise _bad(path, "not a JSON object")
     if data.get("version", LEDGER_VERSION) != LEDGER_VERSION:
         raise _bad(path, f"version {data.get('version')!r}, this build reads {LEDGER_VERSION}")
-    led = Ledger()
-    for f in dataclasses.fields(Ledger):
-        if f.type in ("float",) or f.type is float:
-            setattr(led, f.name, _float(data, f.name, path))
+    led = Ledger(**_floats(Ledger, data, path))
     led.open_session = bool(data.get("open_session", False))
     led.source = str(data.get("source", ""))
     crashes = data.get("crashes", 0)
@@ -120,13 +122,7 @@ def ledger_from_json(data: Any, path: Path) -> Ledger:
     if stop is not None:
         if not isinstance(stop, dict) or stop.get("mode") not in ("graceful", "immediate"):
             raise _bad(path, f"'stop' must be null or a stop record, got {stop!r}")
-        led.stop = StopRecord(
-            mode=stop["mode"],
-            reason=str(stop.get("reason", "")),
-            cap_usd=_float(stop, "cap_usd", path),
-            spent_usd=_float(stop, "spent_usd", path),
-            unix=_float(stop, "unix", path),
-        )
+        led.stop = StopRecord(stop["mode"], str(stop.get("reason", "")), **_floats(StopRecord, stop, path))
     guard = data.get("price_guard")
     led.price_guard = guard if isinstance(guard, dict) else None
     sessions = data.get("sessions", [])
@@ -134,16 +130,8 @@ def ledger_from_json(data: Any, path: Path) -> Ledger:
         raise _bad(path, "'sessions' must be a list")
     for s in sessions:
         if isinstance(s, dict):
-            led.sessions.append(
-                Session(
-                    start_unix=_float(s, "start_unix", path),
-                    end_unix=_float(s, "end_unix", path),
-                    spent_usd=_float(s, "spent_usd", path),
-                    host=str(s.get("host", "")),
-                    pid=int(s.get("pid", 0) or 0),
-                    clean=bool(s.get("clean", False)),
-                )
-            )
+            host, pid, clean = str(s.get("host", "")), int(s.get("pid", 0) or 0), bool(s.get("clean", False))
+            led.sessions.append(Session(**_floats(Session, s, path), host=host, pid=pid, clean=clean))
     return led
 
 
@@ -189,8 +177,8 @@ class LedgerLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
+            os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                os.close(fd)
                 holder = ""
                 with contextlib.suppress(OSError):
                     holder = f" (pid {self.path.read_text().strip()})"
@@ -198,9 +186,7 @@ class LedgerLock:
                     f"another budget watcher holds {self.path}{holder}; run one watcher per run: "
                     f"a sidecar (`pretrain watch`) or the trainer's thread (budget.in_process=true), not both"
                 ) from None
-            # the filesystem cannot lock (some network volumes): carry on unlocked
-            os.close(fd)
-            return
+            return  # the filesystem cannot lock (some network volumes): carry on unlocked
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self._fd = fd

@@ -15,75 +15,61 @@ class BudgetMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.spent = Gauge("pretrain_budget_spent_usd", "Spend recorded in the ledger (USD)", registry=r)
-        self.cap = Gauge("pretrain_budget_cap_usd", "Budget cap (USD)", registry=r)
-        self.rate = Gauge(
-            "pretrain_budget_rate_usd_per_hour", "Current spend rate (USD per hour)", registry=r
-        )
-        self.projected = Gauge(
+
+        def gauge(name: str, help_: str, *labels: str) -> Gauge:
+            return Gauge(name, help_, labels, registry=r)
+
+        def counter(name: str, help_: str, *labels: str) -> Counter:
+            return Counter(name, help_, labels, registry=r)
+
+        self.spent = gauge("pretrain_budget_spent_usd", "Spend recorded in the ledger (USD)")
+        self.cap = gauge("pretrain_budget_cap_usd", "Budget cap (USD)")
+        self.rate = gauge("pretrain_budget_rate_usd_per_hour", "Current spend rate (USD per hour)")
+        self.projected = gauge(
             "pretrain_budget_projected_total_usd",
             "Spend projected at the next safe stopping point: max(poll, step + checkpoint) + poll + margin (USD)",
-            registry=r,
         )
-        self.remaining = Gauge("pretrain_budget_remaining_usd", "Cap minus spent (USD)", registry=r)
-        self.to_cap = Gauge(
-            "pretrain_budget_seconds_to_cap",
-            "Seconds until the cap at the current rate (+Inf at rate 0)",
-            registry=r,
+        self.remaining = gauge("pretrain_budget_remaining_usd", "Cap minus spent (USD)")
+        self.to_cap = gauge(
+            "pretrain_budget_seconds_to_cap", "Seconds until the cap at the current rate (+Inf at rate 0)"
         )
-        self.to_stop = Gauge(
+        self.to_stop = gauge(
             "pretrain_budget_seconds_to_stop",
             "Seconds until the graceful budget stop fires at the current rate (+Inf at rate 0)",
-            registry=r,
         )
-        self.decay = Gauge(
-            "pretrain_budget_decay", "1 while the budget asks the trainer to decay its LR", registry=r
+        self.decay = gauge("pretrain_budget_decay", "1 while the budget asks the trainer to decay its LR")
+        self.state = gauge(
+            "pretrain_budget_state", "1 for the current budget state, 0 for the others", "state"
         )
-        self.state = Gauge(
-            "pretrain_budget_state", "1 for the current budget state, 0 for the others", ["state"], registry=r
-        )
-        self.source_up = Gauge(
+        self.source_up = gauge(
             "pretrain_budget_source_up",
             "1 when the spend source answered fresh data at the last poll",
-            ["source"],
-            registry=r,
+            "source",
         )
-        self.source_updated = Gauge(
+        self.source_updated = gauge(
             "pretrain_budget_source_last_update_timestamp_seconds",
             "Unix time the source's latest good figure was true",
-            registry=r,
         )
-        self.last_poll = Gauge(
-            "pretrain_budget_last_poll_timestamp_seconds", "Unix time of the watcher's last poll", registry=r
+        self.last_poll = gauge(
+            "pretrain_budget_last_poll_timestamp_seconds", "Unix time of the watcher's last poll"
         )
-        self.fallbacks = Counter(
+        self.fallbacks = counter(
             "pretrain_budget_source_fallbacks_total",
             "Times the watcher fell back to the static rate because its source failed or went stale",
-            registry=r,
         )
-        self.alerts = Counter("pretrain_budget_alerts_total", "Budget alerts raised", registry=r)
-        self.stops = Counter("pretrain_budget_stops_total", "Budget stops asked for", ["mode"], registry=r)
-        self.suspends = Counter(
-            "pretrain_budget_suspends_total",
-            "PyTorchJob suspensions after an ignored immediate stop",
-            registry=r,
+        self.alerts = counter("pretrain_budget_alerts_total", "Budget alerts raised")
+        self.stops = counter("pretrain_budget_stops_total", "Budget stops asked for", "mode")
+        self.suspends = counter(
+            "pretrain_budget_suspends_total", "PyTorchJob suspensions after an ignored immediate stop"
         )
         # the launch price guard (budget.max_price_per_gpu_hour; app/budget/price_guard.py)
-        self.price = Gauge(
-            "pretrain_budget_price_per_gpu_hour", "Current price of one GPU-hour (USD)", registry=r
+        self.price = gauge("pretrain_budget_price_per_gpu_hour", "Current price of one GPU-hour (USD)")
+        self.max_price = gauge(
+            "pretrain_budget_max_price_per_gpu_hour", "Price ceiling of the launch price guard (USD)"
         )
-        self.max_price = Gauge(
-            "pretrain_budget_max_price_per_gpu_hour",
-            "Price ceiling of the launch price guard (USD)",
-            registry=r,
-        )
-        self.price_above = Gauge(
-            "pretrain_budget_price_above_max", "1 while the price is above the ceiling", registry=r
-        )
-        self.price_stops = Counter(
-            "pretrain_budget_price_stops_total",
-            "Graceful stops because the price rose above the ceiling",
-            registry=r,
+        self.price_above = gauge("pretrain_budget_price_above_max", "1 while the price is above the ceiling")
+        self.price_stops = counter(
+            "pretrain_budget_price_stops_total", "Graceful stops because the price rose above the ceiling"
         )
         for s in STATES:
             self.state.labels(state=s).set(0)

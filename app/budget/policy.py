@@ -34,9 +34,12 @@ under way becomes overdue within the poll.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from app.budget.config import BudgetConfig
+from app.budget.ledger import Ledger
 
 STATES = ("ok", "alert", "stopping", "exhausted")
-STATE_CODES = {s: i for i, s in enumerate(STATES)}
 MIN_LOOK_SECONDS = 0.01  # the soonest the watcher is asked to look again (clock resolution, no busy loop)
 
 
@@ -87,14 +90,44 @@ def allowance_seconds(inp: PolicyInput) -> float:
     return max(inp.margin_seconds, stop_seconds(inp))
 
 
-def graceful_point_seconds(inp: PolicyInput) -> float:
-    """G = max(poll, S): the graceful point the horizon keeps one poll (plus A) beyond."""
-    return max(inp.poll_seconds, stop_seconds(inp))
-
-
 def horizon_seconds(inp: PolicyInput) -> float:
-    """H = G + poll + A: a poll lands with R in (H - poll, H], so R > S + A at the graceful request."""
-    return graceful_point_seconds(inp) + inp.poll_seconds + allowance_seconds(inp)
+    """H = max(poll, S) + poll + A: a poll lands with R in (H - poll, H], so R > S + A at the graceful
+    request."""
+    return max(inp.poll_seconds, stop_seconds(inp)) + inp.poll_seconds + allowance_seconds(inp)
+
+
+def trainer_figures(led: Ledger, status: Any) -> tuple[float, float, float]:
+    """(step, checkpoint, write) seconds: the trainer's latest (status.json), else the ledger's last known."""
+    if not status:
+        return led.step_seconds, led.checkpoint_seconds, led.checkpoint_write_seconds
+    return (
+        status.step_seconds or led.step_seconds,
+        status.checkpoint_seconds or led.checkpoint_seconds,
+        status.checkpoint_write_seconds or led.checkpoint_write_seconds,
+    )
+
+
+def policy_input(
+    cfg: BudgetConfig, led: Ledger, spent: float, rate: float, status: Any, now: float, starting: bool = False
+) -> PolicyInput:
+    """What the policy decides on: spend and rate, the trainer's figures, the config and a stop under way."""
+    step, ckpt, write = trainer_figures(led, status)
+    return PolicyInput(
+        spent_usd=spent,
+        cap_usd=cfg.cap_usd,
+        rate_usd_per_hour=rate,
+        step_seconds=step,
+        checkpoint_seconds=ckpt,
+        checkpoint_write_seconds=write,
+        poll_seconds=cfg.poll_seconds,
+        margin_seconds=cfg.margin_seconds,
+        alert_fraction=cfg.alert_fraction,
+        alert_usd=cfg.alert_usd,
+        decay_fraction=cfg.decay_fraction,
+        stopping=led.stop.mode if led.stop else "",
+        stopping_seconds=max(0.0, now - led.stop.unix) if led.stop else 0.0,
+        trainer_starting=starting,
+    )
 
 
 def decide(inp: PolicyInput) -> Decision:

@@ -27,8 +27,11 @@ from typing import Any
 
 from app.budget.config import BudgetConfig
 from app.budget.files import clear_stale_budget_stop, write_stop_file
+from app.budget.kube import KubeActions
 from app.budget.ledger import LedgerLock, load_ledger, save_ledger
-from app.budget.sources import Reading, make_source
+from app.budget.metrics import BudgetMetrics
+from app.budget.pricing import detect_cuda_gpu_type, resolve_gpus, static_rate
+from app.budget.sources import Reading, make_source, read_source
 from app.budget.view import ledger_path_for
 from app.errors import UserError
 
@@ -77,13 +80,15 @@ def record(run_dir: Path, entry: dict[str, Any], ledger: Any = None) -> None:
         lock.release()
 
 
-def check_launch_price(
-    cfg: BudgetConfig, run_dir: Path, gpus: int, static_price: float, is_rank0: bool
-) -> None:
-    """Raise PriceAboveMax when the price now is above the ceiling (no ceiling: nothing to check)."""
+def check_price_at_launch(cfg: BudgetConfig, run_dir: Path, world_size: int, is_rank0: bool) -> None:
+    """Raise PriceAboveMax (exit 0, no training) when the price now is above budget.max_price_per_gpu_hour
+    (no ceiling: nothing to check)."""
     ceiling = cfg.max_price_per_gpu_hour
     if ceiling <= 0:
         return
+    gpus = resolve_gpus(cfg, world_size)
+    gpu_type = cfg.gpu_type or detect_cuda_gpu_type()
+    _rate, static_price = static_rate(gpu_type, cfg.price_per_gpu_hour, gpus, cfg.price_table)
     now = time.time()
     reading = make_source(cfg, static_price * gpus, now).read(now)
     price, source = current_price(reading, gpus, static_price)
@@ -102,8 +107,6 @@ def check_launch_price(
     reason = above_reason(price, ceiling, source, "not starting")
     if is_rank0:
         record(run_dir, {**entry, "state": "not_started", "reason": reason})
-        from app.budget.kube import KubeActions
-
         kube = KubeActions.from_config(cfg)
         if kube:
             kube.event("PriceAboveMax", reason)
@@ -147,17 +150,10 @@ class PriceWatcher:
     the verdict goes into the ledger file under its lock). Same interface as Watcher for WatcherHandle."""
 
     def __init__(
-        self,
-        cfg: BudgetConfig,
-        run_dir: Path,
-        stop_file: Path,
-        gpus: int,
-        static_price: float,
-        metrics: Any = None,
-        kube: Any = None,
+        self, cfg: BudgetConfig, run_dir: Path, stop_file: Path, gpus: int, static_price: float
     ) -> None:
+        self.metrics, self.kube = BudgetMetrics(), KubeActions.from_config(cfg)
         self.cfg, self.run_dir, self.stop_file = cfg, Path(run_dir), Path(stop_file)
-        self.metrics, self.kube = metrics, kube
         self.ledger = None
         self.view = None
         self.ledger_path = ledger_path_for(self.run_dir)
@@ -171,24 +167,17 @@ class PriceWatcher:
         clear_stale_budget_stop(self.stop_file)  # a leftover budget stop from an earlier run
 
     def tick(self, now: float) -> None:
-        try:
-            reading = self.source.read(now)
-        except Exception as e:  # a source must not kill the watcher
-            reading = Reading(self.source.name, False, error=f"{type(e).__name__}: {e}")
-        self.price_guard.check(self, reading, now)
+        self.price_guard.check(self, read_source(self.source, now), now)
         if self.metrics:
             self.metrics.last_poll.set(now)
 
-    def run(self, stop_event: Any, exit_when_done: bool = False, first_tick: bool = True) -> str:
-        if not first_tick and stop_event.wait(self.cfg.poll_seconds):
-            return "stopped"
-        while True:
+    def run(self, stop_event: Any) -> str:
+        while not stop_event.wait(self.cfg.poll_seconds):
             try:
                 self.tick(time.time())
             except Exception:
                 log.exception("budget: price check failed; retrying at the next poll")
-            if stop_event.wait(self.cfg.poll_seconds):
-                return "stopped"
+        return "stopped"
 
     def close(self, now: float | None = None) -> None:
         """No final tick: the trainer has stopped, a stop file now would only be left behind."""

@@ -9,13 +9,13 @@ type, so the trainer's MFU and the planner agree.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from app.budget.config import BudgetConfig, is_amount
 from app.errors import UserError
 
 
@@ -57,29 +57,20 @@ ALIASES = {
 def normalize(gpu_type: str) -> str:
     """'NVIDIA A100-SXM4-80GB', 'A100_80GB' -> a table key when one matches, else the cleaned name."""
     key = re.sub(r"[\s_]+", "-", gpu_type.strip().lower()).removeprefix("nvidia-")
-    if key in GPUS:
-        return key
-    if key in ALIASES:
-        return ALIASES[key]
-    return key
+    return ALIASES.get(key, key)
 
 
 def detect_cuda_gpu_type() -> str:
-    """The table key of the local CUDA device, or "" (CPU, unknown model, or torch missing)."""
+    """The table key of the local CUDA device (e.g. 'NVIDIA H100 80GB HBM3' -> h100-sxm), or "" (CPU,
+    unknown model, or torch missing)."""
     try:
         import torch
 
         if not torch.cuda.is_available():
             return ""
-        name = torch.cuda.get_device_name(0)
+        n = torch.cuda.get_device_name(0).lower()
     except Exception:
         return ""
-    return gpu_type_from_device_name(name)
-
-
-def gpu_type_from_device_name(name: str) -> str:
-    """Map a CUDA device name (e.g. 'NVIDIA H100 80GB HBM3') to a table key, or ""."""
-    n = name.lower()
     if "b200" in n:
         return "b200"
     if "h200" in n:
@@ -91,6 +82,19 @@ def gpu_type_from_device_name(name: str) -> str:
     if "l40s" in n:
         return "l40s"
     return ""
+
+
+def resolve_gpus(cfg: BudgetConfig, world_size: int) -> int:
+    """GPUs billed: the config, else the world size on GPUs, else 1 (a CPU box bills as one unit)."""
+    if cfg.gpus > 0:
+        return cfg.gpus
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    return max(1, world_size) if cuda else 1
 
 
 def load_price_table(path: str) -> dict[str, float]:
@@ -111,7 +115,7 @@ def load_price_table(path: str) -> dict[str, float]:
     for key, val in data.items():
         if isinstance(val, dict):
             val = val.get("price_per_gpu_hour")
-        if isinstance(val, bool) or not isinstance(val, int | float) or not math.isfinite(val) or val < 0:
+        if not is_amount(val):
             raise UserError(f"price table {path}: price for '{key}' must be a number >= 0, got {val!r}")
         out[normalize(str(key))] = float(val)
     return out
@@ -121,13 +125,9 @@ def price_per_gpu_hour(gpu_type: str, override: float = 0.0, table_path: str = "
     """USD per GPU-hour: the override, else the user's table, else the built-in one; 0 when unknown."""
     if override > 0:
         return override
-    key = normalize(gpu_type) if gpu_type else ""
-    if not key:
-        return 0.0
-    if table_path:
-        table = load_price_table(table_path)
-        if key in table:
-            return table[key]
+    key = normalize(gpu_type)
+    if key and table_path and key in (table := load_price_table(table_path)):
+        return table[key]
     spec = GPUS.get(key)
     return spec.price_per_gpu_hour if spec else 0.0
 

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
-from app.budget.config import BudgetConfig
+from app.budget.config import BudgetConfig, is_amount
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,14 @@ class Source(Protocol):
     name: str
 
     def read(self, now: float) -> Reading: ...
+
+
+def read_source(source: Source, now: float) -> Reading:
+    """source.read, with an exception turned into a failed reading: a source must not kill the watcher."""
+    try:
+        return source.read(now)
+    except Exception as e:
+        return Reading(source.name, False, error=f"{type(e).__name__}: {e}")
 
 
 class StaticSource:
@@ -62,13 +70,12 @@ def parse_utc(value: Any) -> float:
     return dt.timestamp()
 
 
-def _number(data: dict, key: str, required: bool = True) -> float | None:
-    if key not in data:
-        if required:
-            raise ValueError(f"missing '{key}'")
-        return None
-    val = data[key]
-    if isinstance(val, bool) or not isinstance(val, int | float) or not math.isfinite(val) or val < 0:
+def _number(data: dict, key: str, required: bool = True) -> float:
+    """data[key], a number >= 0 (0 when absent and not required); ValueError when it is not."""
+    if required and key not in data:
+        raise ValueError(f"missing '{key}'")
+    val = data.get(key, 0.0)
+    if not is_amount(val):
         raise ValueError(f"'{key}' must be a number >= 0, got {val!r}")
     return float(val)
 
@@ -119,7 +126,6 @@ class FileSource:
             updated = parse_utc(data["last_update_utc"])
         except ValueError as e:
             return Reading(self.name, False, error=f"{self.path}: {e}")
-        assert spent is not None and rate is not None
         return _check_fresh(self.name, spent, rate, updated, now, self.stale)
 
 
@@ -203,12 +209,7 @@ class OpenCostSource:
                 if name not in self.names or not isinstance(alloc, dict):
                     continue
                 cost = alloc["totalCost"]
-                if (
-                    isinstance(cost, bool)
-                    or not isinstance(cost, int | float)
-                    or not math.isfinite(cost)
-                    or cost < 0
-                ):
+                if not is_amount(cost):
                     raise ValueError(f"totalCost of '{name}' is {cost!r}")
                 total += float(cost)
                 start = min(start, parse_utc(alloc.get("start") or alloc["window"]["start"]))

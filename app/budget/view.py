@@ -3,10 +3,11 @@ metrics, the CLI and the trainer read."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from app.budget.files import read_json_object
 
 
 def ledger_path_for(run_dir: Path) -> Path:
@@ -48,8 +49,4 @@ class View:
 
 def read_budget_state(run_dir: Path) -> dict[str, Any] | None:
     """RUN_DIR/budget/state.json as a dict, or None when absent or unreadable."""
-    try:
-        data = json.loads(state_path_for(run_dir).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    return read_json_object(state_path_for(run_dir))

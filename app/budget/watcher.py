@@ -20,8 +20,8 @@ from app.budget.files import clear_stale_budget_stop, read_status, write_stop_fi
 from app.budget.kube import KubeActions
 from app.budget.ledger import Ledger, LedgerLock, Session, StopRecord, load_ledger, save_ledger
 from app.budget.metrics import BudgetMetrics
-from app.budget.policy import Decision, PolicyInput, decide
-from app.budget.sources import Reading, Source, make_source
+from app.budget.policy import Decision, PolicyInput, decide, policy_input, trainer_figures
+from app.budget.sources import Reading, Source, make_source, read_source
 from app.budget.view import View, ledger_path_for
 from app.errors import UserError
 from app.files import atomic_write_json
@@ -37,40 +37,6 @@ FALLBACK_LOG_SECONDS = 600.0  # repeat a persisting source failure in the log th
 # graceful point into the past. A stop then reaches the trainer within this time of the heartbeat.
 LOOK_SECONDS = 0.1
 LEASE_FILE = "lease.json"  # held by a trainer for its whole life (app/trainer/lease.py, docs/contracts.md)
-
-
-def trainer_figures(led: Ledger, status: Any) -> tuple[float, float, float]:
-    """(step, checkpoint, write) seconds: the trainer's latest (status.json), else the ledger's last known."""
-    if not status:
-        return led.step_seconds, led.checkpoint_seconds, led.checkpoint_write_seconds
-    return (
-        status.step_seconds or led.step_seconds,
-        status.checkpoint_seconds or led.checkpoint_seconds,
-        status.checkpoint_write_seconds or led.checkpoint_write_seconds,
-    )
-
-
-def policy_input(
-    cfg: BudgetConfig, led: Ledger, spent: float, rate: float, status: Any, now: float, starting: bool = False
-) -> PolicyInput:
-    """What the policy decides on: spend and rate, the trainer's figures, the config and a stop under way."""
-    step, ckpt, write = trainer_figures(led, status)
-    return PolicyInput(
-        spent_usd=spent,
-        cap_usd=cfg.cap_usd,
-        rate_usd_per_hour=rate,
-        step_seconds=step,
-        checkpoint_seconds=ckpt,
-        checkpoint_write_seconds=write,
-        poll_seconds=cfg.poll_seconds,
-        margin_seconds=cfg.margin_seconds,
-        alert_fraction=cfg.alert_fraction,
-        alert_usd=cfg.alert_usd,
-        decay_fraction=cfg.decay_fraction,
-        stopping=led.stop.mode if led.stop else "",
-        stopping_seconds=max(0.0, now - led.stop.unix) if led.stop else 0.0,
-        trainer_starting=starting,
-    )
 
 
 class Watcher:
@@ -108,29 +74,23 @@ class Watcher:
         try:
             self.ledger = self._open_session(load_ledger(self.ledger_path), now)
             save_ledger(self.ledger_path, self.ledger)
-        except OSError as e:
+        except BaseException as e:
             if self._lock:
                 self._lock.release()
-            raise UserError(
-                f"cannot write the budget ledger {self.ledger_path}: {e.strerror}; check the volume"
-            ) from None
-        except BaseException:
-            if self._lock:
-                self._lock.release()
+            if isinstance(e, OSError):
+                msg = f"cannot write the budget ledger {self.ledger_path}: {e.strerror}; check the volume"
+                raise UserError(msg) from None
             raise
         self.source = source or make_source(cfg, static_rate_usd_per_hour, self.ledger.created_unix)
         self.session_start = now
         self._last = now
         self._good_rate = self.ledger.rate_usd_per_hour if self.ledger.source == cfg.source else 0.0
-        self._fallback = False
-        self._last_error = ""
-        self._last_log = -float("inf")
-        self._immediate_seen: float | None = (
-            now if (self.ledger.stop and self.ledger.stop.mode == "immediate") else None
-        )
+        self._fallback, self._last_error, self._last_log = False, "", -float("inf")  # see _charge
+        stop = self.ledger.stop
+        self._immediate_seen = now if stop and stop.mode == "immediate" else None
         self._suspend_done = False
         self._said_unbilled = False
-        self._stopped_at_open = self.ledger.stop is not None
+        self._stopped_at_open = stop is not None
         self._closed = False
         self._next_tick = now  # when the policy wants the next tick (tick() moves it on)
         self._status_seen: float | None = None  # updated_unix of the last status.json a decision used
@@ -138,8 +98,8 @@ class Watcher:
         self.fallbacks = 0
         self.view: View | None = None
         self.price_guard = None  # a PriceGuard when budget.max_price_per_gpu_hour is set
-        if self.ledger.stop:  # a new pod has a new (empty) stop-file volume: say it again
-            write_stop_file(self.stop_file, self.ledger.stop.mode, self.ledger.stop.reason, now)
+        if stop:  # a new pod has a new (empty) stop-file volume: say it again
+            write_stop_file(self.stop_file, stop.mode, stop.reason, now)
 
     # ------------------------------------------------------------ session
 
@@ -200,12 +160,6 @@ class Watcher:
 
     # ------------------------------------------------------------ one poll
 
-    def _read(self, now: float) -> Reading:
-        try:
-            return self.source.read(now)
-        except Exception as e:  # a source must not kill the watcher
-            return Reading(self.source.name, False, error=f"{type(e).__name__}: {e}")
-
     def _charge(self, reading: Reading, dt: float, now: float) -> tuple[float, float]:
         """New spend and rate from the reading; falls back to the static rate when the source fails."""
         led = self.ledger
@@ -228,9 +182,8 @@ class Watcher:
             self.fallbacks += 1
             if self.metrics:
                 self.metrics.fallbacks.inc()
-        kind = re.sub(
-            r"[0-9.]+", "#", reading.error
-        )  # "stale: 304 s ago" and "stale: 324 s ago" are one kind
+        # "stale: 304 s ago" and "stale: 324 s ago" are one kind of failure: logged once, not every poll
+        kind = re.sub(r"[0-9.]+", "#", reading.error)
         if not self._fallback or kind != self._last_error or now - self._last_log >= FALLBACK_LOG_SECONDS:
             log.warning(
                 "budget: source %s failed (%s); falling back to the static rate $%.2f/h",
@@ -247,15 +200,14 @@ class Watcher:
 
     # ------------------------------------------------------------ when to look
 
-    def _trained_in_session(self, status: Any) -> bool:
-        """status.json says a trainer of this session has reached its training loop."""
-        return bool(
-            status and status.state in TRAINING_STATES and status.updated_unix >= self.session_start - 1
-        )
+    def _in_session(self, status: Any, states: tuple[str, ...] = TRAINING_STATES) -> bool:
+        """status.json comes from a trainer of this session and is in one of `states` (by default: it has
+        reached its training loop)."""
+        return bool(status and status.state in states and status.updated_unix >= self.session_start - 1)
 
     def _trainer_starting(self, status: Any) -> bool:
         """A trainer holds the run dir (its lease) but has not reported training in this session yet."""
-        return not self._trained_in_session(status) and (self.run_dir / LEASE_FILE).exists()
+        return not self._in_session(status) and (self.run_dir / LEASE_FILE).exists()
 
     @property
     def next_tick_unix(self) -> float:
@@ -290,19 +242,12 @@ class Watcher:
         led, cfg = self.ledger, self.cfg
         dt = max(0.0, now - self._last)
         self._last = now
-        reading = self._read(now)
+        reading = read_source(self.source, now)
         status = read_status(self.status_path)
         self._status_seen = status.updated_unix if status else None
         # a final (synchronous) save reports write 0: the ledger keeps the last figure
-        led.step_seconds, led.checkpoint_seconds, led.checkpoint_write_seconds = trainer_figures(
-            self.ledger, status
-        )
-        if (
-            not led.trained_unix
-            and status
-            and status.state in TRAINING_STATES
-            and status.updated_unix >= self.session_start - 1
-        ):
+        led.step_seconds, led.checkpoint_seconds, led.checkpoint_write_seconds = trainer_figures(led, status)
+        if not led.trained_unix and self._in_session(status):
             led.trained_unix = now
         spent, rate = self._charge(reading, dt, now)
         if not led.trained_unix:
@@ -412,14 +357,13 @@ class Watcher:
 
     def _escalate(self, now: float, status: Any) -> None:
         """Last resort: the trainer still heartbeats `suspend_grace_seconds` after an immediate stop."""
-        if self._immediate_seen is None or self._suspend_done:
+        seen = self._immediate_seen
+        if seen is None or self._suspend_done or now - seen < self.cfg.suspend_grace_seconds:
             return
-        if now - self._immediate_seen < self.cfg.suspend_grace_seconds:
-            return
-        if status is None or status.state == "done" or status.updated_unix <= self._immediate_seen:
+        if status is None or status.state == "done" or status.updated_unix <= seen:
             return
         self._suspend_done = True
-        waited = now - self._immediate_seen
+        waited = now - seen
         if not self.kube:
             log.error(
                 "budget: the trainer still runs %.0f s after an immediate stop and there is no Kubernetes "
@@ -444,7 +388,7 @@ class Watcher:
         """Why a sidecar may exit now, or "": the trainer reported done in this session, or the budget was
         already stopped when we started and no trainer heartbeat appeared within the grace period."""
         status = read_status(self.status_path)
-        if status and status.state == "done" and status.updated_unix >= self.session_start - 1:
+        if self._in_session(status, ("done",)):
             return "the trainer is done"
         if (
             self._stopped_at_open
@@ -454,26 +398,20 @@ class Watcher:
             return "the budget was already stopped and no trainer is running"
         return ""
 
-    def run(self, stop_event: threading.Event, exit_when_done: bool = False, first_tick: bool = True) -> str:
+    def run(self, stop_event: threading.Event, exit_when_done: bool = False) -> str:
         """Poll until stop_event is set (or, with exit_when_done, until `finished`); never dies on a tick.
-        Ticks every poll_seconds, or when the policy wants one sooner (`due`)."""
-        if not first_tick:
-            if self._next_tick <= self.session_start:  # no tick yet: the first one after a whole poll
-                self._next_tick = self.session_start + self.cfg.poll_seconds
-            if self._sleep(stop_event):
-                return "stopped"
-        while True:
+        The host ticked once on start; then every poll_seconds, or sooner when the policy wants (`due`)."""
+        if self._next_tick <= self.session_start:  # no tick yet: the first one after a whole poll
+            self._next_tick = self.session_start + self.cfg.poll_seconds
+        while not self._sleep(stop_event):
             try:
                 self.tick(time.time())
             except Exception:
                 log.exception("budget: watcher tick failed; retrying at the next poll")
                 self._next_tick = time.time() + self.cfg.poll_seconds
-            if exit_when_done:
-                why = self.finished(time.time())
-                if why:
-                    return why
-            if self._sleep(stop_event):
-                return "stopped"
+            if exit_when_done and (why := self.finished(time.time())):
+                return why
+        return "stopped"
 
     def _sleep(self, stop_event: threading.Event) -> bool:
         """Sleep until `due`; True when stop_event was set meanwhile."""

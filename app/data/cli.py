@@ -121,6 +121,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
+    from app.data.manifest import from_dict
     from app.data.settings import PrepareConfig
 
     if args.vocab_size is not None and args.tokenizer != "bpe":
@@ -129,27 +130,14 @@ def config_from_args(args: argparse.Namespace):
         raise UserError("--char-alphabet applies only with --tokenizer char")
     if args.workers < 0:
         raise UserError(f"--workers must be >= 0, got {args.workers}")
-    return PrepareConfig(
-        inputs=list(args.input),
-        out_dir=args.out,
-        text_column=args.text_column,
-        tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size if args.vocab_size is not None else 32768,
-        sample_bytes=args.tokenizer_sample_bytes,
-        char_alphabet=args.char_alphabet,
-        val_fraction=args.val_fraction,
-        shard_tokens=args.shard_tokens,
-        dtype=args.dtype,
-        workers=args.workers,
-        txt_split=args.txt_split,
-        doc_chars=args.doc_chars,
-        includes=list(args.include),
-        revision=args.revision,
-        cache_dir=args.cache_dir,
-        verify=args.verify,
-        progress=args.progress,
-        log_every=args.log_every,
-    )
+    renamed = {
+        "inputs": list(args.input),
+        "out_dir": args.out,
+        "vocab_size": args.vocab_size if args.vocab_size is not None else 32768,
+        "sample_bytes": args.tokenizer_sample_bytes,
+        "includes": list(args.include),
+    }
+    return from_dict(PrepareConfig, {**vars(args), **renamed})  # the other options are named like its fields
 
 
 def run(args: argparse.Namespace) -> int:

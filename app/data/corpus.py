@@ -44,10 +44,6 @@ def documents() -> Iterator[str]:
             yield from _paragraph_docs(f, DOC_CHARS)
 
 
-def cache_root(cache_dir: str = "") -> Path:
-    return Path(cache_dir or os.environ.get("PRETRAIN_CACHE") or Path.home() / ".cache" / "pretrain")
-
-
 def embedded_dataset(
     tokenizer: str = "bpe", vocab_size: int = 2048, val_fraction: float = 0.02, cache_dir: str = "", log=print
 ) -> Path:
@@ -64,7 +60,8 @@ def embedded_dataset(
         f"{[f.name for f in files]}".encode()
     ).hexdigest()[:12]
     suffix = f"char-{key}" if tokenizer == "char" else f"bpe{vocab_size}-{key}"
-    out = cache_root(cache_dir) / f"shakespeare-{suffix}"
+    root = Path(cache_dir or os.environ.get("PRETRAIN_CACHE") or Path.home() / ".cache" / "pretrain")
+    out = root / f"shakespeare-{suffix}"
     if (out / MANIFEST).exists():
         return out
     try:

@@ -11,7 +11,7 @@ but restarts a file whose process died).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -20,13 +20,6 @@ from app.errors import UserError
 
 DATASET_PREFIX = "hf://datasets/"
 USAGE = "hf://datasets/OWNER/NAME[@REVISION][/GLOB][?include=GLOB]"
-
-
-@dataclass(frozen=True)
-class HubDataset:
-    repo: str
-    includes: tuple[str, ...]  # fnmatch patterns over repo paths; empty = every supported file
-    revision: str | None
 
 
 def _token() -> str | bool:
@@ -40,27 +33,26 @@ def endpoint() -> str:
     return constants.ENDPOINT
 
 
-def parse_dataset_url(url: str, revision: str | None = None) -> HubDataset:
-    """hf://datasets/OWNER/NAME[@REV][/GLOB][?include=GLOB&include=GLOB&revision=REV]."""
+def parse_dataset_url(url: str, revision: str | None = None, includes: Iterable[str] = ()) -> tuple:
+    """hf://datasets/OWNER/NAME[@REV][/GLOB][?include=GLOB&include=GLOB&revision=REV] -> (repo, include
+    globs: fnmatch patterns over repo paths, empty for every supported file, revision)."""
     if not url.startswith(DATASET_PREFIX):
         raise UserError(f"hub inputs look like {USAGE}, got {url}")
-    parts = urlsplit(url)
-    path = url[len(DATASET_PREFIX) :].split("?", 1)[0].strip("/")
-    segs = path.split("/")
+    segs = url[len(DATASET_PREFIX) :].split("?", 1)[0].strip("/").split("/")
     if len(segs) < 2 or not segs[0] or not segs[1]:
         raise UserError(f"hub input {url} needs OWNER/NAME: {USAGE}")
     name, _, rev_at = segs[1].partition("@")
-    query = parse_qs(parts.query)
+    query = parse_qs(urlsplit(url).query)
     unknown = set(query) - {"include", "revision"}
     if unknown:
         raise UserError(
             f"hub input {url}: unknown parameter {sorted(unknown)[0]!r}; use include= or revision="
         )
-    includes = [g for v in query.get("include", []) for g in v.split(",") if g]
+    globs = [g for v in query.get("include", []) for g in v.split(",") if g]
     if len(segs) > 2:
-        includes.append("/".join(segs[2:]))
+        globs.append("/".join(segs[2:]))
     rev = (query.get("revision") or [None])[0] or rev_at or revision
-    return HubDataset(f"{segs[0]}/{name}", tuple(includes), rev)
+    return f"{segs[0]}/{name}", [*globs, *includes], rev
 
 
 def _hub_error(e: Exception, what: str, revision: str | None = None) -> UserError:
@@ -97,46 +89,38 @@ def _hub_error(e: Exception, what: str, revision: str | None = None) -> UserErro
 
 
 def _network_errors() -> tuple[type[BaseException], ...]:
+    """What a Hub request raises: huggingface_hub's own errors subclass OSError (HfHubHTTPError both)."""
     import httpx2
-    from huggingface_hub import errors
 
-    return (
-        errors.HfHubHTTPError,
-        errors.OfflineModeIsEnabled,
-        errors.LocalEntryNotFoundError,
-        httpx2.HTTPError,
-        OSError,
-    )
+    return httpx2.HTTPError, OSError
 
 
 def list_dataset_files(
-    url: str, revision: str | None = None, includes: list[str] | None = None
+    url: str, revision: str | None = None, includes: Iterable[str] = ()
 ) -> list[SourceFile]:
     """The supported files of a dataset repo matching the include patterns, sorted, pinned to one commit."""
     from huggingface_hub import HfApi
     from huggingface_hub.hf_api import RepoFile
     from huggingface_hub.utils import filter_repo_objects
 
-    ds = parse_dataset_url(url, revision)
-    if includes:
-        ds = HubDataset(ds.repo, (*ds.includes, *includes), ds.revision)
-    what = f"hub dataset {ds.repo}"
+    repo, globs, rev = parse_dataset_url(url, revision, includes)
+    what = f"hub dataset {repo}"
     api = HfApi(token=_token())
     try:
-        sha = api.dataset_info(ds.repo, revision=ds.revision).sha
+        sha = api.dataset_info(repo, revision=rev).sha
         entries = {
             f.path: f
-            for f in api.list_repo_tree(ds.repo, repo_type="dataset", revision=sha, recursive=True)
+            for f in api.list_repo_tree(repo, repo_type="dataset", revision=sha, recursive=True)
             if isinstance(f, RepoFile)
         }
     except _network_errors() as e:
-        raise _hub_error(e, what, ds.revision) from None
+        raise _hub_error(e, what, rev) from None
     if not sha:
         raise UserError(f"the Hub at {endpoint()} gave no commit for {what}")
-    matched = sorted(filter_repo_objects(list(entries), allow_patterns=list(ds.includes) or None))
+    matched = sorted(filter_repo_objects(list(entries), allow_patterns=globs or None))
     usable = [p for p in matched if file_format(p)]
     if not usable:
-        pattern = f" matching {', '.join(ds.includes)}" if ds.includes else ""
+        pattern = f" matching {', '.join(globs)}" if globs else ""
         sample = ", ".join(sorted(entries)[:5]) or "(none)"
         raise UserError(
             f"{what} has no parquet/jsonl/txt files{pattern} ({len(entries)} files, e.g. {sample}); "
@@ -147,9 +131,7 @@ def list_dataset_files(
         e = entries[p]
         fmt, comp = file_format(p)  # type: ignore[misc]
         fingerprint = e.lfs.sha256 if e.lfs is not None else e.blob_id
-        files.append(
-            SourceFile(p, int(e.size), f"{e.size}:{fingerprint}", fmt, comp, repo=ds.repo, commit=sha)
-        )
+        files.append(SourceFile(p, int(e.size), f"{e.size}:{fingerprint}", fmt, comp, repo=repo, commit=sha))
     return files
 
 
@@ -171,8 +153,7 @@ def download_tokenizer(spec: str, cache_dir: str | None = None) -> tuple[str, Pa
     """hf://OWNER/NAME[@REV] (a model repo) -> (repo label, path of its tokenizer.json)."""
     from huggingface_hub import hf_hub_download
 
-    ref = spec[len("hf://") :].strip("/")
-    repo, _, rev = ref.partition("@")
+    repo, _, rev = spec[len("hf://") :].strip("/").partition("@")
     if repo.startswith(("datasets/", "spaces/")) or repo.count("/") > 1 or not repo:
         raise UserError(f"--tokenizer {spec}: expected hf://OWNER/NAME[@REVISION] of a model repo")
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,13 +143,15 @@ class Prefetcher:
     CUDA) and copied without blocking the host, so the GPU never waits for the memmap. The loader's
     position moves when a batch is taken, not when it is read ahead: checkpoints stay exact. Errors of
     the reading thread (e.g. token ids beyond the vocab) are raised by the `next()` that meets them.
-    `source` has `batch_at(micro_step)` and `state.micro_steps` (TrainLoader, or synthetic batches)."""
+    `source` has `batch_at(micro_step)` and `state.micro_steps` (TrainLoader, or synthetic batches).
+    `wait_seconds` adds up the time the loop waited in `next()`."""
 
     def __init__(self, source, device: torch.device, depth: int) -> None:
         self.source, self.device, self.depth = source, device, depth
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.wait_seconds = 0.0
         if depth > 0:
             self._queue = queue.Queue(maxsize=depth)
             first = source.state.micro_steps
@@ -174,6 +177,7 @@ class Prefetcher:
             micro_step += 1
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        start = time.perf_counter()
         if self._queue is None:
             x, y = self.source.batch_at(self.source.state.micro_steps)
         else:
@@ -182,6 +186,7 @@ class Prefetcher:
                 raise item
             x, y = item
         self.source.state.micro_steps += 1
+        self.wait_seconds += time.perf_counter() - start
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def close(self) -> None:

@@ -46,9 +46,8 @@ class Manifest:
         return sum(s.tokens for s in self.split(name))
 
     def bytes_per_token(self, name: str) -> float:
-        shards = self.split(name)
-        tokens = sum(s.tokens for s in shards)
-        return sum(s.bytes for s in shards) / tokens if tokens else 0.0
+        tokens = self.tokens(name)
+        return sum(s.bytes for s in self.split(name)) / tokens if tokens else 0.0
 
     def save(self, directory: Path) -> None:
         atomic_write_json(Path(directory) / MANIFEST, asdict(self), indent=1)
@@ -64,8 +63,8 @@ class Manifest:
             ) from None
         except (OSError, json.JSONDecodeError) as e:
             raise UserError(f"cannot read {path}: {e}") from None
-        data["train"] = [from_dict(ShardInfo, s) for s in data.get("train", [])]
-        data["val"] = [from_dict(ShardInfo, s) for s in data.get("val", [])]
+        for s in SPLITS:
+            data[s] = [from_dict(ShardInfo, x) for x in data.get(s, [])]
         return from_dict(cls, data)
 
 

@@ -1,7 +1,5 @@
 """Raw text -> tokenizer -> token shards + validation split + manifest.json (`pretrain prepare`).
 
-The manifest is the data dir's table of contents; the trainer reads only it and the shards.
-
 How it stays deterministic, resumable and idempotent:
 - Documents are numbered in input order (files in a fixed order, rows in file order). Document i goes
   to validation when `is_val_document(i)`, so the split never depends on timing or worker count.
@@ -22,6 +20,7 @@ from __future__ import annotations
 import fcntl
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,12 +29,12 @@ import numpy as np
 from app.data import hub
 from app.data.inputs import SourceFile
 from app.data.manifest import MANIFEST, SPLITS, Manifest, is_val_document, val_period
-from app.data.progress import Progress, summary
+from app.data.progress import Log, Progress, summary
 from app.data.resume import STATE, FileRecord, Plan, PrepareState
 from app.data.resume import plan as plan_resume
 from app.data.settings import PrepareConfig, check_config, check_dtype, default_workers
-from app.data.shards import ShardInfo, SplitWriter, remove_stale
-from app.data.sources import DocumentStream, Fetcher, ReadOptions, read_documents, resolve_inputs
+from app.data.shards import SplitWriter, remove_stale
+from app.data.sources import DocumentStream, Fetcher, ReadOptions, batched, read_documents, resolve_inputs
 from app.data.tokenizer import (
     TOKENIZER_FILE,
     EncodedDocs,
@@ -50,62 +49,56 @@ from app.files import unwritable_message
 
 LOCK = ".prepare.lock"
 _TASK_CHARS = 1 << 20  # text per worker task: big enough to amortize IPC, small enough for smooth progress
-Log = Callable[[str], None]
 
 
 @dataclass
 class PrepareResult:
     manifest: Manifest
-    out_dir: Path
-    seconds: float
     new_tokens: int  # tokens written by this run (0 when the dir was already up to date)
     up_to_date: bool
 
 
-# ---- output dir ------------------------------------------------------------------------------------
-
-
-class _DirLock:
+@contextmanager
+def _dir_lock(out: Path) -> Iterator[None]:
     """One writer per data dir; also proves the dir is writable before any work starts."""
-
-    def __init__(self, out: Path) -> None:
-        self.out, self.created = out, not out.exists()
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            self._f = open(out / LOCK, "a+")  # noqa: SIM115 - closed in release
-        except FileExistsError:
-            raise UserError(f"output {out} exists and is not a directory") from None
-        except OSError as e:
-            raise UserError(unwritable_message(out, "--out", e.strerror)) from None
-        try:
-            fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self._f.close()
-            raise UserError(
-                f"another `pretrain prepare` is writing {out}; wait for it or use another --out"
-            ) from None
-
-    def release(self) -> None:
-        fcntl.flock(self._f, fcntl.LOCK_UN)
-        self._f.close()
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        f = open(out / LOCK, "a+")  # noqa: SIM115 - closed below
+    except FileExistsError:
+        raise UserError(f"output {out} exists and is not a directory") from None
+    except OSError as e:
+        raise UserError(unwritable_message(out, "--out", e.strerror)) from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise UserError(
+            f"another `pretrain prepare` is writing {out}; wait for it or use another --out"
+        ) from None
+    try:
+        yield
+    finally:
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
         # A run that failed before writing anything leaves no trace: not even the dir it created.
-        if self.created and [p.name for p in self.out.iterdir()] == [LOCK]:
-            (self.out / LOCK).unlink(missing_ok=True)
-            self.out.rmdir()
+        if created and [p.name for p in out.iterdir()] == [LOCK]:
+            (out / LOCK).unlink(missing_ok=True)
+            out.rmdir()
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------------
 
 
-def _sample(inp: DocumentStream, val_fraction: float, sample_bytes: int, log: Log) -> Iterator[str]:
+def _sample(inp: DocumentStream, cfg: PrepareConfig, log: Log) -> Iterator[str]:
     """The first `sample_bytes` of training documents (validation documents stay unseen)."""
     taken = 0
     for g, text in inp.documents():
-        if is_val_document(g, val_fraction):
+        if is_val_document(g, cfg.val_fraction):
             continue
         yield text
         taken += len(text.encode("utf-8", "surrogatepass"))
-        if taken >= sample_bytes:
+        if taken >= cfg.sample_bytes:
             break
     log(f"trained the tokenizer on {taken / 1e6:.1f} MB of text")
 
@@ -126,38 +119,30 @@ def _load_tokenizer_spec(cfg: PrepareConfig) -> tuple[Tokenizer, str]:
 def _tokenizer(
     cfg: PrepareConfig, out: Path, state: PrepareState | None, inp: DocumentStream, log: Log
 ) -> Tokenizer:
-    """The saved tokenizer when resuming, else loaded or trained (and saved beside the shards)."""
-    saved = out / TOKENIZER_FILE
-    if state is not None and saved.exists():
+    """The saved tokenizer when resuming, else loaded or trained (saved beside the shards by the caller)."""
+    if state is not None:
         try:
-            tok = load_tokenizer(saved)
-        except UserError:
+            tok = load_tokenizer(out / TOKENIZER_FILE)
+        except UserError:  # gone or damaged
             tok = None
         if tok is not None and tok.sha256() == state.tokenizer_sha256:
-            if cfg.trains_tokenizer:
-                return tok
-            loaded, label = _load_tokenizer_spec(cfg)
-            if loaded.sha256() != tok.sha256():
-                raise UserError(
-                    f"{out} was prepared with a different tokenizer than {label}; use another --out or delete {out}"
-                )
+            if not cfg.trains_tokenizer:
+                loaded, label = _load_tokenizer_spec(cfg)
+                if loaded.sha256() != tok.sha256():
+                    raise UserError(
+                        f"{out} was prepared with a different tokenizer than {label}; "
+                        f"use another --out or delete {out}"
+                    )
             return tok
     if cfg.tokenizer == "bpe":
-        log(
-            f"training a byte-level BPE tokenizer (vocab {cfg.vocab_size}) on up to {cfg.sample_bytes / 1e6:.0f} MB ..."
-        )
-        tok = train_bpe(_sample(inp, cfg.val_fraction, cfg.sample_bytes, log), cfg.vocab_size)
-    elif cfg.tokenizer == "char":
-        texts = [] if cfg.char_alphabet else _sample(inp, cfg.val_fraction, cfg.sample_bytes, log)
-        tok = train_char(texts, cfg.char_alphabet)
-    else:
-        tok, label = _load_tokenizer_spec(cfg)
-        log(f"tokenizer {label}: {tok.kind}, vocab {tok.vocab_size}")
-    check_dtype(tok.vocab_size, cfg.dtype)
+        mb = cfg.sample_bytes / 1e6
+        log(f"training a byte-level BPE tokenizer (vocab {cfg.vocab_size}) on up to {mb:.0f} MB ...")
+        return train_bpe(_sample(inp, cfg, log), cfg.vocab_size)
+    if cfg.tokenizer == "char":  # with a fixed alphabet the sample is never read
+        return train_char(_sample(inp, cfg, log), cfg.char_alphabet)
+    tok, label = _load_tokenizer_spec(cfg)
+    log(f"tokenizer {label}: {tok.kind}, vocab {tok.vocab_size}")
     return tok
-
-
-# ---- writing ---------------------------------------------------------------------------------------
 
 
 def _tasks(inp: DocumentStream, plan: Plan, period: int, on_file_done) -> Iterator[tuple[tuple, list[str]]]:
@@ -167,26 +152,21 @@ def _tasks(inp: DocumentStream, plan: Plan, period: int, on_file_done) -> Iterat
     buf: list[str] = []
     idx: list[int] = []
     chars = done = 0
-    batches = inp.batches(plan.start_file, plan.first_doc, on_file_done)
-    while True:
-        try:
-            g, texts, done = next(batches)
-        except StopIteration:
-            break
-        except Exception:
-            if buf:  # a bad file: still tokenize and write what was read before it
-                yield (np.array(idx, dtype=np.int64), done), buf
-            raise
-        for i, text in enumerate(texts):
-            gi = g + i
-            if gi < (rv if gi % period == period - 1 else rt):
-                continue  # already in a kept shard
-            buf.append(text)
-            idx.append(gi)
-            chars += len(text)
-            if chars >= _TASK_CHARS:
-                yield (np.array(idx, dtype=np.int64), done), buf
-                buf, idx, chars = [], [], 0
+    try:
+        for g, texts, done in inp.batches(plan.start_file, plan.first_doc, on_file_done):
+            for gi, text in enumerate(texts, g):
+                if gi < (rv if gi % period == period - 1 else rt):
+                    continue  # already in a kept shard
+                buf.append(text)
+                idx.append(gi)
+                chars += len(text)
+                if chars >= _TASK_CHARS:
+                    yield (np.array(idx, dtype=np.int64), done), buf
+                    buf, idx, chars = [], [], 0
+    except Exception:
+        if buf:  # a bad file: still tokenize and write what was read before it
+            yield (np.array(idx, dtype=np.int64), done), buf
+        raise
     if buf:
         yield (np.array(idx, dtype=np.int64), inp.total_bytes), buf
 
@@ -201,31 +181,19 @@ def prepare(
     t0 = time.time()
     check_config(cfg)
     out = Path(cfg.out_dir)
-    lock = _DirLock(out)
-    fetcher = None
-    try:
+    with _dir_lock(out):
         if files is None:
             files = resolve_inputs(cfg.inputs, cfg.revision, cfg.includes)
-
         fetcher = Fetcher(files, lambda f: hub.download(f, cfg.cache_dir))
         opts = ReadOptions(cfg.text_column, cfg.txt_split, cfg.doc_chars)
-        inp = DocumentStream(files, fetcher, opts, reader)
-        return _run(cfg, out, inp, log, t0)
-    finally:
-        if fetcher is not None:
-            fetcher.close()
-        lock.release()
+        return _run(cfg, out, DocumentStream(files, fetcher, opts, reader), log, t0)
 
 
 def _run(cfg: PrepareConfig, out: Path, inp: DocumentStream, log: Log, t0: float) -> PrepareResult:
-    files = inp.files
+    files, settings = inp.files, cfg.settings()
     state = PrepareState.load(out)
-    if state is not None and state.settings != cfg.settings():
-        diff = sorted(
-            k
-            for k in set(state.settings) | set(cfg.settings())
-            if state.settings.get(k) != cfg.settings().get(k)
-        )
+    if state is not None and state.settings != settings:
+        diff = sorted(k for k in state.settings.keys() | settings if state.settings.get(k) != settings.get(k))
         raise UserError(
             f"{out} holds data prepared with other settings ({', '.join(diff)} differ); "
             f"use another --out or delete {out}"
@@ -255,33 +223,39 @@ def _run(cfg: PrepareConfig, out: Path, inp: DocumentStream, log: Log, t0: float
         )
         state = None
     work = plan_resume(state, files, cfg, out, dtype, log)
-    sources = [f.label for f in files]
-    if work.up_to_date:
-        manifest = _manifest(cfg, tok, dtype, work.kept, sources, state.files if state else [])
+    n_kept = sum(len(v) for v in work.kept.values())
+
+    def finish(shards: dict, records: list[FileRecord], new_tokens: int) -> PrepareResult:
+        manifest = Manifest(
+            tokenizer=tok.describe(),
+            dtype=dtype.name,
+            shard_tokens=cfg.shard_tokens,
+            train=list(shards["train"]),
+            val=list(shards["val"]),
+            sources=[f.label for f in files],
+            documents=records[-1].end if records else 0,
+            val_fraction=cfg.val_fraction,
+            settings=settings,
+        )
         if not (out / MANIFEST).exists():
             manifest.save(out)
-        log(f"{out} is up to date: {sum(len(v) for v in work.kept.values())} shards verified ({cfg.verify})")
-        summary(manifest, out, time.time() - t0, 0, log)
-        return PrepareResult(manifest, out, time.time() - t0, 0, True)
+        summary(manifest, out, time.time() - t0, new_tokens, log)
+        return PrepareResult(manifest, new_tokens, work.up_to_date)
+
+    if work.up_to_date:
+        log(f"{out} is up to date: {n_kept} shards verified ({cfg.verify})")
+        return finish(work.kept, state.files if state else [], 0)
 
     # From here on the dir is being changed: it stops looking complete until the manifest is rewritten.
     (out / MANIFEST).unlink(missing_ok=True)
     remove_stale(out, {i.file for s in SPLITS for i in work.kept[s]})
     tok.save(out)
-    new_state = PrepareState(
-        cfg.settings(),
-        tok.sha256(),
-        [[f.name, f.fingerprint] for f in files],
-        list(work.files),
-        work.kept["train"],
-        work.kept["val"],
-        False,
-    )
-    if any(work.kept.values()):
-        n = sum(len(v) for v in work.kept.values())
+    inputs = [[f.name, f.fingerprint] for f in files]
+    new_state = PrepareState(settings, tok.sha256(), inputs, list(work.files), **work.kept)
+    if n_kept:
         log(
-            f"resuming: {n} shards already written and verified; reading from input file {work.start_file + 1}"
-            f"/{len(files)}"
+            f"resuming: {n_kept} shards already written and verified; "
+            f"reading from input file {work.start_file + 1}/{len(files)}"
         )
 
     def save_state() -> None:
@@ -300,7 +274,6 @@ def _run(cfg: PrepareConfig, out: Path, inp: DocumentStream, log: Log, t0: float
     workers = cfg.workers or default_workers()
     initial = int(inp.offsets[work.start_file])
     progress = Progress(cfg.progress, inp.total_bytes, initial, log, cfg.log_every)
-    ok = False
     try:
         with ParallelEncoder(tok, workers, dtype) as enc:
             for (g_idx, done), encoded in enc.map(_tasks(inp, work, period, file_done)):
@@ -308,22 +281,19 @@ def _run(cfg: PrepareConfig, out: Path, inp: DocumentStream, log: Log, t0: float
                 progress.update(done, len(g_idx), int(encoded.tokens.size))
         for w in writers.values():
             w.close()
-        ok = True
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
     finally:
         progress.close()
-        if not ok:
-            for w in writers.values():
-                w.abort()
         save_state()
     if not writers["val"].shards:
         raise UserError("the validation split is empty; add data or raise --val-fraction")
     new_state.complete = True
     save_state()
-    manifest = _manifest(cfg, tok, dtype, {s: writers[s].shards for s in SPLITS}, sources, new_state.files)
-    manifest.save(out)
     new_tokens = sum(w.new_tokens for w in writers.values())
-    summary(manifest, out, time.time() - t0, new_tokens, log)
-    return PrepareResult(manifest, out, time.time() - t0, new_tokens, False)
+    return finish({s: w.shards for s, w in writers.items()}, new_state.files, new_tokens)
 
 
 def _route(enc: EncodedDocs, g_idx: np.ndarray, period: int, writers: dict[str, SplitWriter]) -> None:
@@ -337,28 +307,6 @@ def _route(enc: EncodedDocs, g_idx: np.ndarray, period: int, writers: dict[str, 
         else:
             tok_mask = np.repeat(mask, enc.lengths)
             writers[split].add(enc.tokens[tok_mask], enc.lengths[mask], enc.nbytes[mask], g_idx[mask])
-
-
-def _manifest(
-    cfg: PrepareConfig,
-    tok: Tokenizer,
-    dtype: np.dtype,
-    shards: dict[str, list[ShardInfo]],
-    sources: list[str],
-    records: list[FileRecord],
-) -> Manifest:
-    docs = records[-1].first_doc + records[-1].documents if records else 0
-    return Manifest(
-        tokenizer=tok.describe(),
-        dtype=np.dtype(dtype).name,
-        shard_tokens=cfg.shard_tokens,
-        train=list(shards["train"]),
-        val=list(shards["val"]),
-        sources=sources,
-        documents=docs,
-        val_fraction=cfg.val_fraction,
-        settings=cfg.settings(),
-    )
 
 
 def build_dataset(
@@ -379,16 +327,8 @@ def build_dataset(
     name = ",".join(sources or ["documents"])
     mem = SourceFile(name, 0, "memory", "txt", local_path=str(out))
 
-    def reader(_path: Path, _f: SourceFile, _opts: ReadOptions) -> Iterator[tuple[list[str], int]]:
-        batch: list[str] = []
-        for d in documents():
-            if d:
-                batch.append(d)
-            if len(batch) >= 1024:
-                yield batch, 0
-                batch = []
-        if batch:
-            yield batch, 0
+    def reader(_path: Path, _f: SourceFile, opts: ReadOptions) -> Iterator[tuple[list[str], int]]:
+        return batched((d for d in documents() if d), opts, lambda: 0)
 
     cfg = PrepareConfig(
         [name],

@@ -1,14 +1,10 @@
-"""Resume state of `pretrain prepare` (prepare_state.json) and the plan of what a re-run keeps.
-
-Every finished shard is recorded with its sha256 and the stream positions where it starts and ends. A
-re-run keeps the shards that still verify and whose input files are unchanged, and re-reads the input
-from the earliest position still needed.
-"""
+"""Resume state of `pretrain prepare` (prepare_state.json) and the plan of what a re-run keeps (how
+resuming works: app/data/prepare.py)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +27,11 @@ class FileRecord:
     first_doc: int
     documents: int
 
+    @property
+    def end(self) -> int:
+        """Index of the document after its last one."""
+        return self.first_doc + self.documents
+
 
 @dataclass
 class PrepareState:
@@ -43,9 +44,7 @@ class PrepareState:
     complete: bool = False
 
     def save(self, directory: Path) -> None:
-        data = {**self.__dict__, "files": [r.__dict__ for r in self.files]}
-        data.update({s: [i.__dict__ for i in getattr(self, s)] for s in SPLITS})
-        atomic_write_json(Path(directory) / STATE, data, durable=True)  # compact: rewritten after every shard
+        atomic_write_json(Path(directory) / STATE, asdict(self))  # compact: rewritten after every shard
 
     @classmethod
     def load(cls, directory: Path) -> PrepareState | None:
@@ -55,10 +54,8 @@ class PrepareState:
             for s in SPLITS:
                 data[s] = [from_dict(ShardInfo, x) for x in data.get(s, [])]
             return from_dict(cls, data)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, TypeError, KeyError):
-            return None  # unreadable state: start over (shards are rewritten atomically)
+        except (OSError, ValueError, TypeError, KeyError):  # none, or unreadable: start over
+            return None  # (shards are rewritten atomically)
 
 
 @dataclass
@@ -79,9 +76,8 @@ def plan(
     dtype: np.dtype,
     log,
 ) -> Plan:
-    empty = {s: [] for s in SPLITS}
     if state is None:
-        return Plan(empty, [], 0, 0, {s: (0, 0) for s in SPLITS}, False)
+        state = PrepareState({}, "")  # nothing to keep
     current = [[f.name, f.fingerprint] for f in files]
     same_inputs = state.inputs == current
     n_same = 0  # input files unchanged since the shards were written, from the first
@@ -91,10 +87,7 @@ def plan(
     limit = None  # shards holding documents from this index on are stale
     if n_same < len(state.inputs):
         changed = files[n_same].name if n_same < len(files) else state.inputs[n_same][0]
-        if n_same < len(state.files):
-            limit = state.files[n_same].first_doc
-        else:  # its first document index was never recorded: keep only what completed files hold
-            limit = state.files[-1].first_doc + state.files[-1].documents if state.files else 0
+        limit = records[-1].end if records else 0  # keep only what unchanged, completed files hold
         log(f"input file {changed} changed or is gone; re-making the shards from its documents on")
     kept: dict[str, list[ShardInfo]] = {}
     for s in SPLITS:
@@ -119,9 +112,9 @@ def plan(
     start_doc = min(g for g, _ in resume.values())
     start_file, first_doc = 0, 0
     for i, r in enumerate(records):
-        if r.first_doc + r.documents > start_doc:
+        if r.end > start_doc:
             break
-        start_file, first_doc = i + 1, r.first_doc + r.documents
+        start_file, first_doc = i + 1, r.end
     return Plan(kept, records[:start_file], start_file, first_doc, resume, up_to_date)  # type: ignore[arg-type]
 
 

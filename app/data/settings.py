@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from app.data.shards import dtype_for_vocab
-from app.data.tokenizer import MIN_BPE_VOCAB
+from app.data.tokenizer import check_bpe_vocab
 from app.errors import UserError
 
 PIPELINE_VERSION = 1  # bump when the same settings would produce different shards
@@ -23,9 +23,7 @@ class PrepareConfig:
     inputs: list[str]
     out_dir: Path
     text_column: str = "text"
-    tokenizer: str = (
-        "bpe"  # bpe | char (trained on a sample) | PATH to tokenizer.json or a data dir | hf://REPO
-    )
+    tokenizer: str = "bpe"  # bpe | char (trained on a sample) | PATH (tokenizer.json, data dir) | hf://REPO
     vocab_size: int = 32768
     sample_bytes: int = 256 << 20
     char_alphabet: str = ""
@@ -65,11 +63,8 @@ class PrepareConfig:
                 "sample_bytes": self.sample_bytes,
             }
         elif self.tokenizer == "char":
-            s["tokenizer"] = {
-                "train": "char",
-                "alphabet": self.char_alphabet,
-                "sample_bytes": 0 if self.char_alphabet else self.sample_bytes,
-            }
+            sample = 0 if self.char_alphabet else self.sample_bytes  # a fixed alphabet reads no sample
+            s["tokenizer"] = {"train": "char", "alphabet": self.char_alphabet, "sample_bytes": sample}
         else:
             s["tokenizer"] = {"load": True}
         return s
@@ -85,10 +80,7 @@ def check_config(cfg: PrepareConfig) -> None:
     if cfg.dtype not in ("auto", "uint16", "uint32"):
         raise UserError(f"--dtype must be auto, uint16 or uint32, got {cfg.dtype}")
     if cfg.tokenizer == "bpe":
-        if cfg.vocab_size < MIN_BPE_VOCAB:
-            raise UserError(
-                f"--vocab-size {cfg.vocab_size} is too small for a byte-level BPE; use >= {MIN_BPE_VOCAB}"
-            )
+        check_bpe_vocab(cfg.vocab_size)
         check_dtype(cfg.vocab_size, cfg.dtype)
     if cfg.txt_split not in ("file", "line", "paragraph"):
         raise UserError(f"--txt-split must be file, line or paragraph, got {cfg.txt_split}")

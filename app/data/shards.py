@@ -37,7 +37,6 @@ def shard_name(split: str, index: int) -> str:
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
-    """uint16 when every token id fits, else uint32."""
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
@@ -46,10 +45,7 @@ def _header(itemsize: int, count: int) -> bytes:
 
 
 class ShardWriter:
-    """Streams one shard to disk with constant memory, hashing the token bytes on the way.
-
-    Memory stays flat however large the shard: tokens go straight to the hidden partial file.
-    """
+    """Streams one shard to its hidden partial file (flat memory however large), hashing the token bytes."""
 
     def __init__(self, path: Path, dtype: np.dtype) -> None:
         self.path = Path(path)
@@ -80,8 +76,7 @@ class ShardWriter:
         return self.count, self._hash.hexdigest()
 
     def abort(self) -> None:
-        if not self._f.closed:
-            self._f.close()
+        self._f.close()
         self.tmp.unlink(missing_ok=True)
 
 
@@ -221,26 +216,24 @@ class SplitWriter:
         n, pos = int(tokens.size), 0
         self.next_doc = int(docs[-1]) + 1
         while pos < n:
+            lo = int(np.searchsorted(ends, pos, side="right"))  # the document holding token `pos`
             if self.cur is None:
-                k = int(np.searchsorted(ends, pos, side="right"))
                 self.cur_start = (
-                    list(self.shards[-1].end) if self.shards else [int(docs[k]), int(pos - starts[k])]
+                    list(self.shards[-1].end) if self.shards else [int(docs[lo]), int(pos - starts[lo])]
                 )
                 self.cur = ShardWriter(self.out / shard_name(self.split, len(self.shards)), self.dtype)
             take = min(self.S - self.cur.count, n - pos)
             self.cur.write(tokens[pos : pos + take])
-            lo = int(np.searchsorted(ends, pos, side="right"))
-            hi = int(np.searchsorted(ends, pos + take, side="right"))
+            pos += take
+            hi = int(np.searchsorted(ends, pos, side="right"))  # the document holding the next token
             self.cur_docs += hi - lo
             self.cur_bytes += int(nbytes[lo:hi].sum())
-            pos += take
             self.new_tokens += take
             if self.cur.count == self.S:
-                k = int(np.searchsorted(ends, pos, side="right"))
-                if k == len(ends) or pos == starts[k]:  # at a document boundary: the next document
-                    end = [int(docs[k - 1]) + 1, 0]
+                if hi == len(ends) or pos == starts[hi]:  # at a document boundary: the next document
+                    end = [int(docs[hi - 1]) + 1, 0]
                 else:
-                    end = [int(docs[k]), int(pos - starts[k])]
+                    end = [int(docs[hi]), int(pos - starts[hi])]
                 self._finish(end)
 
     def _finish(self, end: list[int]) -> None:

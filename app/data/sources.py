@@ -13,7 +13,7 @@ import itertools
 import json
 import threading
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +22,12 @@ from app.data import hub
 from app.data.inputs import SourceFile, list_local
 from app.errors import UserError
 
-TXT_SPLITS = ("file", "line", "paragraph")
 _BATCH_CHARS = 1 << 20  # a yielded batch holds about this much text at most
 MAX_UNDECODABLE_FRACTION = 0.001  # of a txt file's characters; beyond it the file is refused
 MAX_UNDECODABLE_CHARS = 16  # ... once more than this many did not decode
+_AHEAD = 1  # hub files downloaded ahead of the one being read
+_READ_ERRORS = (OSError, EOFError, ValueError, zlib.error, UnicodeDecodeError)
+Batches = Iterator[tuple[list[str], int]]  # documents, with the bytes of the file read so far
 
 
 @dataclass(frozen=True)
@@ -36,8 +38,11 @@ class ReadOptions:
     batch_rows: int = 256  # parquet rows per batch; jsonl/txt batches also stop at _BATCH_CHARS
 
 
+Reader = Callable[[Path, SourceFile, ReadOptions], Batches]
+
+
 def resolve_inputs(
-    specs: list[str], revision: str | None = None, includes: list[str] | None = None
+    specs: list[str], revision: str | None = None, includes: Iterable[str] = ()
 ) -> list[SourceFile]:
     """All input files in a fixed order: inputs in the order given, files sorted within each."""
     files: list[SourceFile] = []
@@ -56,10 +61,8 @@ class Fetcher:
     download cache resumes it next time).
     """
 
-    def __init__(
-        self, files: list[SourceFile], download: Callable[[SourceFile], Path], ahead: int = 1
-    ) -> None:
-        self.files, self.download, self.ahead = files, download, ahead
+    def __init__(self, files: list[SourceFile], download: Callable[[SourceFile], Path]) -> None:
+        self.files, self.download = files, download
         self._futures: dict[int, Future] = {}
 
     def _submit(self, i: int) -> None:
@@ -78,27 +81,18 @@ class Fetcher:
         self._futures[i] = fut
 
     def path(self, i: int) -> Path:
-        for j in range(i, i + self.ahead + 1):
+        for j in range(i, i + _AHEAD + 1):
             self._submit(j)
         if self.files[i].local_path:
             return Path(self.files[i].local_path)
         return self._futures.pop(i).result()
 
-    def close(self) -> None:
-        self._futures.clear()
-
 
 class DocumentStream:
     """The numbered document stream over all input files, read from any file onwards."""
 
-    def __init__(
-        self,
-        files: list[SourceFile],
-        fetcher: Fetcher,
-        opts: ReadOptions,
-        reader: Callable[[Path, SourceFile, ReadOptions], Iterator[tuple[list[str], int]]] | None = None,
-    ) -> None:
-        self.files, self.fetcher, self.opts, self.reader = files, fetcher, opts, reader or read_documents
+    def __init__(self, files: list[SourceFile], fetcher: Fetcher, opts: ReadOptions, reader: Reader) -> None:
+        self.files, self.fetcher, self.opts, self.reader = files, fetcher, opts, reader
         self.offsets = list(itertools.accumulate((f.size for f in files), initial=0))
 
     @property
@@ -126,8 +120,7 @@ class DocumentStream:
 
     def documents(self) -> Iterator[tuple[int, str]]:
         for g, texts, _ in self.batches():
-            for i, t in enumerate(texts):
-                yield g + i, t
+            yield from enumerate(texts, g)
 
     def count(self, limit: int) -> int:
         """How many documents the input has, counting at most `limit` (a cheap early sanity check)."""
@@ -142,32 +135,15 @@ class DocumentStream:
 # ---- readers -------------------------------------------------------------------------------------
 
 
-class _ArrowRaw(io.RawIOBase):
-    """A pyarrow input stream as a Python raw stream (for zstd, which the stdlib lacks before 3.14)."""
-
-    def __init__(self, stream) -> None:
-        self._s = stream
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        data = self._s.read(len(b))
-        b[: len(data)] = data
-        return len(data)
-
-
 def _open_binary(path: Path, compression: str) -> tuple[io.BufferedIOBase, io.BufferedReader]:
     """(decompressed stream, raw file whose position tells how far into the file we are)."""
     raw = open(path, "rb")  # noqa: SIM115 - closed by the caller
     if compression == "gzip":
         return gzip.GzipFile(fileobj=raw), raw
-    if compression == "zstd":
+    if compression == "zstd":  # pyarrow's: the stdlib has none before 3.14
         import pyarrow as pa
 
-        return io.BufferedReader(
-            _ArrowRaw(pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), "zstd"))
-        ), raw
+        return io.BufferedReader(pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), "zstd")), raw
     return raw, raw
 
 
@@ -176,7 +152,7 @@ def _one_line(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
-def read_documents(path: Path, f: SourceFile, opts: ReadOptions) -> Iterator[tuple[list[str], int]]:
+def read_documents(path: Path, f: SourceFile, opts: ReadOptions) -> Batches:
     """Batches of non-empty documents of one file, each with the bytes of the file read so far."""
     reader = {"parquet": _read_parquet, "jsonl": _read_jsonl, "txt": _read_txt}[f.format]
     it = reader(path, f, opts)
@@ -187,20 +163,30 @@ def read_documents(path: Path, f: SourceFile, opts: ReadOptions) -> Iterator[tup
             return
         except UserError:
             raise
-        except (OSError, EOFError, ValueError, zlib.error, UnicodeDecodeError) as e:
-            raise UserError(f"cannot read {f.label}: {_one_line(e)} (is it corrupt or truncated?)") from None
-        except Exception as e:  # pyarrow raises ArrowException subclasses
-            import pyarrow as pa
+        except Exception as e:
+            import pyarrow as pa  # its errors are ArrowException subclasses
 
-            if isinstance(e, pa.ArrowException):
-                raise UserError(
-                    f"cannot read {f.label}: {_one_line(e)} (is it corrupt or truncated?)"
-                ) from None
-            raise
+            if not isinstance(e, (*_READ_ERRORS, pa.ArrowException)):
+                raise
+            raise UserError(f"cannot read {f.label}: {_one_line(e)} (is it corrupt or truncated?)") from None
         yield item
 
 
-def _read_parquet(path: Path, f: SourceFile, opts: ReadOptions) -> Iterator[tuple[list[str], int]]:
+def batched(docs: Iterable[str], opts: ReadOptions, tell: Callable[[], int]) -> Batches:
+    """Batches of `opts.batch_rows` documents or about _BATCH_CHARS of text, each with `tell()` after it."""
+    batch: list[str] = []
+    chars = 0
+    for doc in docs:
+        batch.append(doc)
+        chars += len(doc)
+        if len(batch) >= opts.batch_rows or chars >= _BATCH_CHARS:
+            yield batch, tell()
+            batch, chars = [], 0
+    if batch:
+        yield batch, tell()
+
+
+def _read_parquet(path: Path, f: SourceFile, opts: ReadOptions) -> Batches:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -230,83 +216,61 @@ def _read_parquet(path: Path, f: SourceFile, opts: ReadOptions) -> Iterator[tupl
             yield texts, f.size * rows // total_rows
 
 
-def _read_jsonl(path: Path, f: SourceFile, opts: ReadOptions) -> Iterator[tuple[list[str], int]]:
+def _read_jsonl(path: Path, f: SourceFile, opts: ReadOptions) -> Batches:
     stream, raw = _open_binary(path, f.compression)
-    col = opts.text_column
     with raw, stream:
-        batch: list[str] = []
-        chars = 0
-        for lineno, line in enumerate(stream, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{f.label} line {lineno} is not valid JSON: {e.msg}") from None
-            if not isinstance(obj, dict):
-                raise UserError(f"{f.label} line {lineno} is not a JSON object")
-            if lineno == 1 and col not in obj:
-                raise UserError(
-                    f"{f.label} has no field '{col}'; its fields are: {', '.join(obj) or '(none)'} "
-                    "(choose one with --text-column)"
-                )
-            text = obj.get(col)
-            if text and isinstance(text, str):
-                batch.append(text)
-                chars += len(text)
-            if len(batch) >= opts.batch_rows or chars >= _BATCH_CHARS:
-                yield batch, raw.tell()
-                batch, chars = [], 0
-        if batch:
-            yield batch, raw.tell()
+        yield from batched(_jsonl_texts(stream, f.label, opts.text_column), opts, raw.tell)
 
 
-class _Utf8Check:
-    """Counts characters that did not decode (U+FFFD from errors="replace"): a few are tolerated (a stray
-    byte in a large text), a binary file or another encoding is refused, naming the file."""
-
-    def __init__(self, label: str) -> None:
-        self.label, self.chars, self.bad = label, 0, 0
-
-    def add(self, text: str) -> None:
-        self.chars += len(text)
-        self.bad += text.count("\ufffd")
-        if self.bad > MAX_UNDECODABLE_CHARS and self.bad > MAX_UNDECODABLE_FRACTION * self.chars:
+def _jsonl_texts(lines: Iterable[bytes], label: str, col: str) -> Iterator[str]:
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{label} line {lineno} is not valid JSON: {e.msg}") from None
+        if not isinstance(obj, dict):
+            raise UserError(f"{label} line {lineno} is not a JSON object")
+        if lineno == 1 and col not in obj:
             raise UserError(
-                f"{self.label} is not UTF-8 text ({self.bad:,} of its first {self.chars:,} characters do not "
+                f"{label} has no field '{col}'; its fields are: {', '.join(obj) or '(none)'} "
+                "(choose one with --text-column)"
+            )
+        text = obj.get(col)
+        if text and isinstance(text, str):
+            yield text
+
+
+def _utf8_checked(docs: Iterable[str], label: str) -> Iterator[str]:
+    """`docs`, counting characters that did not decode (U+FFFD from errors="replace"): a few are tolerated
+    (a stray byte in a large text), a binary file or another encoding is refused, naming the file."""
+    chars = bad = 0
+    for doc in docs:
+        chars += len(doc)
+        bad += doc.count("\ufffd")
+        if bad > MAX_UNDECODABLE_CHARS and bad > MAX_UNDECODABLE_FRACTION * chars:
+            raise UserError(
+                f"{label} is not UTF-8 text ({bad:,} of its first {chars:,} characters do not "
                 "decode); convert it to UTF-8 or leave it out"
             )
+        yield doc
 
 
-def _read_txt(path: Path, f: SourceFile, opts: ReadOptions) -> Iterator[tuple[list[str], int]]:
+def _read_txt(path: Path, f: SourceFile, opts: ReadOptions) -> Batches:
     stream, raw = _open_binary(path, f.compression)
-    check = _Utf8Check(f.label)
     with raw, io.TextIOWrapper(stream, encoding="utf-8", errors="replace", newline=None) as text:
         if opts.txt_split == "file":
-            doc = text.read()
-            check.add(doc)
-            if doc.strip():
-                yield [doc], f.size
+            for doc in _utf8_checked([text.read()], f.label):
+                if doc.strip():
+                    yield [doc], f.size
             return
         docs = _paragraph_docs(text, opts.doc_chars) if opts.txt_split == "paragraph" else _line_docs(text)
-        batch: list[str] = []
-        chars = 0
-        for doc in docs:
-            check.add(doc)
-            batch.append(doc)
-            chars += len(doc)
-            if len(batch) >= opts.batch_rows or chars >= _BATCH_CHARS:
-                yield batch, raw.tell()
-                batch, chars = [], 0
-        if batch:
-            yield batch, raw.tell()
+        yield from batched(_utf8_checked(docs, f.label), opts, raw.tell)
 
 
 def _line_docs(text: io.TextIOBase) -> Iterator[str]:
-    for line in text:
-        line = line.rstrip("\n")
-        if line.strip():
-            yield line
+    return (line.rstrip("\n") for line in text if line.strip())
 
 
 def _paragraph_docs(text: io.TextIOBase, doc_chars: int) -> Iterator[str]:

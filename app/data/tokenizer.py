@@ -58,7 +58,7 @@ class Tokenizer:
         Encodes in slices of _ENCODE_SLICE documents: HF `Encoding` objects cost ~100 bytes per token,
         so this bounds memory whatever the batch size.
         """
-        tokens, lengths = [], []
+        tokens, lengths = [np.zeros(0, dtype)], [np.zeros(0, np.int64)]
         for i in range(0, len(texts), _ENCODE_SLICE):
             ids = self._data_ids(texts[i : i + _ENCODE_SLICE])
             n = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
@@ -71,8 +71,6 @@ class Tokenizer:
                 pos += 1
             tokens.append(out)
             lengths.append(n)
-        if not tokens:
-            return EncodedDocs(np.zeros(0, dtype), np.zeros(0, np.int64), np.zeros(0, np.int64))
         return EncodedDocs(np.concatenate(tokens), np.concatenate(lengths), _utf8_lengths(texts))
 
     def decode(self, ids: list[int]) -> str:
@@ -112,20 +110,11 @@ class BPETokenizer(Tokenizer):
     kind = "bpe"
 
     def __init__(self, tok) -> None:  # tok: tokenizers.Tokenizer
-        self.tok = tok
-        eot = tok.token_to_id(EOT)
-        if eot is None:
+        self.tok, self.eot_id = tok, tok.token_to_id(EOT)
+        if self.eot_id is None:
             raise UserError(f"tokenizer has no document-boundary token {EOT}; add it as a special token")
-        self.eot_id = eot
         self.vocab_size = tok.get_vocab_size()
         self._data_tok = None
-
-    @classmethod
-    def with_boundary_token(cls, tok) -> BPETokenizer:
-        """Adopt an existing tokenizer, adding `<|endoftext|>` as a special token if it lacks one."""
-        if tok.token_to_id(EOT) is None:
-            tok.add_special_tokens([EOT])
-        return cls(tok)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
@@ -169,10 +158,8 @@ class CharTokenizer(Tokenizer):
         return [self._ids(t).tolist() for t in texts]
 
     def encode_docs(self, texts: list[str], dtype: np.dtype) -> EncodedDocs:
-        parts = []
-        for t in texts:
-            parts.append(self._ids(t))
-            parts.append(np.zeros(1, dtype=np.int64))  # boundary id 0
+        boundary = np.zeros(1, dtype=np.int64)  # id 0
+        parts = [a for t in texts for a in (self._ids(t), boundary)]
         flat = np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype)
         lengths = np.fromiter((len(t) + 1 for t in texts), dtype=np.int64, count=len(texts))
         return EncodedDocs(flat, lengths, _utf8_lengths(texts))
@@ -185,15 +172,19 @@ class CharTokenizer(Tokenizer):
         return json.dumps({_CHAR_KEY: self.chars, "eot": EOT}, ensure_ascii=False)
 
 
+def check_bpe_vocab(vocab_size: int) -> None:
+    if vocab_size < MIN_BPE_VOCAB:
+        raise UserError(
+            f"--vocab-size {vocab_size} is too small for a byte-level BPE; use >= {MIN_BPE_VOCAB}"
+        )
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
     """Byte-level BPE (GPT-2 style pre-tokenization) with the boundary token as a special."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    if vocab_size < MIN_BPE_VOCAB:
-        raise UserError(
-            f"--vocab-size {vocab_size} is too small for a byte-level BPE; use >= {MIN_BPE_VOCAB}"
-        )
+    check_bpe_vocab(vocab_size)
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -230,7 +221,9 @@ def tokenizer_from_json(text: str, source: str = "tokenizer.json") -> Tokenizer:
         tok = HFTokenizer.from_str(text)
     except Exception as e:  # tokenizers raises plain Exception subclasses
         raise UserError(f"{source} is not a valid HF tokenizers file: {str(e).splitlines()[0]}") from None
-    return BPETokenizer.with_boundary_token(tok)
+    if tok.token_to_id(EOT) is None:  # adopt a tokenizer without one: the boundary token becomes a special
+        tok.add_special_tokens([EOT])
+    return BPETokenizer(tok)
 
 
 def load_tokenizer(directory_or_file: Path) -> Tokenizer:
@@ -244,17 +237,6 @@ def load_tokenizer(directory_or_file: Path) -> Tokenizer:
     return tokenizer_from_json(text, str(path))
 
 
-def iter_batches(items: Iterable[str], size: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for it in items:
-        batch.append(it)
-        if len(batch) >= size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
 # ---- parallel encoding ---------------------------------------------------------------------------
 # Workers are spawned processes, each with its own copy of the tokenizer running on one core. Results
 # come back in submission order, so the output never depends on the number of workers.
@@ -265,13 +247,7 @@ _WORKER: Tokenizer | None = None
 def _init_worker(tokenizer_json: str) -> None:
     global _WORKER
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process
-    _die_with_parent()
-    _WORKER = tokenizer_from_json(tokenizer_json)
-
-
-def _die_with_parent() -> None:
-    """Linux: a worker gets SIGKILL when its parent dies (e.g. SIGKILL'd), instead of lingering."""
-    try:
+    try:  # Linux: SIGKILL when the parent dies (e.g. SIGKILL'd), instead of lingering
         import ctypes
         import signal
 
@@ -280,6 +256,7 @@ def _die_with_parent() -> None:
             os._exit(1)
     except (OSError, AttributeError):
         pass
+    _WORKER = tokenizer_from_json(tokenizer_json)
 
 
 def _encode_in_worker(texts: list[str], dtype: str) -> EncodedDocs:
@@ -309,8 +286,7 @@ class ParallelEncoder:
             old = os.environ.get("TOKENIZERS_PARALLELISM")
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
             try:
-                for meta, texts in batches:
-                    yield meta, self.tokenizer.encode_docs(texts, self.dtype)
+                yield from ((meta, self.tokenizer.encode_docs(texts, self.dtype)) for meta, texts in batches)
             finally:
                 if old is None:
                     os.environ.pop("TOKENIZERS_PARALLELISM", None)
@@ -320,21 +296,16 @@ class ParallelEncoder:
         from collections import deque
 
         pending: deque = deque()
-        limit = 2 * self.workers
         try:
             for meta, texts in batches:
                 pending.append((meta, self._pool.apply_async(_encode_in_worker, (texts, self.dtype.str))))
-                if len(pending) >= limit:
+                if len(pending) >= 2 * self.workers:
                     m, r = pending.popleft()
                     yield m, r.get()
-        except Exception:
-            while pending:  # reading failed: hand back what was read before it, then raise
-                m, r = pending.popleft()
-                yield m, r.get()
+        except Exception:  # reading failed: hand back what was read before it, then raise
+            yield from ((m, r.get()) for m, r in pending)
             raise
-        while pending:
-            m, r = pending.popleft()
-            yield m, r.get()
+        yield from ((m, r.get()) for m, r in pending)
 
     def close(self) -> None:
         if self._pool is not None:

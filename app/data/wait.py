@@ -1,10 +1,6 @@
 """`pretrain wait-data`: the trainer pods' wait for the prepare Job's output (the chart's wait-for-data
 initContainer), with an end: it sees a failed or missing prepare instead of polling forever.
 
-    pretrain wait-data --dir /data/OUT --fingerprint FP [--job PREPARE_JOB] [--timeout 21600]
-                       [--stop-file /run/pretrain/stop.json] [--verdict /run/pretrain/data-verdict.json]
-                       [--event-job PYTORCHJOB]
-
 Every --poll seconds, in this order:
 - ready: DIR/_READY holds FP (written by the prepare Job after `pretrain prepare` succeeded) -> exit 0;
 - a stop file (a budget or user stop during the wait) -> exit 0: the trainer starts and stops at once;
@@ -24,7 +20,6 @@ forever, uncounted. The launcher finds the verdict and ends the pod with exit 4,
 Every other end is a verdict too, never a traceback: arguments it cannot use (code 2; `python -m
 app.data.wait`, the chart's command, also catches those argparse refuses, such as a flag of a newer
 chart than the image) and an unexpected error (code 1, one line naming the exception and where).
-`--check-args` only checks the arguments and says what would be waited for (the chart's `helm test`).
 """
 
 from __future__ import annotations
@@ -42,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.errors import UserError
 from app.files import atomic_write_json
 
 EXIT_DATA_NOT_READY = 4  # the same code as app.restarts.EXIT_DATA_NOT_READY
@@ -84,9 +80,7 @@ class JobReader:
                 return "missing"
             self.broken = f"HTTP {status}" if status else type(e).__name__
             log.warning(
-                "wait-for-data: cannot read job/%s (%s); watching the data volume only",
-                self.name,
-                self.broken,
+                f"wait-for-data: cannot read job/{self.name} ({self.broken}); watching the data volume only"
             )
             return "unknown"
         for c in (job.status and job.status.conditions) or []:
@@ -103,9 +97,8 @@ def read_failed_marker(data_dir: Path, fingerprint: str) -> dict | None:
         data = json.loads((Path(data_dir) / "_FAILED").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(data, dict) or data.get("fingerprint") != fingerprint or data.get("final") is not True:
-        return None
-    return data
+    final = isinstance(data, dict) and data.get("fingerprint") == fingerprint and data.get("final") is True
+    return data if final else None
 
 
 def is_ready(data_dir: Path, fingerprint: str) -> bool:
@@ -124,8 +117,7 @@ def wait_for_data(
 ) -> tuple[str, str]:
     """("ready" | "stop" | "gave-up", one line)."""
     start = clock()
-    missing_since: float | None = None
-    complete_since: float | None = None
+    since: dict[str, float] = {}  # when the Job entered its current state (missing, complete, ...)
     last_log = -float("inf")
     where = f"{s.data_dir}/_READY ({s.fingerprint})"
     source = f" from job/{s.job}" if s.job else ""
@@ -136,8 +128,7 @@ def wait_for_data(
             return "ready", f"{s.data_dir} is ready ({s.fingerprint}), after {waited:.0f} s"
         if s.stop_file is not None and s.stop_file.exists():
             return "stop", f"stop file {s.stop_file} present: starting the trainer so that it stops"
-        failed = read_failed_marker(s.data_dir, s.fingerprint)
-        if failed:
+        if failed := read_failed_marker(s.data_dir, s.fingerprint):
             return "gave-up", (
                 f"the prepare Job failed for good: `pretrain prepare` exited {failed.get('exit_code')} in pod "
                 f"{failed.get('pod', '?')} (failure {failed.get('failures', '?')}, backoffLimit "
@@ -146,16 +137,14 @@ def wait_for_data(
         state = job.state() if job else "unknown"
         if state.startswith("failed"):
             return "gave-up", f"prepare job/{s.job} {state}; see `kubectl logs job/{s.job}`"
-        missing_since = (missing_since if missing_since is not None else now) if state == "missing" else None
-        if missing_since is not None and now - missing_since >= s.missing_grace_seconds:
+        since = {state: since.get(state, now)}
+        grace_over = now - since[state] >= s.missing_grace_seconds
+        if state == "missing" and grace_over:
             return "gave-up", (
                 f"prepare job/{s.job} does not exist and {where} is not there: it was deleted, or never "
                 f"created (kubectl users: apply its 60-job-*.yaml too); re-create it or prepare the data first"
             )
-        complete_since = (
-            (complete_since if complete_since is not None else now) if state == "complete" else None
-        )
-        if complete_since is not None and now - complete_since >= s.missing_grace_seconds:
+        if state == "complete" and grace_over:
             return "gave-up", (
                 f"prepare job/{s.job} completed but {where} is not there: the data volume of the trainer "
                 f"is not the one the prepare Job wrote (storage.data), or the marker was removed"
@@ -247,8 +236,6 @@ def crash_line(e: BaseException) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """`pretrain wait-data`: every end is a verdict (with --verdict) or an exit code, never a traceback."""
-    from app.errors import UserError
-
     verdict = None if args.check_args else args.verdict
     try:
         return _wait(args)
@@ -261,15 +248,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _wait(args: argparse.Namespace) -> int:
-    from app.errors import UserError
-
-    numbers = (args.poll, args.timeout, args.missing_grace)
-    if (
-        not all(math.isfinite(n) for n in numbers)
-        or args.poll <= 0
-        or args.timeout < 0
-        or args.missing_grace < 0
-    ):
+    inf = math.inf  # the comparisons below are also False for NaN
+    if not (0 < args.poll < inf and 0 <= args.timeout < inf and 0 <= args.missing_grace < inf):
         raise UserError("wait-data: --poll must be > 0, --timeout and --missing-grace >= 0 (finite numbers)")
     if not args.dir or not args.fingerprint:
         raise UserError("wait-data: --dir and --fingerprint must not be empty")
@@ -329,7 +309,6 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m app.data.wait ARGS`, the chart's wait-for-data initContainer: `pretrain wait-data` whose
     unparsable arguments end in a verdict as well (the top-level `pretrain` parser would exit 2 first)."""
     from app.command import Parser, guarded
-    from app.errors import UserError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = Parser(prog="pretrain wait-data", description=__doc__.splitlines()[0])

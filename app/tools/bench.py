@@ -4,13 +4,14 @@ achieved TFLOP/s), peak memory against the estimate, compile time, and where a s
 first thing to run on a new node pool (the chart's `bench.enabled`); under torchrun for several GPUs:
 `torchrun --nproc-per-node 8 -m app.tools.bench --preset x1-50m`.
 
-The timed steps are the trainer's own (app/trainer/step.py: no host sync); the breakdown comes from a
-few extra steps that synchronize the device between phases, so it shows shares, not overlap.
+The timed steps are the trainer's own (app/train.py train_step: no host sync); the breakdown comes from
+a few extra steps that synchronize the device between phases, so it shows shares, not overlap.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -19,25 +20,25 @@ from pathlib import Path
 DESCRIPTION = "measure tokens/s, MFU, memory and the step-time breakdown of a preset on synthetic tokens"
 
 
+# (flag, default, minimum, help) of the step counts
+_COUNTS = (
+    ("--steps", 20, 1, "timed optimizer steps"),
+    ("--warmup", 3, 0, "untimed steps first; the first one compiles when train.compile is on"),
+    (
+        "--breakdown-steps",
+        3,
+        0,
+        "extra steps that synchronize between phases for the time breakdown; 0 = none",
+    ),
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from app.trainer.args import add_config_arguments
 
     add_config_arguments(p)  # as for `pretrain train`: e.g. --set train.compile=false
-    p.add_argument("--steps", type=int, default=20, metavar="N", help="timed optimizer steps (default: 20)")
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=3,
-        metavar="N",
-        help="untimed steps first; the first one compiles when train.compile is on (default: 3)",
-    )
-    p.add_argument(
-        "--breakdown-steps",
-        type=int,
-        default=3,
-        metavar="N",
-        help="extra steps that synchronize between phases for the time breakdown; 0 = none (default: 3)",
-    )
+    for flag, default, _, doc in _COUNTS:
+        p.add_argument(flag, type=int, default=default, metavar="N", help=f"{doc} (default: {default})")
     p.add_argument(
         "--gpu-type",
         metavar="T",
@@ -72,12 +73,8 @@ class SyntheticBatches:
 def _check(args: argparse.Namespace) -> None:
     from app.errors import UserError
 
-    for flag, value, low in (
-        ("--steps", args.steps, 1),
-        ("--warmup", args.warmup, 0),
-        ("--breakdown-steps", args.breakdown_steps, 0),
-    ):
-        if value < low:
+    for flag, _, low, _ in _COUNTS:
+        if (value := getattr(args, flag[2:].replace("-", "_"))) < low:
             raise UserError(f"{flag} must be >= {low}, got {value}")
 
 
@@ -107,19 +104,15 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
     import torch
 
     from app.data.loader import Prefetcher
+    from app.train import train_step
+    from app.trainer.distributed import init_distributed, shutdown_distributed
     from app.trainer.memory import plan as plan_parallel
     from app.trainer.metrics import device_peak, flops_per_token
     from app.trainer.model import count_parameters
-    from app.trainer.optim import build_optimizer, set_lr
-    from app.trainer.parallel import build_parallel_model, init_distributed, shutdown_distributed, unwrap
-    from app.trainer.runtime import (
-        autocast_for,
-        compile_enabled,
-        configure_device,
-        grad_accum_steps,
-        pick_device,
-    )
-    from app.trainer.step import PhaseTimer, StepLog, TrainStep
+    from app.trainer.optim import build_optimizer
+    from app.trainer.parallelize import build_parallel_model, compile_enabled, unwrap
+    from app.trainer.runtime import autocast_for, configure_device, grad_accum_steps, pick_device
+    from app.trainer.steplog import StepLog
 
     cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
     env = init_distributed("cuda" if cuda else "cpu", cfg.train.collective_timeout_minutes)
@@ -128,27 +121,23 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
         configure_device(device)
         torch.manual_seed(cfg.train.seed)
         choice = plan_parallel(cfg, env.world_size, device)
-        quiet = lambda msg: None  # noqa: E731 - the table says it all
-        model = build_parallel_model(cfg, env, device, choice.mode, quiet)
+        model = build_parallel_model(cfg, env, device, choice.mode, lambda msg: None)  # the table says it all
         optimizer = build_optimizer(unwrap(model), cfg.optim, device)
-        set_lr(optimizer, cfg.optim.lr)
         accum = grad_accum_steps(cfg, env.world_size)
         m, t = cfg.model, cfg.train
         source = SyntheticBatches(m.vocab_size, m.seq_len, t.micro_batch_size, env.rank, t.seed)
         batches = Prefetcher(source, device, t.prefetch)
         log = StepLog(env)
-        step = TrainStep(
-            model, optimizer, batches, accum, autocast_for(cfg, device), env, cfg.optim.grad_clip, log
-        )
+        parts = dict(model=model, optimizer=optimizer, batches=batches, accum=accum,
+                     autocast=autocast_for(cfg, device), grad_clip=cfg.optim.grad_clip, lr=cfg.optim.lr, log=log)  # fmt: skip
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
-        n = 0
-        first_seconds = 0.0
+        n, first_seconds = 0, 0.0
         for i in range(warmup):
             t0 = time.perf_counter()
-            step(n := n + 1)
+            train_step(step=(n := n + 1), **parts)
             log.read()  # waits for the device
             if i == 0:
                 first_seconds = time.perf_counter() - t0
@@ -156,24 +145,24 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
         sync()
         t0 = time.perf_counter()
         for _ in range(steps):
-            step(n := n + 1)
+            train_step(step=(n := n + 1), **parts)
         log.read()
         sync()
         seconds = time.perf_counter() - t0
-        timer = PhaseTimer(device)
+        phases: dict[str, float] = {}
         for _ in range(breakdown_steps):
-            step(n := n + 1, timer=timer)
-            log.read()
-        peak_bytes, how = _peak_memory(device, step, n + 1)
+            _timed_step(parts, env, sync, phases)
+        peak_bytes, how = _peak_memory(device, lambda: (train_step(step=n + 1, **parts), log.read()), parts)
         batches.close()
-
         tokens_per_step = accum * t.micro_batch_size * m.seq_len * env.world_size
         tps = steps * tokens_per_step / seconds
         fpt = flops_per_token(m)
         gpu_type, peak = device_peak(cfg.metrics.gpu_type, cfg.metrics.peak_tflops, device)
         estimate = (choice.fsdp if choice.mode == "fsdp" else choice.ddp).total
         step_seconds = seconds / steps
-        total = sum(timer.seconds.values())
+        total = sum(phases.values())
+        compiled = compile_enabled(cfg, device)
+        bf16 = device.type == "cuda" and t.dtype in ("auto", "bf16")
         result = {
             "preset": cfg.preset,
             "device": device.type,
@@ -181,11 +170,9 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
             "gpu_type": gpu_type,
             "world_size": env.world_size,
             "parallel": choice.mode,
-            "compile": compile_enabled(cfg, device),
+            "compile": compiled,
             "compile_mode": t.compile_mode,
-            "dtype": "bf16"
-            if device.type == "cuda" and t.dtype in ("auto", "bf16")
-            else t.dtype.replace("auto", "fp32"),
+            "dtype": "bf16" if bf16 else t.dtype.replace("auto", "fp32"),
             "parameters": count_parameters(unwrap(model)).total,
             "tokens_per_step": tokens_per_step,
             "layout": {"micro_batch_size": t.micro_batch_size, "seq_len": m.seq_len, "accum": accum},
@@ -200,11 +187,9 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
             "peak_memory_measured_by": how,
             "estimated_memory_bytes": estimate,
             "first_step_seconds": first_seconds,
-            "compile_seconds": max(0.0, first_seconds - step_seconds)
-            if compile_enabled(cfg, device)
-            else 0.0,
-            "breakdown_seconds": {k: v / max(breakdown_steps, 1) for k, v in timer.seconds.items()},
-            "breakdown_share": {k: v / total for k, v in timer.seconds.items()} if total else {},
+            "compile_seconds": max(0.0, first_seconds - step_seconds) if compiled else 0.0,
+            "breakdown_seconds": {k: v / max(breakdown_steps, 1) for k, v in phases.items()},
+            "breakdown_share": {k: v / total for k, v in phases.items()} if total else {},
             "torch": torch.__version__,
             "unix_time": time.time(),
         }
@@ -213,7 +198,46 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
         shutdown_distributed()
 
 
-def _peak_memory(device, step, n: int) -> tuple[int | None, str]:
+def _timed_step(parts: dict, env, sync, phases: dict[str, float]) -> None:
+    """One optimizer step of the trainer's, taken apart so each phase can be timed: the device is
+    synchronized between phases, and under DDP the gradients are all-reduced on their own, after the
+    backward passes, instead of overlapping them."""
+    import torch
+    import torch.distributed as dist
+
+    from app.trainer.optim import step_unless
+
+    model, accum = parts["model"], parts["accum"]
+    separate_comm = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    marks = [("start", time.perf_counter())]
+
+    def mark(phase: str) -> None:
+        sync()
+        marks.append((phase, time.perf_counter()))
+
+    for _ in range(accum):
+        x, y = parts["batches"].next()
+        mark("data")
+        with model.no_sync() if separate_comm else contextlib.nullcontext(), parts["autocast"]:
+            out = model(x, y)
+        (out.loss / accum).backward()
+        mark("forward_backward")
+    if separate_comm:
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= env.world_size
+        mark("communication")
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), parts["grad_clip"] or float("inf"))
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    step_unless(parts["optimizer"], (~torch.isfinite(norm)).float())
+    parts["optimizer"].zero_grad(set_to_none=True)
+    mark("optimizer")
+    for (_, before), (phase, after) in zip(marks, marks[1:], strict=False):
+        phases[phase] = phases.get(phase, 0.0) + after - before
+
+
+def _peak_memory(device, one_step, parts: dict) -> tuple[int | None, str]:
     """Peak bytes of this rank's tensors: CUDA's allocator over every step run; on CPU one more step
     under torch's MemTracker (it follows every storage through the dispatcher; eager only)."""
     import torch
@@ -226,10 +250,9 @@ def _peak_memory(device, step, n: int) -> tuple[int | None, str]:
         return None, "this torch has no MemTracker"
     try:
         tracker = MemTracker()
-        tracker.track_external(step.model, step.optimizer)
+        tracker.track_external(parts["model"], parts["optimizer"])
         with tracker:
-            step(n)
-            step.log.read()
+            one_step()
         return int(tracker.get_tracker_snapshot("peak")[device]["Total"]), "MemTracker (one step)"
     except Exception as e:  # a measurement aid: its failure must not hide the other figures
         return None, f"MemTracker failed ({type(e).__name__}; it follows eager tensors only)"
@@ -239,6 +262,7 @@ def describe(r: dict) -> list[str]:
     """The human table of a result."""
     gb = lambda b: f"{b / 1e9:.2f} GB" if b is not None else "n/a"  # noqa: E731
     lay = r["layout"]
+    est, peak, how = r["estimated_memory_bytes"], r["peak_memory_bytes"], r["peak_memory_measured_by"]
     lines = [
         f"bench {r['preset']}: {r['world_size']} x {r['device_name']}, {r['parallel']}, {r['dtype']}, "
         f"compile {'on (' + r['compile_mode'] + ')' if r['compile'] else 'off'}, {r['parameters']:,} parameters",
@@ -246,28 +270,18 @@ def describe(r: dict) -> list[str]:
         f"{r['world_size']} ranks x {lay['accum']} accum)",
         f"  throughput   {r['tokens_per_second']:,.0f} tokens/s, {r['step_seconds'] * 1000:.1f} ms/step "
         f"over {r['steps']} free-running steps",
+        f"  MFU          {r['mfu']:.1%} of {r['peak_tflops_per_device']:.0f} TFLOP/s per device "
+        f"({r['achieved_tflops_per_device']:.1f} TFLOP/s achieved)"
+        if r["mfu"] is not None
+        else f"  achieved     {r['achieved_tflops_per_device'] * 1000:.1f} GFLOP/s per device "
+        "(no peak known for this device: MFU not computed; --gpu-type or metrics.peak_tflops sets one)",
+        f"  memory       peak {gb(peak)} vs estimate {gb(est)} ({peak / est:.2f}x); measured by {how}"
+        if peak
+        else f"  memory       estimate {gb(est)}; peak not measured: {how}",
     ]
-    if r["mfu"] is not None:
-        lines.append(
-            f"  MFU          {r['mfu']:.1%} of {r['peak_tflops_per_device']:.0f} TFLOP/s per device "
-            f"({r['achieved_tflops_per_device']:.1f} TFLOP/s achieved)"
-        )
-    else:
-        lines.append(
-            f"  achieved     {r['achieved_tflops_per_device'] * 1000:.1f} GFLOP/s per device "
-            "(no peak known for this device: MFU not computed; --gpu-type or metrics.peak_tflops sets one)"
-        )
-    est, peak, how = r["estimated_memory_bytes"], r["peak_memory_bytes"], r["peak_memory_measured_by"]
-    if peak:
-        lines.append(
-            f"  memory       peak {gb(peak)} vs estimate {gb(est)} ({peak / est:.2f}x); measured by {how}"
-        )
-    else:
-        lines.append(f"  memory       estimate {gb(est)}; peak not measured: {how}")
     if r["compile"]:
-        lines.append(
-            f"  compile      first step {r['first_step_seconds']:.1f} s (~{r['compile_seconds']:.1f} s compiling)"
-        )
+        s, c = r["first_step_seconds"], r["compile_seconds"]
+        lines.append(f"  compile      first step {s:.1f} s (~{c:.1f} s compiling)")
     if r["breakdown_share"]:
         parts = ", ".join(f"{k.replace('_', '+')} {v:.0%}" for k, v in r["breakdown_share"].items())
         lines.append(f"  breakdown    {parts} (synchronized steps)")

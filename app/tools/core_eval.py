@@ -53,7 +53,8 @@ def load_bundle(directory: str | Path) -> tuple[list[dict], dict[str, float]]:
             raise UserError(f"{spec}: every task needs label, dataset_uri and icl_task_type; got {t!r}"[:300])
         if t["icl_task_type"] not in TYPES:
             raise UserError(
-                f"{spec}: task {t['label']}: icl_task_type '{t['icl_task_type']}' is not one of {', '.join(TYPES)}"
+                f"{spec}: task {t['label']}: icl_task_type '{t['icl_task_type']}' is not one of "
+                + ", ".join(TYPES)
             )
     baselines: dict[str, float] = {}
     meta = root / "eval_meta_data.csv"
@@ -139,10 +140,8 @@ def evaluate_core(
         acc = right / max(len(items), 1)
         if label in baselines:
             random_acc = baselines[label] / 100
-        elif kind == "multiple_choice" and items:
-            random_acc = 1 / len(items[0]["choices"])
-        else:
-            random_acc = 0.0
+        else:  # multiple choice: guessing among the choices
+            random_acc = 1 / len(items[0]["choices"]) if kind == "multiple_choice" and items else 0.0
         centered = (acc - random_acc) / (1 - random_acc) if random_acc < 1 else 0.0
         results[label] = {
             "accuracy": acc,

@@ -96,22 +96,8 @@ def results_path(run_dir: Path, step: int, tasks: list[str]) -> Path:
     return run_dir / EVAL_DIR / f"step_{step:06d}-{name}.json"
 
 
-def pick_device(choice: str) -> str:
-    import torch
-
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda but no CUDA device is visible; use --device cpu")
-    return "cuda" if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()) else "cpu"
-
-
-def check_output(path: Path) -> None:
-    if path.is_dir():
-        raise UserError(f"--output {path} is a directory; give a file name, e.g. {path / 'results.json'}")
-    check_writable_dir(path.parent, "--output")
-
-
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
-    from app.tools.sample import load_for_inference
+    from app.tools.sample import load_for_inference, pick_device
     from app.tools.scoring import Scorer
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -125,14 +111,18 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         raise UserError(f"--limit must be > 0, got {args.limit}")
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if any(t != "core" for t in tasks):
+    harness = [t for t in tasks if t != "core"]  # lm-eval's
+    if harness:
         import importlib.util
 
         if importlib.util.find_spec("lm_eval") is None:
             raise UserError(f"pretrain eval needs the eval extra for lm-eval tasks: {EXTRA_HINT}")
     device = pick_device(args.device)
     if args.output:  # an unwritable --output fails now, not after the whole evaluation
-        check_output(Path(args.output))
+        path = Path(args.output)
+        if path.is_dir():
+            raise UserError(f"--output {path} is a directory; give a file name, e.g. {path / 'results.json'}")
+        check_writable_dir(path.parent, "--output")
     if args.core_dir:
         from app.tools.core_eval import load_bundle
 
@@ -156,7 +146,6 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "limit": args.limit,
         "unix": time.time(),
     }
-    harness = [t for t in tasks if t != "core"]
     if harness:
         out["lm_eval"] = run_lm_eval(
             scorer, harness, args.include_path, args.limit, args.num_fewshot, args.seed
@@ -183,15 +172,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--checkpoint",
-        required=True,
-        metavar="RUN_DIR|CKPT_DIR",
-        help="a run dir (its best checkpoint, see --which) or a checkpoints/step_NNNNNN dir",
-    )
-    p.add_argument(
-        "--which", choices=("best", "latest"), default="best", help="for a run dir: lowest val loss or newest"
-    )
+    from app.tools.sample import add_checkpoint_arguments
+
+    add_checkpoint_arguments(p, "best", "for a run dir: lowest val loss or newest")
     p.add_argument(
         "--tasks",
         required=True,
@@ -232,10 +215,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out = evaluate(args)
-    ckpt_dir = Path(out["checkpoint"])
-    path = (
-        Path(args.output) if args.output else results_path(ckpt_dir.parent.parent, out["step"], out["tasks"])
-    )
+    run_dir = Path(out["checkpoint"]).parent.parent
+    path = Path(args.output) if args.output else results_path(run_dir, out["step"], out["tasks"])
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, out)

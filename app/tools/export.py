@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import hashlib
 import json
-import math
 import os
 import platform
 import shutil
@@ -31,6 +31,7 @@ from typing import Any
 
 from app.errors import UserError
 from app.files import check_writable_dir, sha256_file
+from app.tools.export_plots import write_plots
 from app.trainer import checkpoint as ckpt
 
 MANIFEST_VERSION = 1
@@ -38,30 +39,13 @@ CSV_COLUMNS = ("step", "name", "value")
 PLOTS = ("loss-curve.png", "gradnorm-curve.png", "throughput.png")
 
 # Environment variables that describe where a run was exported (a whitelist: never dump the environment).
-_ENV_EXACT = (
-    "KUBERNETES_SERVICE_HOST",
-    "POD_NAME",
-    "POD_NAMESPACE",
-    "POD_IP",
-    "NODE_NAME",
-    "PRETRAIN_JOB_NAME",
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS",
-    "CUDA_VISIBLE_DEVICES",
-    "NVIDIA_VISIBLE_DEVICES",
-    "OMP_NUM_THREADS",
-)
+_ENV_EXACT = {
+    *("KUBERNETES_SERVICE_HOST", "POD_NAME", "POD_NAMESPACE", "POD_IP", "NODE_NAME", "PRETRAIN_JOB_NAME"),
+    *("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"),
+    *("ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
+    *("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"),
+    *("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "OMP_NUM_THREADS"),
+}
 _ENV_PREFIXES = ("PET_",)  # the Kubeflow training operator's torchrun settings (PET_NNODES, ...)
 
 
@@ -140,11 +124,7 @@ def effective_rows(rows: list[dict]) -> list[dict]:
 
 
 def _number(value: Any) -> float | None:
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, int | float):
-        return float(value)
-    return None
+    return float(value) if isinstance(value, int | float) else None  # bool is an int: 1.0 / 0.0
 
 
 def metric_values(rows: list[dict]) -> list[tuple[int, str, float]]:
@@ -158,15 +138,10 @@ def metric_values(rows: list[dict]) -> list[tuple[int, str, float]]:
             if key in ("kind", "step", "time", "path", "reason"):
                 continue
             if kind == "train" and key == "loop_losses" and isinstance(value, list):
-                out += [
-                    (step, f"loop_loss_{i}", float(v)) for i, v in enumerate(value) if _number(v) is not None
-                ]
-                continue
-            num = _number(value)
-            if num is None:
-                continue
-            name = f"checkpoint_{key}" if kind == "checkpoint" else key
-            out.append((step, name, num))
+                nums = [_number(v) for v in value]
+                out += [(step, f"loop_loss_{i}", v) for i, v in enumerate(nums) if v is not None]
+            elif (num := _number(value)) is not None:
+                out.append((step, f"checkpoint_{key}" if kind == "checkpoint" else key, num))
     return out
 
 
@@ -176,87 +151,6 @@ def write_csv(path: Path, values: list[tuple[int, str, float]]) -> None:
         w.writerow(CSV_COLUMNS)
         for step, name, value in values:
             w.writerow([step, name, repr(value)])  # nan / inf stay readable by float()
-
-
-# ---------------------------------------------------------------- plots
-
-
-def _series(rows: list[dict], kind: str, key: str) -> tuple[list[int], list[float]]:
-    xs, ys = [], []
-    for r in rows:
-        if r.get("kind") == kind and _number(r.get(key)) is not None:
-            xs.append(r["step"])
-            ys.append(float(r[key]))
-    return xs, ys
-
-
-def write_plots(out: Path, rows: list[dict], title: str, grad_clip: float | None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    def save(fig, name: str) -> None:
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=100)
-        plt.close(fig)
-
-    def empty_note(ax, xs) -> None:
-        if not xs:
-            ax.text(0.5, 0.5, "no data logged", ha="center", va="center", transform=ax.transAxes)
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    sx, sy = _series(rows, "train", "loss")
-    vx, vy = _series(rows, "eval", "val_loss")
-    ax.plot(sx, sy, lw=1, alpha=0.8, label="train loss")
-    if vx:
-        ax.plot(vx, vy, "o-", lw=1.5, ms=4, label="val loss")
-    spikes = [
-        (r["step"], r["loss"])
-        for r in rows
-        if r.get("kind") == "train"
-        and r.get("spike")
-        and _number(r.get("loss")) is not None
-        and math.isfinite(r["loss"])
-    ]
-    if spikes:
-        ax.scatter(*zip(*spikes, strict=True), marker="x", color="red", zorder=3, label="loss spike")
-    empty_note(ax, sx + vx)
-    ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"{title}: loss")
-    ax.grid(alpha=0.3)
-    if sx or vx:
-        ax.legend()
-    save(fig, "loss-curve.png")
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    gx, gy = _series(rows, "train", "grad_norm")
-    ax.plot(gx, gy, lw=1, label="grad norm (before clipping)")
-    if grad_clip and gx:
-        ax.axhline(grad_clip, color="gray", ls="--", lw=1, label=f"clip {grad_clip:g}")
-    empty_note(ax, gx)
-    ax.set(xlabel="step", ylabel="global grad norm", title=f"{title}: gradient norm")
-    if gy and min(gy) > 0 and max(gy) / min(gy) > 100:
-        ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    if gx:
-        ax.legend()
-    save(fig, "gradnorm-curve.png")
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    tx, ty = _series(rows, "train", "tokens_per_second")
-    ax.plot(tx, ty, lw=1, color="tab:blue", label="tokens/s")
-    ax.set(xlabel="step", ylabel="tokens / second", title=f"{title}: throughput")
-    ax.grid(alpha=0.3)
-    empty_note(ax, tx)
-    mx, my = _series(rows, "train", "mfu")
-    if mx:
-        ax2 = ax.twinx()
-        ax2.plot(mx, [v * 100 for v in my], lw=1, color="tab:orange", label="MFU")
-        ax2.set_ylabel("MFU (%)")
-        ax2.set_ylim(bottom=0)
-        lines = ax.get_lines() + ax2.get_lines()
-        ax.legend(lines, [ln.get_label() for ln in lines], loc="lower right")
-    save(fig, "throughput.png")
 
 
 # ---------------------------------------------------------------- weights
@@ -286,8 +180,9 @@ def write_final(path: Path, info: ckpt.CheckpointInfo) -> dict[str, Any]:
 def load_final(path: str | Path) -> tuple[dict, dict[str, str]]:
     """(state dict with tied aliases restored, header metadata) of an exported final.safetensors.
 
-    `model.load_state_dict(state)` works on `app.model.build_model(ModelConfig(**json.loads(meta["model_config"])))`
-    (rebuild nested `loop` with LoopConfig) or on the config in manifest.json.
+    `model.load_state_dict(state)` works on
+    `app.model.build_model(ModelConfig(**json.loads(meta["model_config"])))` (rebuild nested `loop` with
+    LoopConfig) or on the config in manifest.json.
     """
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -309,10 +204,10 @@ def config_hash(config: dict) -> str:
     return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
 
 
-def cluster_spec(meta: dict, start: dict | None) -> dict[str, Any]:
-    """Where the run trained (from the checkpoint and the log) and where it is exported (this environment)."""
-    env = {k: os.environ[k] for k in _ENV_EXACT if k in os.environ}
-    env.update({k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)})
+def cluster_spec(meta: dict, start: dict) -> dict[str, Any]:
+    """Where the run trained (from the checkpoint and the log's last `start` event) and where it is
+    exported (this environment)."""
+    env = {k: v for k, v in os.environ.items() if k in _ENV_EXACT or k.startswith(_ENV_PREFIXES)}
     gpus: list[str] = []
     try:
         import torch
@@ -320,13 +215,14 @@ def cluster_spec(meta: dict, start: dict | None) -> dict[str, Any]:
         if torch.cuda.is_available():
             gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     except Exception:  # noqa: BLE001 - a broken CUDA setup must not break an export
-        gpus = []
+        pass
+    config = meta.get("config") or {}
     return {
         "training": {
-            "world_size": meta.get("world_size") or (start or {}).get("world_size"),
-            "tokens_per_step": (start or {}).get("tokens_per_step"),
-            "device": ((meta.get("config") or {}).get("train") or {}).get("device"),
-            "gpu_type": ((meta.get("config") or {}).get("metrics") or {}).get("gpu_type") or None,
+            "world_size": meta.get("world_size") or start.get("world_size"),
+            "tokens_per_step": start.get("tokens_per_step"),
+            "device": (config.get("train") or {}).get("device"),
+            "gpu_type": (config.get("metrics") or {}).get("gpu_type") or None,
         },
         "environment": {
             "hostname": socket.gethostname(),
@@ -350,9 +246,8 @@ def _read_json(path: Path) -> dict | None:
 
 def spend_summary(run_dir: Path, meta: dict) -> dict[str, Any]:
     """Total spend: the ledger (durable), else the watcher's state.json, else the checkpoint's figure."""
-    ledger = _read_json(run_dir / "budget" / "ledger.json")
-    if ledger and _number(ledger.get("spent_usd")) is not None:
-        spent = float(ledger["spent_usd"])
+    ledger = _read_json(run_dir / "budget" / "ledger.json") or {}
+    if (spent := _number(ledger.get("spent_usd"))) is not None:
         if ledger.get("open_session"):
             spent += float(ledger.get("reserved_usd") or 0.0)
         return {
@@ -365,26 +260,13 @@ def spend_summary(run_dir: Path, meta: dict) -> dict[str, Any]:
             "running_hours": (ledger.get("running_seconds") or 0) / 3600,
             "stop": ledger.get("stop"),
         }
-    state = _read_json(run_dir / "budget" / "state.json")
-    if state and _number(state.get("spent_usd")) is not None:
-        return {
-            "total_usd": float(state["spent_usd"]),
-            "cap_usd": state.get("cap_usd"),
-            "source": state.get("source"),
-            "from": "budget/state.json",
-        }
-    if _number(meta.get("spent_usd")) is not None:
-        return {
-            "total_usd": float(meta["spent_usd"]),
-            "cap_usd": None,
-            "source": None,
-            "from": "checkpoint meta.json",
-        }
-    return {"total_usd": None, "cap_usd": None, "source": None, "from": None}
-
-
-def _sha256(path: Path) -> str:
-    return sha256_file(path)
+    state = _read_json(run_dir / "budget" / "state.json") or {}
+    if (spent := _number(state.get("spent_usd"))) is not None:
+        src = {"cap_usd": state.get("cap_usd"), "source": state.get("source"), "from": "budget/state.json"}
+        return {"total_usd": spent, **src}
+    spent = _number(meta.get("spent_usd"))
+    src = "checkpoint meta.json" if spent is not None else None
+    return {"total_usd": spent, "cap_usd": None, "source": None, "from": src}
 
 
 def copy_evals(run_dir: Path, out: Path) -> dict[str, dict]:
@@ -418,13 +300,7 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
     log_path = run_dir / "metrics.jsonl"
     if not log_path.is_file():
         raise UserError(f"{run_dir} has no metrics.jsonl; is it a run dir written by `pretrain train --out`?")
-    warned: set[str] = set()
-
-    def warn(msg: str) -> None:  # once per message: latest and best may skip the same damaged checkpoint
-        if msg not in warned:
-            warned.add(msg)
-            ckpt.warn_stderr(msg)
-
+    warn = functools.cache(ckpt.warn_stderr)  # once per message: latest and best may skip the same checkpoint
     info = ckpt.resolve_latest(run_dir, "sha256", warn)
     if info is None:
         raise UserError(f"no usable checkpoint under {run_dir / ckpt.CKPT_DIR}; nothing to export")
@@ -458,10 +334,12 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
     files += list(benchmarks)
 
     evals = [r for r in rows if r.get("kind") == "eval" and _number(r.get("val_loss")) is not None]
-    best_eval = min(evals, key=lambda r: r["val_loss"]) if evals else None
+    last_eval, best_eval = (evals[-1], min(evals, key=lambda r: r["val_loss"])) if evals else ({}, {})
     trains = [r for r in logged if r.get("kind") == "train"]
-    starts = [r for r in rows if r.get("kind") == "event" and r.get("event") == "start"]
-    stops = [r for r in rows if r.get("kind") == "event" and r.get("event") == "stop"]
+    start, stop = (  # the last `start` and `stop` events
+        next((r for r in reversed(rows) if r.get("kind") == "event" and r.get("event") == e), {})
+        for e in ("start", "stop")
+    )
     # verified like the latest (sha256): a damaged checkpoint with a lower val loss is never reported as best
     best_ckpt = ckpt.resolve_best(run_dir, "sha256", warn, known=info)
     versions = dict(meta.get("versions") or {})
@@ -476,22 +354,22 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
         "preset": config.get("preset"),
         "config_hash": config_hash(config),
         "config": config,
-        "cluster": cluster_spec(meta, starts[-1] if starts else None),
+        "cluster": cluster_spec(meta, start),
         "spend": spend_summary(run_dir, meta),
         "step": info.step,
         "tokens": meta.get("tokens", trainer_state.get("tokens")),
         "elapsed_hours": (trainer_state.get("elapsed_seconds") or 0.0) / 3600,
         "last_logged_step": trains[-1]["step"] if trains else None,
-        "parameters": (starts[-1].get("parameters") if starts else None) or weights["parameters"],
+        "parameters": start.get("parameters") or weights["parameters"],
         "val_loss": {
-            "latest": evals[-1]["val_loss"] if evals else None,
-            "latest_step": evals[-1]["step"] if evals else None,
-            "latest_bpb": evals[-1].get("val_bpb") if evals else None,
-            "best": best_eval["val_loss"] if best_eval else meta.get("best_val_loss"),
-            "best_step": best_eval["step"] if best_eval else None,
-            "best_bpb": best_eval.get("val_bpb") if best_eval else None,
+            "latest": last_eval.get("val_loss"),
+            "latest_step": last_eval.get("step"),
+            "latest_bpb": last_eval.get("val_bpb"),
+            "best": best_eval.get("val_loss", meta.get("best_val_loss")),
+            "best_step": best_eval.get("step"),
+            "best_bpb": best_eval.get("val_bpb"),
         },
-        "stop": {k: stops[-1].get(k) for k in ("cause", "reason", "exit_code")} if stops else None,
+        "stop": {k: stop.get(k) for k in ("cause", "reason", "exit_code")} if stop else None,
         "checkpoint": {
             "latest": str(info.path),
             "latest_step": info.step,
@@ -502,8 +380,7 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
         "weights": {"file": "final.safetensors", "tensors": weights["tensors"], "tied": weights["tied"]},
         "evals": benchmarks,
         "files": files,
-        "sha256": {},
+        "sha256": {name: sha256_file(out / name) for name in files if name != "manifest.json"},
     }
-    manifest["sha256"] = {name: _sha256(out / name) for name in files if name != "manifest.json"}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str) + "\n")
     return out

@@ -168,22 +168,19 @@ class Engine:
         for nxt in stream:
             token = int(nxt[0, 0])
             job.completion_tokens += 1
-            if job.completion_tokens == 1:
-                job.first_token = time.monotonic()
+            job.first_token = job.first_token or time.monotonic()
             if job.cancelled.is_set():
                 reason = "cancelled"
                 break
             if token == self.tok.eot_id:  # the model ended the document
                 reason = "stop"
                 break
-            delta = text.add(token)
-            if delta:
+            if delta := text.add(token):
                 job.put("text", delta)
             if text.stopped:
                 reason = "stop"
                 break
-        rest = text.finish()
-        if rest:
+        if rest := text.finish():
             job.put("text", rest)
         seconds = time.monotonic() - job.started
         if seconds > 0:

@@ -1,9 +1,10 @@
-"""`pretrain plan`: what a dollar budget buys. Budget -> GPU-hours -> FLOPs -> compute-optimal model and tokens.
+"""`pretrain plan`: what a dollar budget buys. Budget -> GPU-hours -> FLOPs -> compute-optimal model, tokens.
 
 Chinchilla (Hoffmann et al. 2022, approach 3): L(N, D) = E + A/N^alpha + B/D^beta with training compute
-C = 6 N D. Minimising L at fixed C gives N_opt = G (C/6)^(beta/(alpha+beta)), D_opt = (C/6)^(alpha/(alpha+beta)) / G,
-G = (alpha A / (beta B))^(1/(alpha+beta)). N counts all parameters, embeddings included, as in the paper.
-The fit is for their data and tokenizer: read the loss as a relative guide, not a promise.
+C = 6 N D. Minimising L at fixed C gives N_opt = G (C/6)^(beta/(alpha+beta)),
+D_opt = (C/6)^(alpha/(alpha+beta)) / G, G = (alpha A / (beta B))^(1/(alpha+beta)). N counts all
+parameters, embeddings included, as in the paper. The fit is for their data and tokenizer: read the loss
+as a relative guide, not a promise.
 """
 
 from __future__ import annotations
@@ -60,18 +61,21 @@ class Plan:
         return self.tokens / self.params
 
 
-def make_plan(
-    budget_usd: float, gpu: str, gpus: int, price: float = 0.0, mfu: float = DEFAULT_MFU, peak: float = 0.0
-) -> Plan:
+def _rates(gpu: str, price: float | None, peak: float | None) -> tuple[str, float, float]:
+    """(GPU type, USD per GPU-hour, peak TFLOP/s): the overrides, else the built-in tables (0: unknown)."""
+    key = pricing.normalize(gpu)
+    return key, pricing.price_per_gpu_hour(key, price or 0.0), peak or pricing.peak_tflops(key)
+
+
+def make_plan(budget_usd: float, gpu: str, gpus: int, price=None, mfu=DEFAULT_MFU, peak=None) -> Plan:
+    """The Chinchilla plan; `price` and `peak` override the built-in tables (for an unlisted GPU too)."""
     if not (budget_usd > 0 and math.isfinite(budget_usd)):
         raise UserError(f"--budget-usd must be > 0, got {budget_usd}")
     if gpus < 1:
         raise UserError(f"--gpus must be >= 1, got {gpus}")
     if not 0 < mfu <= 1:
         raise UserError(f"--mfu is a fraction of peak in (0, 1], e.g. 0.4; got {mfu}")
-    key = pricing.normalize(gpu)
-    price = pricing.price_per_gpu_hour(key, price)
-    peak = peak or pricing.peak_tflops(key)
+    key, price, peak = _rates(gpu, price, peak)
     if price <= 0 or peak <= 0:
         missing = "--price-per-gpu-hour" if price <= 0 else "--peak-tflops"
         raise UserError(f"unknown GPU type '{gpu}': pass {missing} or use one of: {pricing.known_types()}")
@@ -84,29 +88,14 @@ def make_plan(
 # ---------------------------------------------------------------- presets
 
 
-def _analytic_params(m) -> float:
-    """Total parameters of the project's GPT (RMSNorm, GQA, SwiGLU, RoPE) from its ModelConfig."""
-    head = m.d_model // m.n_head
-    attn = 2 * m.d_model * m.d_model + 2 * m.d_model * m.kv_heads * head
-    block = attn + 3 * m.d_model * m.ffn_dim + 2 * m.d_model
-    vocab = m.vocab_size or 50257
-    emb = vocab * m.d_model * (1 if m.tie_embeddings else 2)
-    return m.n_blocks * block + m.d_model + emb
-
-
 def _model_params(cfg) -> float:
     """Exact parameter count from the config (app/trainer/memory.py's split of this repo's GPT): no torch,
-    so `pretrain plan` starts in a fraction of a second."""
+    so `pretrain plan` starts in a fraction of a second. Sets an unset model.vocab_size from the data."""
     from app.trainer.memory import param_split
 
-    _set_vocab(cfg)
+    if not cfg.model.vocab_size:
+        cfg.model.vocab_size = cfg.data.vocab_size if cfg.data.dataset == "embedded" else 50257
     return float(param_split(cfg.model).total)
-
-
-def _set_vocab(cfg) -> None:
-    m = cfg.model
-    if not m.vocab_size:
-        m.vocab_size = cfg.data.vocab_size if cfg.data.dataset == "embedded" else 50257
 
 
 def preset_params() -> dict[str, float]:
@@ -146,18 +135,14 @@ class PresetRow:
     price_per_gpu_hour: float
 
 
-def preset_row(
-    cfg, gpu: str, gpus: int, steps: int, mfu: float, price: float = 0.0, peak: float = 0.0
-) -> PresetRow:
+def preset_row(cfg, gpu: str, gpus: int, steps: int, mfu: float, price=None, peak=None) -> PresetRow:
     """Time and cost of `steps` optimizer steps of a preset on `gpus` x `gpu`, at the layout that fits.
     Time = steps x tokens/step x training FLOPs/token / (gpus x peak x MFU)."""
     from app.trainer.layout import fit
     from app.trainer.metrics import flops_per_token
 
     lay = fit(cfg, gpu, gpus)
-    key = pricing.normalize(gpu)
-    price = pricing.price_per_gpu_hour(key, price)
-    peak = peak or pricing.peak_tflops(key)
+    _, price, peak = _rates(gpu, price, peak)
     per_step = cfg.train.batch_tokens or lay.micro_batch * cfg.model.seq_len * gpus
     flops = steps * per_step * flops_per_token(cfg.model)
     hours = flops / (gpus * peak * 1e12 * mfu) / 3600
@@ -171,7 +156,7 @@ def preset_table(args: argparse.Namespace) -> list[str]:
     if not 0 < args.mfu <= 1:
         raise UserError(f"--mfu is a fraction of peak in (0, 1], e.g. 0.4; got {args.mfu}")
     cfg = load_config(preset=args.preset)
-    _set_vocab(cfg)
+    params = _model_params(cfg)  # also fills in the vocab size that the layout and FLOPs need
     steps = cfg.train.max_steps - args.from_step
     if steps <= 0 or args.from_step < 0:
         raise UserError(
@@ -181,7 +166,7 @@ def preset_table(args: argparse.Namespace) -> list[str]:
     counts = (args.gpus,) if args.gpus else PRESET_COUNTS
     done = f" from step {args.from_step}" if args.from_step else ""
     lines = [
-        f"pretrain plan --preset {cfg.preset}: {_si(_model_params(cfg))} params, {steps:,} steps{done} "
+        f"pretrain plan --preset {cfg.preset}: {_si(params)} params, {steps:,} steps{done} "
         f"(to train.max_steps={cfg.train.max_steps:,}), {flops_per_token(cfg.model) / 1e9:.2f} GFLOPs/token, "
         f"optim.name={cfg.optim.name}, MFU {args.mfu:.0%} (--mfu); built-in prices, approximate",
         f"  {'gpus':>4}  {'gpu':<10} {'micro x accum':>13}  {'mode':<12} {'GB/GPU':>9} {'tokens':>7} "
@@ -189,9 +174,7 @@ def preset_table(args: argparse.Namespace) -> list[str]:
     ]
     for n in counts:
         for gpu in gpus_list:
-            r = preset_row(
-                cfg, gpu, n, steps, args.mfu, args.price_per_gpu_hour or 0.0, args.peak_tflops or 0.0
-            )
+            r = preset_row(cfg, gpu, n, steps, args.mfu, args.price_per_gpu_hour, args.peak_tflops)
             lay = r.layout
             if not lay.fits:
                 lines.append(f"  {n:>4}  {lay.gpu_type:<10} {'does not fit (even micro-batch 1 + AC)':>40}")
@@ -264,8 +247,8 @@ def format_plan(plan: Plan, presets: dict[str, float]) -> list[str]:
     name, n_preset = nearest_preset(plan.params, presets)
     d_preset = plan.flops / (6 * n_preset)
     lines = [
-        f"pretrain plan: ${plan.budget_usd:,.2f} on {plan.gpus} x {plan.gpu} at ${plan.price_per_gpu_hour:.2f}/GPU-h, "
-        f"peak {plan.peak_tflops:g} TFLOP/s, MFU {plan.mfu:.0%}",
+        f"pretrain plan: ${plan.budget_usd:,.2f} on {plan.gpus} x {plan.gpu} "
+        f"at ${plan.price_per_gpu_hour:.2f}/GPU-h, peak {plan.peak_tflops:g} TFLOP/s, MFU {plan.mfu:.0%}",
         f"  hours           {plan.hours:,.2f} h wall clock",
         f"  compute         {plan.flops:.3g} FLOPs (C = 6 N D)",
         f"  params N        {_si(plan.params)} (compute-optimal, embeddings included)",
@@ -274,11 +257,13 @@ def format_plan(plan: Plan, presets: dict[str, float]) -> list[str]:
         f"  nearest preset  {name} ({_si(n_preset)} params): {_si(d_preset)} tokens, "
         f"predicted loss {chinchilla_loss(n_preset, d_preset):.3f}",
         "",
-        f"across GPU types (${plan.budget_usd:,.2f}, {plan.gpus} GPU(s), MFU {plan.mfu:.0%}; built-in prices, approximate):",
-        f"  {'gpu':<10} {'$/GPU-h':>8} {'TFLOP/s':>8} {'hours':>9} {'FLOPs':>9} {'params':>7} {'tokens':>7} {'loss':>6}",
+        f"across GPU types (${plan.budget_usd:,.2f}, {plan.gpus} GPU(s), MFU {plan.mfu:.0%}; "
+        "built-in prices, approximate):",
+        f"  {'gpu':<10} {'$/GPU-h':>8} {'TFLOP/s':>8} {'hours':>9} {'FLOPs':>9} {'params':>7} "
+        f"{'tokens':>7} {'loss':>6}",
     ]
     for key in pricing.GPUS:
-        p = make_plan(plan.budget_usd, key, plan.gpus, 0.0, plan.mfu)
+        p = make_plan(plan.budget_usd, key, plan.gpus, mfu=plan.mfu)
         lines.append(
             f"  {key:<10} {p.price_per_gpu_hour:>8.2f} {p.peak_tflops:>8g} {p.hours:>9,.1f} {p.flops:>9.2e} "
             f"{_si(p.params):>7} {_si(p.tokens):>7} {p.loss:>6.3f}"
@@ -287,32 +272,23 @@ def format_plan(plan: Plan, presets: dict[str, float]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag, value in (
-        ("--price-per-gpu-hour", args.price_per_gpu_hour),
-        ("--peak-tflops", args.peak_tflops),
-    ):
+    overrides = {"--price-per-gpu-hour": args.price_per_gpu_hour, "--peak-tflops": args.peak_tflops}
+    for flag, value in overrides.items():
         if value is not None and not (value > 0 and math.isfinite(value)):
             raise UserError(
                 f"{flag} must be a number > 0, got {value}; leave it out to use the built-in table"
             )
     if args.preset:
-        for line in preset_table(args):
-            print(line)
+        print("\n".join(preset_table(args)))
         return 0
     if args.budget_usd is None or not args.gpu:
         raise UserError(
             "pass --budget-usd X --gpu T (what a budget buys) or --preset NAME (time and cost of a preset)"
         )
     plan = make_plan(
-        args.budget_usd,
-        args.gpu,
-        args.gpus or 1,
-        args.price_per_gpu_hour or 0.0,
-        args.mfu,
-        args.peak_tflops or 0.0,
+        args.budget_usd, args.gpu, args.gpus or 1, args.price_per_gpu_hour, args.mfu, args.peak_tflops
     )
-    for line in format_plan(plan, preset_params()):
-        print(line)
+    print("\n".join(format_plan(plan, preset_params())))
     return 0
 
 

@@ -11,6 +11,7 @@ from app.config import config_from_dict
 from app.data.tokenizer import load_tokenizer
 from app.errors import UserError
 from app.trainer import checkpoint as ckpt
+from app.trainer.checkpoint_state import load_into
 from app.trainer.generate import generate
 from app.trainer.model import build_model
 
@@ -37,9 +38,29 @@ def load_for_inference(spec: str, device: str = "cpu", which: str = "latest", wa
     cfg = config_from_dict(info.meta["config"])
     model = build_model(cfg.model, device)
     ckpt.check_compatible(model, ckpt.load_model_shapes(info), info.path)
-    ckpt.load_into(info, model, None)
+    load_into(info, model, None)
     model.eval()
     return model, load_tokenizer(info.path), info
+
+
+def pick_device(choice: str) -> str:
+    """--device auto | cpu | cuda as a device name; cuda asked for but not visible is a UserError."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda but no CUDA device is visible; use --device cpu")
+    return "cuda" if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def add_checkpoint_arguments(p: argparse.ArgumentParser, which: str, which_help: str) -> None:
+    """--checkpoint and --which, shared by sample, serve and eval; `which` is the default."""
+    chosen = "its newest valid checkpoint" if which == "latest" else "its best checkpoint"
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="RUN_DIR|CKPT_DIR",
+        help=f"a run dir ({chosen}, see --which) or a checkpoints/step_NNNNNN dir",
+    )
+    other = "best" if which == "latest" else "latest"
+    p.add_argument("--which", choices=(which, other), default=which, help=which_help)
 
 
 def consolidate(spec: str, path: Path, which: str = "latest") -> Path:
@@ -82,32 +103,20 @@ def sample(
         raise UserError(f"--top-p must be in (0, 1], got {top_p}")
     model, tok, _ = load_for_inference(spec, which=which)
     ids = tok.encode(prompt) or [tok.eot_id]
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(num_samples):
-        x = torch.tensor([ids])
-        y = generate(
-            model, x, max_new_tokens, temperature=temperature, top_k=top_k or None, top_p=top_p, generator=g
-        )
-        out.append(prompt + tok.decode(y[0, len(ids) :].tolist()))
-    return out
+    g = torch.Generator().manual_seed(seed)  # one stream: the samples differ, and repeat with the seed
+    kw = dict(temperature=temperature, top_k=top_k or None, top_p=top_p, generator=g)
+    ys = [generate(model, torch.tensor([ids]), max_new_tokens, **kw) for _ in range(num_samples)]
+    return [prompt + tok.decode(y[0, len(ids) :].tolist()) for y in ys]
 
 
 # ---------------------------------------------------------------- CLI
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--checkpoint",
-        required=True,
-        metavar="RUN_DIR|CKPT_DIR",
-        help="a run dir (its newest valid checkpoint, see --which) or a checkpoints/step_NNNNNN dir",
-    )
-    p.add_argument(
-        "--which",
-        choices=("latest", "best"),
-        default="latest",
-        help="for a run dir: the newest checkpoint, or the one with the lowest val loss (default latest)",
+    add_checkpoint_arguments(
+        p,
+        "latest",
+        "for a run dir: the newest checkpoint, or the one with the lowest val loss (default latest)",
     )
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     p.add_argument(
@@ -131,8 +140,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--consolidate",
         metavar="FILE|DIR",
         help="also write the checkpoint's weights as one FILE.safetensors (any other path is a dir that gets "
-        "final.safetensors), "
-        "assembled from the shards of any world size, one tensor at a time",
+        "final.safetensors), assembled from the shards of any world size, one tensor at a time",
     )
 
 

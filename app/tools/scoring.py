@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from app.data.tokenizer import Tokenizer
 from app.tools.generation import TextStream
@@ -47,10 +48,7 @@ class Scorer:
                 cont = cont[-self.window :]
                 seq = (ctx + cont)[-(self.window + 1) :]
                 rows.append((seq[:-1], cont))
-            width = max(len(inp) for inp, _ in rows)
-            x = torch.zeros(len(rows), width, dtype=torch.long)
-            for r, (inp, _) in enumerate(rows):
-                x[r, : len(inp)] = torch.tensor(inp)
+            x = pad_sequence([torch.tensor(inp, dtype=torch.long) for inp, _ in rows], batch_first=True)
             logp = F.log_softmax(self.model(x.to(self.device)).logits.float(), dim=-1)
             for r, (i, (inp, cont)) in enumerate(zip(idx, rows, strict=True)):
                 n = len(cont)

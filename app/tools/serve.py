@@ -35,15 +35,19 @@ def _require_extra() -> None:
 
 
 class RequestError(Exception):
-    """A bad request: HTTP status and OpenAI's error fields."""
+    """A bad request: OpenAI's error fields and the HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, param: str, message: str, status: int = 400, code: str = "invalid_value"):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.param, self.message, self.status, self.code = param, message, status, code
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def sse_data(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"
 
 
 def request_model():
@@ -78,34 +82,30 @@ def request_model():
     return CompletionRequest
 
 
-def check_request(req: Any, served: str, context: int, prompt_ids: list[int]) -> None:
-    """Range checks with one clear message each (types were checked by the model)."""
-
-    def bad(param: str, message: str) -> RequestError:
-        return RequestError(400, message, param, "invalid_value")
-
+def check_request(req: Any, served: str, context: int, prompt_ids: list[int]) -> list[str]:
+    """Range checks with one clear message each (types were checked by the model); the stop strings."""
     if req.model not in (None, served):
-        raise RequestError(404, f"model '{req.model}' is not served here; this server serves '{served}'",
-                           "model", "model_not_found")  # fmt: skip
+        msg = f"model '{req.model}' is not served here; this server serves '{served}'"
+        raise RequestError("model", msg, 404, "model_not_found")
     if not prompt_ids:
-        raise bad("prompt", "prompt is empty; send the text to continue")
+        raise RequestError("prompt", "prompt is empty; send the text to continue")
     if req.max_tokens < 1:
-        raise bad("max_tokens", f"max_tokens must be >= 1, got {req.max_tokens}")
+        raise RequestError("max_tokens", f"max_tokens must be >= 1, got {req.max_tokens}")
     if len(prompt_ids) + req.max_tokens > context:
-        raise bad(
+        raise RequestError(
             "max_tokens",
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the model's context "
             f"of {context} tokens; shorten the prompt or lower max_tokens",
         )
     if not 0 <= req.temperature <= 2:
-        raise bad("temperature", f"temperature must be in [0, 2], got {req.temperature}")
+        raise RequestError("temperature", f"temperature must be in [0, 2], got {req.temperature}")
     if not 0 < req.top_p <= 1:
-        raise bad("top_p", f"top_p must be in (0, 1], got {req.top_p}")
+        raise RequestError("top_p", f"top_p must be in (0, 1], got {req.top_p}")
     if req.top_k < 0:
-        raise bad("top_k", f"top_k must be >= 0 (0 = all tokens), got {req.top_k}")
+        raise RequestError("top_k", f"top_k must be >= 0 (0 = all tokens), got {req.top_k}")
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > 4 or any(not s for s in stops):
-        raise bad("stop", "stop takes up to 4 non-empty strings")
+        raise RequestError("stop", "stop takes up to 4 non-empty strings")
     unsupported = {
         "n": req.n != 1,
         "best_of": req.best_of not in (None, 1),
@@ -117,7 +117,8 @@ def check_request(req: Any, served: str, context: int, prompt_ids: list[int]) ->
     }
     for param, used in unsupported.items():
         if used:
-            raise bad(param, f"{param} is not supported by this server; leave it at its default")
+            raise RequestError(param, f"{param} is not supported by this server; leave it at its default")
+    return stops
 
 
 # ---------------------------------------------------------------- the app
@@ -138,10 +139,10 @@ def create_app(engine, tok, model_name: str, info: dict, max_body_bytes: int):
     created = int(time.time())
     app = FastAPI(title="pretrain serve", version="1", docs_url="/docs", redoc_url=None)
 
-    def reply(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
+    def fail(status: int, message: str, param=None, code=None, kind="invalid_request_error", headers=None):
         if status >= 400:
             metrics.requests.labels(status=str(status)).inc()
-        return JSONResponse(body, status_code=status, headers=headers)
+        return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -157,37 +158,24 @@ def create_app(engine, tok, model_name: str, info: dict, max_body_bytes: int):
         else:
             got = json.dumps(err.get("input"))[:80] if "input" in err else "?"
             msg = f"{param or 'body'}: {err.get('msg', 'invalid')} (got {got})"
-        return reply(400, error_body(msg, "invalid_request_error", param, err.get("type")))
+        return fail(400, msg, param, err.get("type"))
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:
-        return reply(exc.status_code, error_body(str(exc.detail), "invalid_request_error"))
+        return fail(exc.status_code, str(exc.detail))
 
     @app.middleware("http")
     async def limit_body(request: Request, call_next):
         length = request.headers.get("content-length")
+        over = f"over the limit of {max_body_bytes} bytes"
         if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-            return reply(
-                413,
-                error_body(
-                    f"request body of {length} bytes is over the limit of {max_body_bytes} bytes",
-                    "invalid_request_error",
-                    code="body_too_large",
-                ),
-            )
+            return fail(413, f"request body of {length} bytes is {over}", code="body_too_large")
         if length is None and request.method == "POST":  # chunked: count what arrives
             body = b""
             async for chunk in request.stream():
                 body += chunk
                 if len(body) > max_body_bytes:
-                    return reply(
-                        413,
-                        error_body(
-                            f"request body is over the limit of {max_body_bytes} bytes",
-                            "invalid_request_error",
-                            code="body_too_large",
-                        ),
-                    )
+                    return fail(413, f"request body is {over}", code="body_too_large")
             request._body = body  # starlette reads the cached body later
         return await call_next(request)
 
@@ -211,15 +199,13 @@ def create_app(engine, tok, model_name: str, info: dict, max_body_bytes: int):
         t0 = time.monotonic()
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if len(prompts) != 1:
-            return reply(400, error_body("send exactly one prompt per request", "invalid_request_error",
-                                         "prompt", "invalid_value"))  # fmt: skip
+            return fail(400, "send exactly one prompt per request", "prompt", "invalid_value")
         prompt = prompts[0]
         ids = tok.encode(prompt) if prompt else []
         try:
-            check_request(req, model_name, context, ids)
+            stops = check_request(req, model_name, context, ids)
         except RequestError as e:
-            return reply(e.status, error_body(e.message, "invalid_request_error", e.param, e.code))
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+            return fail(e.status, e.message, e.param, e.code)
         job = Job(
             ids=ids,
             max_tokens=req.max_tokens,
@@ -233,7 +219,7 @@ def create_app(engine, tok, model_name: str, info: dict, max_body_bytes: int):
         try:
             engine.submit(job)
         except Busy as e:
-            return reply(503, error_body(str(e), "server_busy", code="queue_full"), {"Retry-After": "1"})
+            return fail(503, str(e), code="queue_full", kind="server_busy", headers={"Retry-After": "1"})
         metrics.prompt_tokens.inc(len(ids))
         rid, now = f"cmpl-{secrets.token_hex(12)}", int(time.time())
 
@@ -256,17 +242,13 @@ def create_app(engine, tok, model_name: str, info: dict, max_body_bytes: int):
         if not req.stream:
             parts = [prompt] if req.echo else []
             try:
-                while True:
-                    event = await job.events.get()
-                    if event[0] == "text":
-                        parts.append(event[1])
-                    elif event[0] == "error":
-                        return reply(500, error_body(event[1], "server_error"))
-                    else:
-                        break
+                while (event := await job.events.get())[0] == "text":
+                    parts.append(event[1])
             except asyncio.CancelledError:
                 job.cancelled.set()
                 raise
+            if event[0] == "error":
+                return fail(500, event[1], kind="server_error")
             done()
             return {**chunk("".join(parts), event[1]), "usage": usage()}
 
@@ -275,21 +257,17 @@ def create_app(engine, tok, model_name: str, info: dict, max_body_bytes: int):
         async def sse():
             try:
                 if req.echo:
-                    yield f"data: {json.dumps(chunk(prompt, None))}\n\n"
-                while True:
-                    event = await job.events.get()
-                    if event[0] == "text":
-                        yield f"data: {json.dumps(chunk(event[1], None))}\n\n"
-                    elif event[0] == "error":
-                        yield f"data: {json.dumps(error_body(event[1], 'server_error'))}\n\n"
-                        return
-                    else:
-                        done()
-                        yield f"data: {json.dumps(chunk('', event[1]))}\n\n"
-                        if include_usage:
-                            yield f"data: {json.dumps({**chunk('', None), 'choices': [], 'usage': usage()})}\n\n"
-                        yield "data: [DONE]\n\n"
-                        return
+                    yield sse_data(chunk(prompt, None))
+                while (event := await job.events.get())[0] == "text":
+                    yield sse_data(chunk(event[1], None))
+                if event[0] == "error":
+                    yield sse_data(error_body(event[1], "server_error"))
+                    return
+                done()
+                yield sse_data(chunk("", event[1]))
+                if include_usage:
+                    yield sse_data({**chunk("", None), "choices": [], "usage": usage()})
+                yield "data: [DONE]\n\n"
             finally:  # the client went away (or we are done): the worker stops at its next token
                 job.cancelled.set()
 
@@ -302,17 +280,12 @@ def create_app(engine, tok, model_name: str, info: dict, max_body_bytes: int):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--checkpoint",
-        required=True,
-        metavar="RUN_DIR|CKPT_DIR",
-        help="a run dir (its best checkpoint, see --which) or a checkpoints/step_NNNNNN dir",
-    )
-    p.add_argument(
-        "--which",
-        choices=("best", "latest"),
-        default="best",
-        help="for a run dir: the checkpoint with the lowest val loss (default; latest when none has one) "
+    from app.tools.sample import add_checkpoint_arguments
+
+    add_checkpoint_arguments(
+        p,
+        "best",
+        "for a run dir: the checkpoint with the lowest val loss (default; latest when none has one) "
         "or the newest",
     )
     p.add_argument(
@@ -377,13 +350,9 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from app.tools.generation import Engine, ServeMetrics
-    from app.tools.sample import load_for_inference
+    from app.tools.sample import load_for_inference, pick_device
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda but no CUDA device is visible; use --device cpu")
-    device = (
-        "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
-    )
+    device = pick_device(args.device)
     sock = bind(args.host, args.port)
     engine = None
     try:

@@ -16,19 +16,14 @@ as it writes), then rank 0 merges the index, writes meta.json last and renames t
 (app/trainer/checkpoint_writer.py, which also runs saves in the background). A crash at any moment
 leaves either the old set of checkpoints or the new one complete; leftover temp dirs are removed at the
 next start. `latest` and `best` are found by scanning and verifying, never from a pointer file.
-
-Format 1 checkpoints (one full model.safetensors, optimizer.safetensors + optimizer.json, written by
-rank 0 alone) still load, resume and export: the reader treats each of their tensors as one chunk.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import os
 import platform
-import random
 import re
 import shutil
 import sys
@@ -50,7 +45,6 @@ PREFIX = "step_"
 STEP_DIR = re.compile(r"^step_\d{6,}$")
 META = "meta.json"
 FORMAT_VERSION = 2
-V1_OPTIMIZER_FILES = ("optimizer.safetensors", "optimizer.json")
 
 
 def step_dir_name(step: int) -> str:
@@ -59,40 +53,6 @@ def step_dir_name(step: int) -> str:
 
 def checkpoints_root(run_dir: Path) -> Path:
     return Path(run_dir) / CKPT_DIR
-
-
-# ---------------------------------------------------------------- RNG, versions
-
-
-def rng_state() -> dict:
-    """This process's RNG states as JSON (torch states as base64 bytes)."""
-    py = random.getstate()
-    npst = np.random.get_state(legacy=False)
-    npst["state"] = {"key": npst["state"]["key"].tolist(), "pos": int(npst["state"]["pos"])}
-    out = {
-        "python": [py[0], list(py[1]), py[2]],
-        "numpy": npst,
-        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
-    }
-    if torch.cuda.is_available():
-        out["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
-    return out
-
-
-def set_rng_state(state: dict) -> None:
-    v, internal, gauss = state["python"]
-    random.setstate((v, tuple(internal), gauss))
-    npst = dict(state["numpy"])
-    npst["state"] = {"key": np.asarray(npst["state"]["key"], dtype=np.uint32), "pos": npst["state"]["pos"]}
-    np.random.set_state(npst)
-
-    def tensor(b64: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(base64.b64decode(b64)), dtype=torch.uint8)
-
-    torch.set_rng_state(tensor(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
-        for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(tensor(s), i)
 
 
 def versions() -> dict:
@@ -134,12 +94,7 @@ class CheckpointInfo:
 
     @property
     def has_optimizer(self) -> bool:
-        files = self.meta.get("files", {})
-        return OPTIMIZER_INDEX in files or all(f in files for f in V1_OPTIMIZER_FILES)
-
-    @property
-    def format_version(self) -> int:
-        return int(self.meta.get("format_version", 1))
+        return OPTIMIZER_INDEX in self.meta.get("files", {})
 
 
 def read_meta(path: Path) -> dict | None:
@@ -173,6 +128,13 @@ def verify(
     meta = read_meta(info_path)
     if meta is None:
         return None, "meta.json missing or unreadable"
+    if meta.get("format_version") != FORMAT_VERSION:  # refused, never skipped: a fresh start would bury it
+        wrote = (meta.get("versions") or {}).get("pretrain", "an older version")
+        raise UserError(
+            f"{info_path} is in checkpoint format {meta.get('format_version', 1)} (written by pretrain {wrote}), "
+            f"which this version does not read (format {FORMAT_VERSION}): use the pretrain version that wrote "
+            "it, or train into a new --out"
+        )
     for i, (name, entry) in enumerate(sorted(meta["files"].items())):
         mine = (shared is None or i % shared.world == shared.rank) and (hash_only is None or hash_only(name))
         p = info_path / name
@@ -220,7 +182,7 @@ def configured_verify(spec: str | Path) -> str:
 def for_inference(name: str) -> bool:
     """The files a reader of the weights uses (all but the optimizer state): what `hash_only` hashes for
     sample, eval and serve."""
-    return not (name in V1_OPTIMIZER_FILES or name == OPTIMIZER_INDEX or name.startswith("optimizer-rank"))
+    return not (name == OPTIMIZER_INDEX or name.startswith("optimizer-rank"))
 
 
 def _verified(
@@ -306,23 +268,6 @@ def open_reader(info: CheckpointInfo, kind: str = "model") -> ShardReader:
     return ShardReader.open(info.path, kind)
 
 
-def load_into(
-    info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
-) -> list[str]:
-    """Restore weights (and optimizer state, when the checkpoint has it) in place, whatever world size and
-    mode wrote them: every rank reads only the boxes it holds (its FSDP shards, or whole tensors under DDP
-    and in one process), one tensor at a time. No communication, no full copy anywhere. Returns lines
-    to log (an optimizer state converted between modes)."""
-    from app.trainer.parallel import load_model, load_optimizer
-
-    with open_reader(info) as reader:
-        load_model(model, reader)
-    if optimizer is not None and info.has_optimizer:
-        with open_reader(info, "optimizer") as reader:
-            return load_optimizer(model, optimizer, reader)  # notes of a converted optimizer mode
-    return []
-
-
 def load_model_shapes(info: CheckpointInfo) -> dict[str, torch.Tensor]:
     """The checkpoint's weight names and shapes as meta tensors, from the index (or safetensors header)
     only: lets every rank run check_compatible before reading anything."""
@@ -344,7 +289,7 @@ def load_model_state(info: CheckpointInfo) -> dict[str, torch.Tensor]:
 
 def load_optimizer_state(info: CheckpointInfo) -> dict | None:
     """The full optimizer state keyed by parameter name: {"state": {name: {state: value}},
-    "param_groups": [...]} (for inspection and tests; training loads shards with parallel.load_optimizer)."""
+    "param_groups": [...]} (for inspection and tests; training loads shards with load_optimizer)."""
     if not info.has_optimizer:
         return None
     with open_reader(info, "optimizer") as r:
@@ -413,7 +358,7 @@ def apply_retention(run_dir: Path, keep_last: int, keep_best: bool, drop_optimiz
 
 
 def optimizer_files(meta: dict) -> list[str]:
-    """The files of a checkpoint that hold optimizer state, in either format."""
+    """The files of a checkpoint that hold optimizer state."""
     return [f for f in meta.get("files", {}) if not for_inference(f)]
 
 

@@ -18,8 +18,7 @@ hash overlaps the final fsync; see benchmarks/bench_checkpoint.py). The reader f
 from the chunks that overlap it, reading only those bytes, so a rank never holds more of a tensor than the
 box it asked for; a box that is whole rows of a stored tensor (every shard and whole tensor here) is read
 with one pread straight into its destination, with no intermediate copy and no mapping of the file into
-the process. Checkpoints of format 1 (one full model.safetensors + optimizer.safetensors written by
-rank 0) read through the same reader: each of their tensors is one chunk covering the whole tensor.
+the process.
 """
 
 from __future__ import annotations
@@ -261,12 +260,9 @@ class ShardReader:
 
     @classmethod
     def open(cls, root: Path, kind: str) -> ShardReader:
-        """kind: model | optimizer. Format 2 reads its index; format 1 gets one synthesised."""
-        root = Path(root)
-        index = root / (MODEL_INDEX if kind == "model" else OPTIMIZER_INDEX)
-        if index.exists():
-            return cls(root, json.loads(index.read_text()))
-        return cls(root, _v1_index(root, kind))
+        """kind: model | optimizer."""
+        index = Path(root) / (MODEL_INDEX if kind == "model" else OPTIMIZER_INDEX)
+        return cls(Path(root), json.loads(index.read_text()))
 
     def __enter__(self) -> ShardReader:
         return self
@@ -384,42 +380,6 @@ def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
         if n == 0:
             raise ValueError(f"a checkpoint file ends {len(buf) - done} bytes early")
         done += n
-
-
-def _v1_index(root: Path, kind: str) -> dict:
-    """The index of a format-1 checkpoint: model.safetensors (+ tied aliases in meta.json) and
-    optimizer.safetensors keyed "<i>.<state>" with optimizer.json (param_keys, param_groups, scalars)."""
-    from safetensors import safe_open
-
-    meta = json.loads((root / "meta.json").read_text())
-    file = "model.safetensors" if kind == "model" else "optimizer.safetensors"
-    structure = json.loads((root / "optimizer.json").read_text()) if kind == "optimizer" else {}
-    keys = structure.get("param_keys")
-    tensors = {}
-    with safe_open(str(root / file), framework="pt") as f:
-        for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-            sl = f.get_slice(key)
-            shape = list(sl.get_shape())
-            name = key
-            if kind == "optimizer":  # "<i>.<state>" -> "<param name>/<state>" (or "<i>/<state>", very old)
-                i, state = key.split(".", 1)
-                name = f"{keys[int(i)] if keys is not None else i}/{state}"
-            tensors[name] = {
-                "dtype": dtype_name(_FROM_TAG[sl.get_dtype()]),
-                "shape": shape,
-                "chunks": [chunk(file, key, [0] * len(shape), shape)],
-            }
-    if kind == "model":
-        return {"tensors": tensors, "tied": meta.get("tied", {})}
-
-    def pkey(i: str) -> str:
-        return str(keys[int(i)]) if keys is not None else str(i)
-
-    return {
-        "tensors": tensors,
-        "param_groups": structure["param_groups"],
-        "scalars": {pkey(i): v for i, v in structure.get("scalars", {}).items()},
-    }
 
 
 def write_consolidated(

@@ -3,15 +3,15 @@ when `checkpoint.async_save` is on.
 
     save(step)   every rank, on the loop's thread
       wait for the previous save (its error, if any, surfaces here)
-      rank 0 prepares checkpoints/.tmp-step_N/; barrier
+      rank 0 prepares checkpoints/.tmp-step_N/; every rank waits for it
       pieces = this rank's boxes of the weights and optimizer state (views, parallel.model_pieces ...)
       async: copy the pieces to host memory (staging: 1/world of the state), return to the loop
       sync:  write straight from the live tensors (no copy; the loop waits for the whole save)
     write        a background thread when async
       model-rank<R>.safetensors, optimizer-rank<R>.safetensors, rng_rank<R>.json and part-rank<R>.json
       (its chunks, the sha256 of its files, hashed while writing), each fsync'd
-      all ranks: all_reduce(MIN, ok) on a gloo group of the writer's own, so it never interleaves with
-      the loop's collectives
+      all ranks agree (MIN of ok) on a gloo group of the writer's own, so it never interleaves with
+      the loop's agreements
       rank 0: merge the parts into model.index.json + optimizer.index.json, write meta.json (sha256 of
       every file) last, fsync, rename into place, fsync the parent; then retention
 
@@ -27,7 +27,6 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +47,8 @@ from app.trainer.checkpoint_format import (
     write_json_file,
     write_safetensors,
 )
-from app.trainer.parallel import Piece, model_pieces, optimizer_pieces
+from app.trainer.checkpoint_state import Piece, model_pieces, optimizer_pieces, rng_state
+from app.trainer.distributed import agree
 
 
 class CheckpointError(RuntimeError):
@@ -97,14 +97,13 @@ class CheckpointWriter:
         run_dir: Path,
         rank: int,
         world_size: int,
-        barrier: Callable[[], None],
         config: CheckpointConfig | None = None,
         async_save: bool | None = None,
     ) -> None:
         """`config` (checkpoint.*): async_save, and retention after each commit (rank 0); without it,
         synchronous saves and no retention. `async_save` overrides the config."""
         self.run_dir, self.root = Path(run_dir), ckpt.checkpoints_root(run_dir)
-        self.rank, self.world, self.barrier = rank, world_size, barrier
+        self.rank, self.world = rank, world_size
         self.config = config
         self.async_save = async_save if async_save is not None else bool(config and config.async_save)
         self.group = None
@@ -141,7 +140,7 @@ class CheckpointWriter:
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir()
-        self.barrier()
+        agree([0])  # every rank waits for the temp dir
         mp, aliases = model_pieces(model, self.rank, self.world)
         op, structure = (None, None)
         if optimizer is not None:
@@ -156,7 +155,7 @@ class CheckpointWriter:
             trainer_state=json.loads(json.dumps(trainer_state)),  # a snapshot: the loop goes on
             meta=json.loads(json.dumps(meta)),
             extra_files=[Path(p) for p in extra_files],
-            rng=ckpt.rng_state(),
+            rng=rng_state(),
             reason=reason,
             started=started,
         )
@@ -217,7 +216,7 @@ class CheckpointWriter:
                 raise error or CheckpointError("another rank failed to write its part")
             path, nbytes = job.tmp, sum(f.bytes for f in files.values())
             if self.rank == 0:
-                path, nbytes = self._commit(job, part, files)
+                path, nbytes = self._commit(job, part)
                 if (c := self.config) is not None:
                     ckpt.apply_retention(self.run_dir, c.keep_last, c.keep_best, c.drop_optimizer_older)
             else:
@@ -264,13 +263,9 @@ class CheckpointWriter:
 
     def _agree(self, ok: bool) -> bool:
         """Every rank learns whether every rank wrote its part (a barrier that carries a verdict)."""
-        if self.group is None:
-            return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item())
+        return ok if self.group is None else bool(agree([int(ok)], dist.ReduceOp.MIN, self.group)[0])
 
-    def _commit(self, job: _Job, own: dict, own_files: dict[str, FileEntry]) -> tuple[Path, int]:
+    def _commit(self, job: _Job, own: dict) -> tuple[Path, int]:
         """Rank 0: merge every rank's part into the indexes, write meta.json last, rename into place."""
         parts = [own] + [
             json.loads((job.tmp / f"part-rank{r:05d}.json").read_text()) for r in range(1, self.world)

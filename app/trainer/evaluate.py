@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
 
@@ -10,8 +9,9 @@ import torch
 
 from app.config import Config
 from app.data.loader import val_batches
+from app.trainer.distributed import DistEnv, all_reduce_sum
 from app.trainer.generate import generate
-from app.trainer.parallel import DistEnv, all_reduce_sum, unwrap
+from app.trainer.parallelize import unwrap
 
 
 @torch.no_grad()
@@ -57,8 +57,7 @@ def sample_text(
     gpt.eval()
     ids = torch.tensor([tok.encode("\n") or [tok.eot_id]], device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
-    with stance("force_eager") if stance else contextlib.nullcontext():
+    with torch.compiler.set_stance("force_eager"):
         out = generate(gpt, ids, tokens, generator=generator, use_cache=not fsdp)
     gpt.train()
     return tok.decode(out[0, ids.size(1) :].tolist())

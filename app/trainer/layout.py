@@ -35,17 +35,14 @@ class Layout:
         return self.micro_batch > 0
 
     def describe(self) -> str:
+        head = f"{self.gpus} x {self.gpu_type}"
         if not self.fits:
-            return f"{self.gpus} x {self.gpu_type}: does not fit even at micro-batch 1 with activation checkpointing"
+            return f"{head}: does not fit even at micro-batch 1 with activation checkpointing"
         ac = ", activation checkpointing" if self.checkpointing else ""
         return (
-            f"{self.gpus} x {self.gpu_type}: micro-batch {self.micro_batch} x accumulation {self.accum} "
-            f"per rank, {self.mode.upper()}{ac}, {self.gb_per_gpu:.0f} of {self.device_gb:.0f} GB per GPU"
+            f"{head}: micro-batch {self.micro_batch} x accumulation {self.accum} per rank, "
+            f"{self.mode.upper()}{ac}, {self.gb_per_gpu:.0f} of {self.device_gb:.0f} GB per GPU"
         )
-
-
-def _divisors_desc(n: int) -> list[int]:
-    return [d for d in range(n, 0, -1) if n % d == 0]
 
 
 def fit(cfg: Config, gpu_type: str, gpus: int) -> Layout:
@@ -67,13 +64,15 @@ def fit(cfg: Config, gpu_type: str, gpus: int) -> Layout:
                 f"use a multiple of {seq * gpus}"
             )
         per_rank = t.batch_tokens // (seq * gpus)
+        micros = [d for d in range(per_rank, 0, -1) if per_rank % d == 0]
     else:
         per_rank = t.micro_batch_size  # no global batch fixed: keep the micro-batch, no accumulation
+        micros = [per_rank]
     trial = copy.deepcopy(cfg)
     trial.train.device_memory_gb = GPU_MEMORY_GB[key]
     for checkpointing in [t.activation_checkpointing] + ([] if t.activation_checkpointing else [True]):
         trial.train.activation_checkpointing = checkpointing
-        for micro in _divisors_desc(per_rank) if t.batch_tokens else [per_rank]:
+        for micro in micros:
             trial.train.micro_batch_size = micro
             est = estimates(trial, gpus, cuda=True)
             mode, _ = choose(t.parallel, est["ddp"], est["fsdp"], int(device), gpus)

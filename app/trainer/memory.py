@@ -77,11 +77,7 @@ class MemoryEstimate:
 
     def describe(self) -> str:
         unit, div = ("GB", GB) if self.total >= GB else ("MB", 1e6)
-        parts = ", ".join(
-            f"{f.name} {getattr(self, f.name) / div:.2f}"
-            for f in fields(self)
-            if f.name not in ("mode", "world_size")
-        )
+        parts = ", ".join(f"{f.name} {getattr(self, f.name) / div:.2f}" for f in fields(self)[2:])
         return (
             f"{self.mode.upper()} x{self.world_size}: {self.total / div:.1f} {unit} per GPU ({parts} {unit})"
         )
@@ -97,52 +93,37 @@ class ParamSplit:
     linear: int  # parameters of nn.Linear layers (the ones autocast copies to bf16)
 
 
+def _kv(m: ModelConfig) -> int:
+    return m.kv_heads * (m.d_model // m.n_head)
+
+
 def param_split(m: ModelConfig) -> ParamSplit:
-    d, kv, f = m.d_model, m.kv_heads * (m.d_model // m.n_head), m.ffn_dim
+    d, kv, f = m.d_model, _kv(m), m.ffn_dim
     block_linear = d * d * 2 + 2 * d * kv + 3 * d * f  # wq, wo, wk, wv, w_gate, w_up, w_down
     block = block_linear + 2 * d  # two RMSNorm gains
-    emb = m.vocab_size * d
-    head = 0 if m.tie_embeddings else m.vocab_size * d
-    root = emb + head + d
+    root = m.vocab_size * d * (1 if m.tie_embeddings else 2) + d  # embedding, head, final norm
     linear = m.n_blocks * block_linear + m.vocab_size * d  # the head's matmul weight, tied or not
     return ParamSplit(m.n_blocks * block + root, block, root, linear)
 
 
-def block_activation_bytes(m: ModelConfig, autocast: bool) -> int:
-    """Bytes autograd saves per token for one pass through one block (see the module docstring)."""
-    d, kv, f, h = m.d_model, m.kv_heads * (m.d_model // m.n_head), m.ffn_dim, m.n_head
-    a = 2 if autocast else 4
-    attn_in = 3 * 2 * d if autocast else 4 * d
-    mlp_in = 2 * 2 * d if autocast else 4 * d
-    attention = 4 * d + 4 * d + attn_in + a * d + a * kv + a * kv + a * d + 4 * h + a * d
-    mlp = 4 * d + 4 * d + mlp_in + 4 * a * f
-    return attention + mlp
-
-
-def readout_activation_bytes(m: ModelConfig, autocast: bool) -> int:
-    """Final norm, logits (kept by the output) and the fp32 log-softmax, per token."""
-    d, v = m.d_model, m.vocab_size
-    a = 2 if autocast else 4
-    norm = 4 * d + 4 * d + (2 * d if autocast else 4 * d)
-    return norm + a * v + 4 * v
-
-
 def activation_bytes(m: ModelConfig, micro_batch: int, autocast: bool, checkpointing: bool) -> int:
     """Peak saved activations of one micro-batch (forward done, backward about to start)."""
-    tokens = micro_batch * m.seq_len
+    d, kv, f, h, v = m.d_model, _kv(m), m.ffn_dim, m.n_head, m.vocab_size
+    a = 2 if autocast else 4
+    # per token of one block, then of one read-out (final norm, logits, fp32 log-softmax): module docstring
+    attention = 4 * d + 4 * d + (3 * 2 * d if autocast else 4 * d) + 3 * a * d + 2 * a * kv + 4 * h
+    per_block = attention + 4 * d + 4 * d + (2 * 2 * d if autocast else 4 * d) + 4 * a * f
     lp = m.loop
-    readouts = (lp.recurrence if lp.deep_supervision else 1) if m.looped else 1
-    coda = lp.coda if m.looped else 0
-    blocks_run = m.effective_depth + (readouts - 1) * coda
-    per_block = block_activation_bytes(m, autocast)
-    readout = readouts * readout_activation_bytes(m, autocast)
+    readouts = lp.recurrence if m.looped and lp.deep_supervision else 1
+    blocks_run = m.effective_depth + (readouts - 1) * lp.coda  # coda re-runs per extra read-out
+    readout = readouts * (4 * d + 4 * d + (2 * d if autocast else 4 * d) + a * v + 4 * v)
     if checkpointing:
         # each block keeps only its fp32 input; the peak is either the end of forward (the read-out's
         # tensors) or the recompute of one block in backward (the read-out's are freed by then)
         live = blocks_run * 4 * m.d_model + max(readout, per_block)
     else:
         live = blocks_run * per_block + readout
-    return tokens * (live + 16)  # + the int64 inputs and targets
+    return micro_batch * m.seq_len * (live + 16)  # + the int64 inputs and targets
 
 
 def estimate(
@@ -166,6 +147,7 @@ def estimate(
     logit_grads = micro_batch * m.seq_len * m.vocab_size * 4 * 2  # d(log-softmax), d(logits)
     muon = m.n_blocks * (ps.block - 2 * m.d_model) if optimizer == "muon" else 0  # block matrices
     opt_bytes = 8 * P - 4 * muon
+    overhead = CUDA_OVERHEAD if cuda else 0
     if mode == "fsdp" and n > 1:
         pb = 2 if mixed else 4  # unsharded parameter dtype
         shard = -(-P // n)
@@ -173,36 +155,19 @@ def estimate(
         # one block's unsharded gradients in param dtype plus fp32 for the reduce-scatter
         buffers = pb * ps.root + 2 * pb * ps.block + (pb + 4) * ps.block + logit_grads
         if muon:  # the gathered update (fp32) and Newton-Schulz's bf16 iterate, Gram matrix and product
-            big = max(m.d_model, m.ffn_dim) * max(m.d_model, m.kv_heads * (m.d_model // m.n_head), m.ffn_dim)
+            big = max(m.d_model, m.ffn_dim) * max(m.d_model, _kv(m), m.ffn_dim)
             buffers += 4 * big + 3 * 2 * big
-        return MemoryEstimate(
-            "fsdp",
-            n,
-            4 * shard,
-            4 * shard,
-            -(-opt_bytes // n),
-            act,
-            buffers,
-            CUDA_OVERHEAD if cuda else 0,
-        )
+        return MemoryEstimate("fsdp", n, 4 * shard, 4 * shard, -(-opt_bytes // n), act, buffers, overhead)
     buffers = (2 * ps.linear if mixed else 0) + logit_grads  # autocast's bf16 weight copies
-    return MemoryEstimate("ddp", n, 4 * P, 4 * P, opt_bytes, act, buffers, CUDA_OVERHEAD if cuda else 0)
+    return MemoryEstimate("ddp", n, 4 * P, 4 * P, opt_bytes, act, buffers, overhead)
 
 
 def estimates(cfg: Config, world_size: int, cuda: bool) -> dict[str, MemoryEstimate]:
     """Both modes for a resolved config (model.vocab_size must be set)."""
-    bf16 = cfg.train.dtype in ("auto", "bf16")
+    t = cfg.train
+    kw = dict(checkpointing=t.activation_checkpointing, cuda=cuda, bf16=t.dtype in ("auto", "bf16"))
     return {
-        mode: estimate(
-            cfg.model,
-            cfg.train.micro_batch_size,
-            mode,
-            world_size,
-            checkpointing=cfg.train.activation_checkpointing,
-            cuda=cuda,
-            bf16=bf16,
-            optimizer=cfg.optim.name,
-        )
+        mode: estimate(cfg.model, t.micro_batch_size, mode, world_size, optimizer=cfg.optim.name, **kw)
         for mode in ("ddp", "fsdp")
     }
 
@@ -218,9 +183,9 @@ def device_memory_bytes(cfg: Config, device=None) -> tuple[int | None, str]:
         return int(total), f"CUDA device {torch.cuda.get_device_name(device)}"
     from app.budget.pricing import normalize
 
-    for key in (cfg.metrics.gpu_type, cfg.budget.gpu_type):
-        if key and normalize(key) in GPU_MEMORY_GB:
-            return int(GPU_MEMORY_GB[normalize(key)] * GB), f"GPU type {normalize(key)}"
+    for key in (normalize(k) for k in (cfg.metrics.gpu_type, cfg.budget.gpu_type) if k):
+        if key in GPU_MEMORY_GB:
+            return int(GPU_MEMORY_GB[key] * GB), f"GPU type {key}"
     return None, "unknown (no CUDA device; set train.device_memory_gb to plan for one)"
 
 
@@ -231,6 +196,7 @@ class ParallelChoice:
     ddp: MemoryEstimate
     fsdp: MemoryEstimate
     device_bytes: int | None
+    device_source: str  # where device_bytes came from, or why it is unknown
 
 
 def choose(
@@ -248,24 +214,23 @@ def choose(
     have = f"{usable / GB:.1f} GB usable of {device_bytes / GB:.1f} GB"
     if ddp.total <= usable:
         return "ddp", f"DDP fits: {ddp.total / GB:.1f} GB per GPU, {have}"
-    fits = (
-        ""
-        if fsdp.total <= usable
-        else " (FSDP does not fit either: lower micro_batch_size, enable activation_checkpointing or add GPUs)"
-    )
-    return (
-        "fsdp",
-        f"DDP needs {ddp.total / GB:.1f} GB per GPU, {have}; FSDP needs {fsdp.total / GB:.1f} GB{fits}",
-    )
+    why = f"DDP needs {ddp.total / GB:.1f} GB per GPU, {have}; FSDP needs {fsdp.total / GB:.1f} GB"
+    if fsdp.total > usable:
+        why += (
+            " (FSDP does not fit either: lower micro_batch_size, enable activation_checkpointing or add GPUs)"
+        )
+    return "fsdp", why
 
 
-def plan(cfg: Config, world_size: int, device=None) -> ParallelChoice:
-    """The estimates for this config and world size, and the mode the trainer runs."""
-    cuda = device is not None and getattr(device, "type", device) == "cuda"
+def plan(cfg: Config, world_size: int, device=None, cuda: bool | None = None) -> ParallelChoice:
+    """The estimates for this config and world size, and the mode the trainer runs. `cuda`: plan for
+    CUDA (default: whether `device` is a CUDA device)."""
+    if cuda is None:
+        cuda = device is not None and getattr(device, "type", device) == "cuda"
     est = estimates(cfg, world_size, cuda)
-    dev, _ = device_memory_bytes(cfg, device)
+    dev, source = device_memory_bytes(cfg, device)
     mode, reason = choose(cfg.train.parallel, est["ddp"], est["fsdp"], dev, world_size)
-    return ParallelChoice(mode, reason, est["ddp"], est["fsdp"], dev)
+    return ParallelChoice(mode, reason, est["ddp"], est["fsdp"], dev, source)
 
 
 def planned_world_size(cfg: Config) -> int:
@@ -284,40 +249,30 @@ def plans_for_cuda(cfg: Config) -> bool:
         return t.device == "cuda"
     import torch
 
-    return bool(
-        torch.cuda.is_available()
-        or cfg.budget.gpus
-        or cfg.budget.gpu_type
-        or cfg.metrics.gpu_type
-        or t.device_memory_gb > 0
-    )
+    hint = cfg.budget.gpus or cfg.budget.gpu_type or cfg.metrics.gpu_type or t.device_memory_gb > 0
+    return bool(torch.cuda.is_available() or hint)
 
 
 def print_lines(cfg: Config, world_size: int) -> list[str]:
     """What `pretrain train --print-config` shows (as YAML comments)."""
     import torch
 
-    cuda = plans_for_cuda(cfg)
-    est = estimates(cfg, world_size, cuda)
-    probe = torch.device("cuda", 0) if cuda and torch.cuda.is_available() else None
-    dev, source = device_memory_bytes(cfg, probe)
-    mode, reason = choose(cfg.train.parallel, est["ddp"], est["fsdp"], dev, world_size)
-    where = ("CUDA, bf16" if cfg.train.dtype in ("auto", "bf16") else "CUDA, fp32") if cuda else "CPU, fp32"
-    ac = "on" if cfg.train.activation_checkpointing else "off"
+    t, cuda = cfg.train, plans_for_cuda(cfg)
+    c = plan(cfg, world_size, torch.device("cuda", 0) if cuda and torch.cuda.is_available() else None, cuda)
+    where = ("CUDA, bf16" if t.dtype in ("auto", "bf16") else "CUDA, fp32") if cuda else "CPU, fp32"
     lines = [
-        f"# memory per GPU at world size {world_size} ({where}; micro-batch {cfg.train.micro_batch_size} x "
-        f"seq {cfg.model.seq_len}; activation checkpointing {ac}; GB = 1e9 bytes):",
-        f"#   {est['ddp'].describe()}",
+        f"# memory per GPU at world size {world_size} ({where}; micro-batch {t.micro_batch_size} x "
+        f"seq {cfg.model.seq_len}; activation checkpointing {'on' if t.activation_checkpointing else 'off'}; "
+        "GB = 1e9 bytes):",
+        f"#   {c.ddp.describe()}",
+        *([f"#   {c.fsdp.describe()}"] if world_size > 1 else []),
+        f"#   device memory: {c.device_bytes / GB:.1f} GB ({c.device_source})"
+        if c.device_bytes
+        else f"#   device memory: {c.device_source}",
+        f"#   train.parallel={t.parallel} -> {c.mode}: {c.reason}",
     ]
-    if world_size > 1:
-        lines.append(f"#   {est['fsdp'].describe()}")
-    lines.append(
-        f"#   device memory: {dev / GB:.1f} GB ({source})" if dev else f"#   device memory: {source}"
-    )
-    lines.append(f"#   train.parallel={cfg.train.parallel} -> {mode}: {reason}")
-    if dev is None and cuda and cfg.train.parallel == "auto" and world_size > 1:
-        typical = 80 * GB
-        alt, why = choose("auto", est["ddp"], est["fsdp"], int(typical), world_size)
+    if c.device_bytes is None and cuda and t.parallel == "auto" and world_size > 1:
+        alt, why = choose("auto", c.ddp, c.fsdp, int(80 * GB), world_size)
         lines.append(f"#   on 80 GB GPUs auto would pick {alt}: {why}")
     if world_size == 1:
         lines.append(

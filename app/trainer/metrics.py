@@ -41,8 +41,7 @@ def peak_flops(gpu_type: str, override_tflops: float = 0.0) -> float:
 
 
 def device_peak(gpu_type: str, override_tflops: float, device) -> tuple[str, float]:
-    """(GPU type, peak FLOP/s) of the device a process trains on: the configured type (metrics.gpu_type)
-    when the peak table knows it, else the one its CUDA name tells; peak 0 when unknown."""
+    """(GPU type, peak FLOP/s): the configured type when the table knows it, else the CUDA name's."""
     if not peak_flops(gpu_type, override_tflops) and device.type == "cuda":
         import torch
 

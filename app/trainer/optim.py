@@ -182,10 +182,14 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
 
+def fused_adamw(cfg: OptimConfig, device: torch.device) -> bool:
+    """optim.fused=auto: fused AdamW (one kernel over all tensors) on CUDA and CPU, which also lets
+    step_unless skip a non-finite step on the device."""
+    return device.type in ("cuda", "cpu") if cfg.fused == "auto" else cfg.fused == "true"
+
+
 def build_optimizer(gpt: torch.nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
-    """optim.fused=auto: fused AdamW (one kernel over all tensors; CUDA and, since torch 2.4, CPU), which
-    also lets step_unless skip a non-finite step on the device."""
-    fused = device.type in ("cuda", "cpu") if cfg.fused == "auto" else cfg.fused == "true"
+    fused = fused_adamw(cfg, device)
     groups = param_groups(gpt, cfg)
     if cfg.name == "muon":
         if not hasattr(torch.optim, "Muon"):
@@ -239,9 +243,9 @@ def _kind(entry: dict) -> str | None:
 
 
 def fit_state(state: dict, optimizer: torch.optim.Optimizer, gpt: torch.nn.Module) -> tuple[dict, list[str]]:
-    """A checkpoint's optimizer state (full or sharded, keyed by parameter name or by torch's index)
-    -> state for this optimizer, and lines to log. The param groups become this run's (so a checkpoint
-    from another grouping or mode loads; with the same config they equal the saved ones). Per parameter:
+    """A checkpoint's optimizer state (keyed by parameter name) -> state for this optimizer, and lines to
+    log. The param groups become this run's (so a checkpoint from another grouping or mode loads; with the
+    same config they equal the saved ones). Per parameter:
 
       same optimizer     kept as is
       AdamW -> Muon      exp_avg becomes the momentum buffer (both are moving averages of the gradient)
@@ -249,23 +253,15 @@ def fit_state(state: dict, optimizer: torch.optim.Optimizer, gpt: torch.nn.Modul
 
     Anything else (state of an unknown optimizer) is refused with one line."""
     names = {id(p): n for n, p in gpt.named_parameters()}
-    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     kind_of = {names[id(p)]: g.get("optimizer", "adamw") for g in optimizer.param_groups for p in g["params"]}
-    if not all(isinstance(k, str) for k in state["state"]):  # saved before parameter names
-        state = {"state": {order[int(i)]: v for i, v in state["state"].items()}}
     out: dict[str, dict] = {}
     to_muon, to_adamw = 0, 0
     for fqn, entry in state["state"].items():
         want, have = kind_of.get(fqn), _kind(entry)
         if want is None or have is None:
-            what = (
-                f"parameter '{fqn}' this model does not have"
-                if want is None
-                else f"'{fqn}' ({sorted(entry)})"
-            )
             raise UserError(
-                f"the checkpoint's optimizer state has an entry for {what}; resume with the config it was "
-                "trained with, or start fresh with --resume never"
+                f"the checkpoint's optimizer state for '{fqn}' ({sorted(entry)}) does not fit this run's "
+                "optimizer; resume with the config it was trained with, or start fresh with --resume never"
             )
         if have == want:
             out[fqn] = entry

@@ -15,15 +15,17 @@ import torch
 from app.config import Config
 from app.errors import UserError
 from app.trainer import supervision
+from app.trainer.distributed import DistEnv
 from app.trainer.metrics import JsonlLog, TrainerMetrics
-from app.trainer.parallel import DistEnv
+from app.trainer.steplog import StepRow
 
 
 class Reporter:
-    def __init__(self, cfg: Config, env: DistEnv, run_dir: Path, with_mfu: bool) -> None:
+    def __init__(self, cfg: Config, env: DistEnv, run_dir: Path, peak_flops: float = 0.0) -> None:
+        """`peak_flops`: of one device; MFU is reported when it is known (0: unknown, MFU stays absent)."""
         self.cfg, self.env, self.rank0 = cfg, env, env.is_rank0
         self.progress = None
-        self.flops_per_token, self.peak = 0.0, 0.0
+        self.flops_per_token, self.peak = 0.0, peak_flops
         self.reset_window()
         self.metrics: TrainerMetrics | None = None
         self.jsonl: JsonlLog | None = None
@@ -33,7 +35,7 @@ class Reporter:
                     cfg.metrics.port,
                     env.node,
                     serve_global=self.rank0,
-                    with_mfu=with_mfu,
+                    with_mfu=bool(peak_flops),
                     addr=cfg.metrics.addr,
                 )
             except OSError as e:
@@ -50,12 +52,9 @@ class Reporter:
             self.trackers = Trackers(cfg, Path(run_dir), self._tracker_warning, self._tracker_error)
             for name in cfg.metrics.trackers if self.global_metrics else ():  # 0, not absent, until one fails
                 self.global_metrics.tracker_errors.labels(tracker=name)
+        self.run_name = Path(run_dir).name
         self.exit_code = 1  # until a stop event says otherwise
         self.last_step = 0
-
-    def throughput(self, flops_per_token: float, peak_flops: float) -> None:
-        """MFU is reported when the device's peak is known (0: unknown, MFU stays absent)."""
-        self.flops_per_token, self.peak = flops_per_token, peak_flops
 
     @property
     def global_metrics(self) -> TrainerMetrics | None:
@@ -124,8 +123,12 @@ class Reporter:
         if self.global_metrics:
             self.global_metrics.tracker_errors.labels(tracker=tracker).inc()
 
-    def resumed(self, tokens: int, checkpoint_step: int, checkpoint_unix: float) -> None:
-        """A restarted process continues the run's counters from its checkpoint."""
+    def started(
+        self, *, counts, flops_per_token: float, tokens: int, checkpoint_step: int, checkpoint_unix: float
+    ) -> None:
+        """The run's model is built and resumed: its size, and the counters it continues from its checkpoint."""
+        self.flops_per_token = flops_per_token
+        self.log(f"preset {self.cfg.preset}: {counts}")
         g = self.global_metrics
         if g is None:
             return
@@ -133,10 +136,10 @@ class Reporter:
         if checkpoint_step >= 0:
             g.ckpt_step.set(checkpoint_step)
             g.ckpt_time.set(checkpoint_unix)
-
-    def info(self, labels: dict[str, str]) -> None:
-        if self.global_metrics:
-            self.global_metrics.info.info(labels)
+        labels = {"preset": self.cfg.preset, "run": self.run_name, "world_size": str(self.env.world_size)}
+        g.info.info(
+            {**labels, "parameters": str(counts.total), "non_embedding_parameters": str(counts.non_embedding)}
+        )
 
     def step_done(self, step: int, tokens_per_step: int) -> None:
         """Every step, cheap: what the stalled-training alert and the token counter need."""
@@ -150,75 +153,88 @@ class Reporter:
             g.tokens.inc(tokens_per_step)
             g.last_step_time.set(time.time())
 
-    def train(self, step: int, tokens: int, m: dict, tps: float, planned_end_in) -> None:
-        """A train record; `tps` from window(). `planned_end_in(tokens_per_second)` gives the seconds left
-        to the planned end. Step time and data wait are the averages over the window."""
+    def guards(self, r: StepRow, bad: bool, spike: bool, bad_steps, spikes, skipping_spikes: bool) -> None:
+        """What the divergence guard and the spike detector found in a step, as they saw it."""
+        if bad:
+            self.warn(
+                f"step {r.step}: loss {r.loss} / gradient norm {r.grad_norm} is not finite: update skipped "
+                f"({bad_steps.in_a_row} in a row; the run stops at train.max_bad_steps={bad_steps.max_bad})"
+            )
+        if spike:
+            skipped = " (update skipped)" if skipping_spikes else ""
+            self.log(f"loss spike at step {r.step}: {r.loss:.3f} vs moving average {spikes.avg:.3f}{skipped}")
+
+    def train(
+        self,
+        r: StepRow,
+        *,
+        tokens: int,
+        tokens_per_second: float,
+        step_seconds: float,
+        data_wait_seconds: float,
+        spike: bool,
+        bad: bool,
+        injected: bool,
+        seconds_to_planned_end: float,
+    ) -> None:
+        """A train record. Throughput, step time and data wait are the averages over the window since the
+        last read of the step log; `seconds_to_planned_end`: seconds to the planned end at this pace."""
+        tps = tokens_per_second
         mfu = self.flops_per_token * tps / (self.peak * self.env.world_size) if self.peak else None
-        loops = m["loop_losses"]
-        refinement = supervision.refinement(loops) if loops else None
+        loops = r.loop_losses
+        row = {
+            "loss": r.loss,
+            "lr": r.lr,
+            "grad_norm": r.grad_norm,
+            "tokens": tokens,
+            "tokens_per_second": tps,
+            "step_seconds": step_seconds,
+            "data_wait_seconds": data_wait_seconds,
+        }
+        if mfu is not None:
+            row["mfu"] = mfu
         terms = None
         if loops:  # the objective's terms, from this step's mean per-loop losses (app/trainer/supervision.py)
             lp = self.cfg.model.loop
             terms = supervision.objective(
                 loops, supervision.loop_weights(lp, len(loops)), lp.improvement_reward_scale
             )
-        row = {
-            "loss": m["loss"],
-            "lr": m["lr"],
-            "grad_norm": m["grad_norm"],
-            "tokens": tokens,
-            "tokens_per_second": tps,
-            "step_seconds": m["step_seconds"],
-            "data_wait_seconds": m["data_wait_seconds"],
-        }
-        if mfu is not None:
-            row["mfu"] = mfu
-        if loops:
-            row["loop_losses"] = loops
-            row["refinement"] = refinement
-            row["loop_monotone"] = supervision.monotone(loops)
-            row["supervision_loss"] = terms.supervision
+            row.update(loop_losses=loops, refinement=supervision.refinement(loops))
+            row.update(loop_monotone=supervision.monotone(loops), supervision_loss=terms.supervision)
             row["improvement_reward"] = terms.improvement
-        if m["spike"]:
-            row["spike"] = True
-        if m.get("bad"):
-            row["skipped_nonfinite"] = True
-        if m["injected"]:
-            row["injected_spike"] = True
-        self.event("train", step, **row)
+        for key, flag in (("spike", spike), ("skipped_nonfinite", bad), ("injected_spike", injected)):
+            if flag:
+                row[key] = True
+        self.event("train", r.step, **row)
         if self.metrics:
             self.metrics.node_tps.set(tps * self.env.local_world_size / self.env.world_size)
         g = self.global_metrics
         if g is not None:
-            g.train_loss.set(m["loss"])
-            g.lr.set(m["lr"])
-            g.grad_norm.set(m["grad_norm"])
-            g.tps.set(tps)
+            for gauge, value in ((g.train_loss, r.loss), (g.lr, r.lr), (g.grad_norm, r.grad_norm), (g.tps, tps),
+                                 (g.step_seconds, step_seconds), (g.data_wait, data_wait_seconds),
+                                 (g.planned_end, time.time() + seconds_to_planned_end), (g.spike, int(spike))):  # fmt: skip
+                gauge.set(value)
             if mfu is not None:
                 g.mfu.set(mfu)
-            g.step_seconds.set(m["step_seconds"])
-            g.data_wait.set(m["data_wait_seconds"])
-            g.planned_end.set(time.time() + planned_end_in(tps))
-            g.spike.set(1 if m["spike"] else 0)
-            if m["spike"]:
+            if spike:
                 g.spikes.inc()
             for i, v in enumerate(loops):
                 g.loop_loss.labels(loop=str(i)).set(v)
             if loops:
-                g.refinement.set(refinement)
-                g.loop_monotone.set(1 if supervision.monotone(loops) else 0)
+                g.refinement.set(row["refinement"])
+                g.loop_monotone.set(1 if row["loop_monotone"] else 0)
                 g.supervision_loss.set(terms.supervision)
                 g.improvement_reward.set(terms.improvement)
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 g.gpu_mem.set(torch.cuda.max_memory_allocated())
         if self.progress is not None:
-            post = {"loss": f"{m['loss']:.3f}", "tok/s": f"{tps:,.0f}"}
+            post = {"loss": f"{r.loss:.3f}", "tok/s": f"{tps:,.0f}"}
             if mfu is not None:
                 post["mfu"] = f"{mfu:.1%}"
             self.progress.set_postfix(post, refresh=False)
         else:
             self.log(
-                f"step {step}/{self.cfg.train.max_steps} loss {m['loss']:.4f} lr {m['lr']:.2e} {tps:,.0f} tok/s"
+                f"step {r.step}/{self.cfg.train.max_steps} loss {r.loss:.4f} lr {r.lr:.2e} {tps:,.0f} tok/s"
             )
 
     def eval(self, step: int, val: float, bpb: float) -> None:

@@ -1,5 +1,5 @@
-"""What the machine decides for the loop: the device and its math settings, the autocast dtype, whether
-the blocks are compiled, and how one optimizer step's batch is laid out over ranks and micro-batches."""
+"""What the machine decides for the loop: the device and its math settings, the autocast dtype, and how
+one optimizer step's batch is laid out over ranks and micro-batches."""
 
 from __future__ import annotations
 
@@ -29,22 +29,6 @@ def configure_device(device: torch.device) -> None:
         torch.set_float32_matmul_precision("high")
 
 
-def compile_enabled(cfg: Config, device: torch.device) -> bool:
-    """train.compile=auto: on for CUDA (where fused kernels pay), off for CPU (compile time dominates)."""
-    return cfg.train.compile == "true" or (cfg.train.compile == "auto" and device.type == "cuda")
-
-
-def compile_blocks(model: torch.nn.Module, mode: str) -> int:
-    """Regional compilation: torch.compile each transformer block's forward in place (parameter names,
-    hence checkpoints, do not change). All blocks share one graph per input shape, so compile time is
-    that of one block, not of the whole model; the looped model's shared blocks are the same modules and
-    compile once. The module's hooks (FSDP2's gathers, activation checkpointing) stay outside the graph."""
-    kwargs = {} if mode == "default" else {"mode": mode}
-    for block in model.blocks:
-        block.forward = torch.compile(block.forward, fullgraph=True, **kwargs)
-    return len(model.blocks)
-
-
 def autocast_for(cfg: Config, device: torch.device):
     """bf16 autocast on CUDA (fp32 master weights), fp32 on CPU unless train.dtype=bf16."""
     if device.type == "cuda" and cfg.train.dtype in ("auto", "bf16"):
@@ -67,13 +51,18 @@ def grad_accum_steps(cfg: Config, world_size: int) -> int:
 
 
 def describe(cfg: Config, cuda: bool) -> list[str]:
-    """What the loop does on this device, for --print-config (as YAML comments)."""
+    """What the loop does on this device, for --print-config (as YAML comments): each line asks the
+    function that makes the decision in the trainer."""
+    from app.trainer.optim import fused_adamw
+    from app.trainer.parallelize import compile_enabled
+
     t, o = cfg.train, cfg.optim
     device = torch.device("cuda" if cuda else "cpu")
-    bf16 = (cuda and t.dtype in ("auto", "bf16")) or t.dtype == "bf16"
-    fused = o.fused == "true" or o.fused == "auto"
+    autocast = autocast_for(cfg, device)
+    bf16 = isinstance(autocast, torch.autocast) and autocast.fast_dtype == torch.bfloat16
+    fused = fused_adamw(o, device)
     compiled = compile_enabled(cfg, device)
-    lines = [
+    return [
         f"# runtime ({device.type}): "
         + ("bf16 autocast over fp32 master weights" if bf16 else "fp32")
         + ("; TF32 for fp32 matmuls (float32_matmul_precision=high)" if cuda else ""),
@@ -97,4 +86,3 @@ def describe(cfg: Config, cuda: bool) -> list[str]:
         + "; the stop agreement runs over gloo on the host",
         f"# collectives: timeout {t.collective_timeout_minutes:g} min (train.collective_timeout_minutes)",
     ]
-    return lines

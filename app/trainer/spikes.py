@@ -1,4 +1,5 @@
-"""Loss spikes: a detector (loss above k x its moving average) and a drill that injects them."""
+"""Loss spikes: a detector (loss above k x its moving average) and a drill that injects them on the data
+side, so the loop knows nothing of it."""
 
 from __future__ import annotations
 
@@ -42,3 +43,20 @@ def spike_batch(x: torch.Tensor, step: int, vocab_size: int) -> tuple[torch.Tens
     g = torch.Generator().manual_seed(10_007 * step + 1)
     rows = torch.randint(0, vocab_size, (x.size(0), x.size(1) + 1), generator=g)
     return rows[:, :-1].to(x.device), rows[:, 1:].to(x.device)
+
+
+class SpikeDrill:
+    """A batch source (`batch_at`, `state`, as app/data/loader.py's Prefetcher reads) that replaces the
+    batches of optimizer steps [start, start + steps) (0-based: the steps taken after `start` were done)
+    with spike batches: the observability drill train.inject_spike_at_step / train.spike_batches."""
+
+    def __init__(self, source, start: int, steps: int, accum: int, vocab_size: int) -> None:
+        self.source, self.start, self.steps, self.accum, self.vocab = source, start, steps, accum, vocab_size
+        self.state = source.state
+
+    def covers(self, step_index: int) -> bool:
+        return self.start <= step_index < self.start + self.steps
+
+    def batch_at(self, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.source.batch_at(micro_step)
+        return spike_batch(x, micro_step, self.vocab) if self.covers(micro_step // self.accum) else (x, y)

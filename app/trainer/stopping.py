@@ -1,11 +1,9 @@
 """Why a run stops, and how all ranks agree to stop at the same step.
 
-Every rank computes a local stop code each step; one all-reduce (MAX) of a 3-element tensor gives
-every rank the same decision: the most severe cause wins. The other elements carry a proposal
-for the budget-driven LR decay (steps left) and a request to checkpoint now, decided in the same
-collective. The tensor lives on the CPU and goes over gloo (a control group of its own under NCCL,
-app/trainer/parallel.py), so the agreement costs one small network round trip of the host per step
-and never waits for the GPU: the step's kernels stay queued while ranks agree.
+Every rank computes a local stop code each step; one agreement (app/trainer/distributed.py: MAX over
+three integers, on the host, over gloo) gives every rank the same decision: the most severe cause wins.
+The other two carry a proposal for the budget-driven LR decay (steps left) and a request to checkpoint
+now. It costs one small round trip of the host per step and never waits for the GPU.
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+from app.trainer.distributed import agree
 
 PROCESS_START = time.time()  # stop files older than this process are stale
 EXIT_DIVERGED = 3  # permanent (1-127) under the PyTorchJob ExitCode policy: a restart would diverge again
@@ -49,8 +46,21 @@ class StopDecision:
         return self.label or self.cause.name.lower()
 
     @property
+    def stops(self) -> bool:
+        return self.cause != StopCause.NONE
+
+    @property
     def saves(self) -> bool:
         return self.cause not in (StopCause.NONE, StopCause.IMMEDIATE)
+
+    @property
+    def planned_or_early(self) -> bool:
+        return self.cause in (StopCause.PLANNED, StopCause.EARLY)
+
+    @property
+    def consumes_stop_file(self) -> bool:
+        """A handled budget or immediate request is moved aside, so a restart is not stopped by it."""
+        return self.cause in (StopCause.BUDGET, StopCause.IMMEDIATE)
 
     @property
     def gauge_code(self) -> int:
@@ -94,7 +104,7 @@ class SignalFlag:
             signal.signal(sig, handler)
         self._previous.clear()
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum, _frame) -> None:
         self.count += 1
         if not self.signum:
             self.signum = signum
@@ -136,12 +146,6 @@ def read_stop_file(path: Path, not_before: float = 0.0, warn=print) -> StopDecis
     if mode == "immediate":
         return StopDecision(StopCause.IMMEDIATE, 0, f"{cause}: {reason}", cause)
     return StopDecision(StopCause.BUDGET, 0, f"{cause}: {reason}", cause)
-
-
-def consume_stop_file(path: Path) -> None:
-    """Move a handled stop file aside so a later restart of the same run dir is not stopped by it."""
-    with contextlib.suppress(OSError):
-        os.replace(path, path.with_name(path.name + ".handled"))
 
 
 @dataclass
@@ -236,33 +240,33 @@ class BadSteps:
 
 
 class StopAgreement:
-    """Collects this rank's causes and agrees with the other ranks in one all-reduce per step."""
+    """Collects this rank's causes and agrees with the other ranks once per step."""
 
     def __init__(
         self,
+        *,
         stop_file: Path | None,
         planned: PlannedEnd,
         early: EarlyStopping,
-        is_rank0: bool,
-        signals: SignalFlag | None = None,
-        bad_steps: BadSteps | None = None,
+        signals: SignalFlag,
+        bad_steps: BadSteps,
         warn=print,
     ) -> None:
-        self.stop_file = stop_file if is_rank0 else None  # in Kubernetes only the master pod has it
-        self.started_unix = PROCESS_START
-        self.planned, self.early = planned, early
-        self.signals = signals or SignalFlag()
-        self.bad_steps = bad_steps
-        self.warn = warn
-        self._buf = torch.zeros(3, dtype=torch.int64)  # on the host: see the module docstring
-        self._reasons: dict[int, str] = {}
+        self.stop_file = stop_file  # None on ranks that do not watch it (in Kubernetes: not the master pod)
+        self.planned, self.early, self.signals, self.bad_steps, self.warn = (
+            planned,
+            early,
+            signals,
+            bad_steps,
+            warn,
+        )
 
     def local(self, step: int, tokens: int, elapsed: float) -> StopDecision:
         candidates = [
             self.planned.check(step, tokens, elapsed),
             self.early.check(),
-            self.bad_steps.check() if self.bad_steps else None,
-            read_stop_file(self.stop_file, self.started_unix, self.warn) if self.stop_file else None,
+            self.bad_steps.check(),
+            read_stop_file(self.stop_file, PROCESS_START, self.warn) if self.stop_file else None,
         ]
         if self.signals.signum:
             name = signal.Signals(self.signals.signum).name
@@ -274,18 +278,10 @@ class StopAgreement:
         self, step: int, tokens: int, elapsed: float, decay_proposal: int = 0, want_save: bool = False
     ) -> tuple[StopDecision, int, bool]:
         """(the decision every rank takes, the agreed budget-decay length or 0, save a checkpoint now).
-
         Time-based choices (checkpoint every M minutes, max hours) differ by a few ms between ranks'
-        clocks, so they go through the same collective: any rank asking is enough.
-        """
+        clocks, so they go through the same agreement: any rank asking is enough."""
         mine = self.local(step, tokens, elapsed)
-        if not (dist.is_available() and dist.is_initialized()):
-            return mine, decay_proposal, want_save
-        self._buf[0], self._buf[1], self._buf[2] = mine.encode(), decay_proposal, int(want_save)
-        from app.trainer.parallel import control_group
-
-        dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=control_group())
-        code, decay, save = (int(v) for v in self._buf.tolist())
+        code, decay, save = agree([mine.encode(), decay_proposal, int(want_save)])
         if code == mine.encode():
             return mine, decay, bool(save)
         cause, detail = StopCause(code // 1000), code % 1000
@@ -294,3 +290,9 @@ class StopAgreement:
             decay,
             bool(save),
         )
+
+    def consume_stop_file(self) -> None:
+        """Move a handled stop file aside so a later restart of the same run dir is not stopped by it."""
+        if self.stop_file is not None:
+            with contextlib.suppress(OSError):
+                os.replace(self.stop_file, self.stop_file.with_name(self.stop_file.name + ".handled"))

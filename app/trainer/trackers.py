@@ -83,8 +83,6 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 class TensorBoard:
-    name = "tensorboard"
-
     def __init__(self, run_dir: Path, mcfg: Any, ids: dict) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -108,8 +106,6 @@ class TensorBoard:
 
 
 class MLflow:
-    name = "mlflow"
-
     def __init__(self, run_dir: Path, mcfg: Any, ids: dict) -> None:
         uri = (
             mcfg.mlflow_uri
@@ -160,8 +156,6 @@ class MLflow:
 
 
 class WandB:
-    name = "wandb"
-
     def __init__(self, run_dir: Path, mcfg: Any, ids: dict) -> None:
         import wandb
 
@@ -217,9 +211,8 @@ class Trackers:
     ) -> None:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.warn, self.count_error = warn, count_error
-        self.live: list[Any] = []
+        self.live: list[tuple[str, Any]] = []  # (name, tracker)
         self.warned: set[str] = set()
-        self.errors: dict[str, int] = {}
         self.dropped = 0
         self.last_checkpoint: tuple[Path, int] | None = None
         self.jobs: queue.Queue = queue.Queue(maxsize=10_000)
@@ -270,21 +263,20 @@ class Trackers:
             ids = {}
         for name in self.cfg.metrics.trackers:
             try:
-                self.live.append(KINDS[name](self.run_dir, self.cfg.metrics, ids))
+                self.live.append((name, KINDS[name](self.run_dir, self.cfg.metrics, ids)))
             except Exception as e:
                 self._failed(name, e, "could not start; it is off for this run")
         atomic_write_json(ids_path, ids)
         self._each(lambda t: t.config(self.cfg.to_dict()))
 
     def _each(self, job: Callable[[Any], None]) -> None:
-        for t in list(self.live):
+        for name, t in list(self.live):
             try:
                 job(t)
             except Exception as e:
-                self._failed(t.name, e, "the run goes on without those records")
+                self._failed(name, e, "the run goes on without those records")
 
     def _failed(self, name: str, e: Exception, consequence: str) -> None:
-        self.errors[name] = self.errors.get(name, 0) + 1
         self.count_error(name)
         if name not in self.warned:  # one warning per tracker; the counter shows the rest
             self.warned.add(name)

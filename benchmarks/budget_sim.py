@@ -466,7 +466,7 @@ def summary(results: list[SimResult]) -> dict[str, float]:
     }
 
 
-if __name__ == "__main__":  # quick look: python -m app.budget.simulate
+if __name__ == "__main__":  # quick look: python -m benchmarks.budget_sim
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:

@@ -1,0 +1,136 @@
+"""The model as a run trains it: optional FP8 layers, activation checkpointing, regional compilation,
+then DDP or FSDP2 (train.parallel; `auto` is resolved by app/trainer/memory.py before the model is built).
+
+    ddp   every rank holds the whole model, gradients are all-reduced (DistributedDataParallel);
+          one process: the plain model
+    fsdp  fully_shard on every transformer block, then on the root: parameters, gradients and optimizer
+          state are sharded over the ranks (fp32 master shards); on CUDA the blocks compute in bf16
+          (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)), on CPU in fp32
+
+None of these changes a parameter's name, so checkpoints are the same whatever the wrapping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from app.trainer.distributed import DistEnv
+
+# Above this many bytes of fp32 weights an FSDP run on CPU also starts on the meta device (on CUDA it
+# always does): each rank then never holds more than its shard.
+META_INIT_CPU_BYTES = 4 << 30
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPT inside DDP (an FSDP model is the GPT itself, sharded)."""
+    return model.module if isinstance(model, DDP) else model
+
+
+def grad_sync(model: torch.nn.Module, last_micro_batch: bool):
+    """DDP all-reduces gradients in the backward of the last micro-batch only. FSDP2 reduce-scatters every
+    micro-batch: keeping unsharded gradients between micro-batches would cost a full copy per GPU."""
+    if isinstance(model, DDP) and not last_micro_batch:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def compile_enabled(cfg, device: torch.device) -> bool:
+    """train.compile=auto: on for CUDA (where fused kernels pay), off for CPU (compile time dominates)."""
+    return cfg.train.compile == "true" or (cfg.train.compile == "auto" and device.type == "cuda")
+
+
+def compile_blocks(model: torch.nn.Module, mode: str) -> int:
+    """Regional compilation: torch.compile each transformer block's forward in place (parameter names,
+    hence checkpoints, do not change). All blocks share one graph per input shape, so compile time is
+    that of one block; the looped model's shared blocks are the same modules and compile once. The
+    module's hooks (FSDP2's gathers, activation checkpointing) stay outside the graph."""
+    kwargs = {} if mode == "default" else {"mode": mode}
+    for block in model.blocks:
+        block.forward = torch.compile(block.forward, fullgraph=True, **kwargs)
+    return len(model.blocks)
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each transformer block in backward instead of keeping its activations (non-reentrant,
+    composable: parameter names do not change, so checkpoints do not either)."""
+    from torch.distributed._composable import checkpoint
+
+    for block in model.blocks:
+        checkpoint(block)
+
+
+def shard_model(model: torch.nn.Module, device: torch.device, dtype: str = "auto") -> torch.nn.Module:
+    """FSDP2: fully_shard every block, then the root (embedding, final norm, head). In place."""
+    bf16 = device.type == "cuda" and dtype in ("auto", "bf16")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp or MixedPrecisionPolicy())
+    fully_shard(model, mp_policy=mp or MixedPrecisionPolicy())
+    return model
+
+
+def materialize(model: torch.nn.Module, device: torch.device, seed: int, rank: int) -> None:
+    """Allocate a model built on the meta device (after sharding: only this rank's shards) and run the
+    GPT init. On CUDA, DTensor's RNG tracker draws every shard from one global stream; on CPU it cannot,
+    so each rank draws its shards from its own seed (still i.i.d. N(0, std): a valid init, but not the
+    same numbers as an unsharded build)."""
+    model.to_empty(device=device)
+    if device.type == "cuda":
+        with torch.no_grad():
+            model.reset_parameters()
+        return
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed + 1_000_003 * rank)
+        model.reset_parameters()
+
+
+def build_parallel_model(
+    cfg,
+    env: DistEnv,
+    device: torch.device,
+    mode: str,
+    log: Callable[[str], None] = print,
+    meta_init: bool | None = None,
+) -> torch.nn.Module:
+    """The GPT for `mode` (ddp | fsdp, already resolved from auto); `unwrap()` gives the GPT back.
+
+    Deterministic: with the same torch seed, DDP and FSDP (built unsharded, then sharded) start from the
+    same weights. `meta_init` (default: FSDP on CUDA, or weights above 4 GiB) builds on the meta device,
+    shards, then materializes only the local shards."""
+    from app.trainer.memory import param_split
+    from app.trainer.model import build_model
+
+    fsdp = mode == "fsdp" and env.distributed
+    if mode == "fsdp" and not env.distributed:
+        log("train.parallel=fsdp with one process: nothing to shard, training unsharded")
+    if meta_init is None:
+        meta_init = device.type == "cuda" or 4 * param_split(cfg.model).total > META_INIT_CPU_BYTES
+    meta_init = meta_init and fsdp
+    model = build_model(cfg.model, "meta" if meta_init else device)
+    if cfg.train.fp8:
+        from app.trainer.fp8 import convert_to_fp8
+
+        convert_to_fp8(model, device, log)
+    if cfg.train.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if compile_enabled(cfg, device):
+        compile_blocks(model, cfg.train.compile_mode)
+        log(
+            f"compile: {len(model.blocks)} blocks, mode {cfg.train.compile_mode} (compiled at the first step)"
+        )
+    if fsdp:
+        shard_model(model, device, cfg.train.dtype)
+        if meta_init:
+            materialize(model, device, cfg.train.seed, env.rank)
+        return model
+    if not env.distributed:
+        return model
+    # gradients as views into the all-reduce buckets: no second copy of the gradients
+    return DDP(
+        model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True
+    )
