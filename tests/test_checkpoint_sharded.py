@@ -1,6 +1,6 @@
 """Sharded checkpoints with real torchrun (gloo): N -> M resharding bit-exact for weights and optimizer
 state, every rank writing its own files, async saves that stage a copy, and the old full-weight format
-still loading."""
+refused in one line."""
 
 from __future__ import annotations
 
@@ -30,8 +30,7 @@ WORKER = textwrap.dedent(
     from app.trainer.checkpoint_writer import CheckpointWriter
     from app.trainer.model import build_model
     from app.trainer.optim import build_optimizer
-    from app.errors import UserError
-from app.trainer.checkpoint_state import load_model, load_optimizer
+    from app.trainer.checkpoint_state import load_model, load_optimizer
     from app.trainer.distributed import DistEnv, init_distributed
     from app.trainer.parallelize import shard_model, unwrap
 
