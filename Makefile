@@ -6,8 +6,8 @@ VENV         ?= .venv
 PY           := $(VENV)/bin/python
 # The CPU wheel for laptops and CI. GPU users: `make setup TORCH_SPEC=torch` (or your CUDA build).
 TORCH_SPEC   ?= torch==2.13.0
-# Optional extras `make setup` installs so every test runs (serve, eval, trackers); EXTRAS= for a lean venv.
-EXTRAS       ?= serve,eval,tensorboard,mlflow,wandb
+# Optional extras `make setup` installs so every test runs (serve, eval, trackers, fp8); EXTRAS= for a lean venv.
+EXTRAS       ?= serve,eval,tensorboard,mlflow,wandb,fp8
 COMMA        := ,
 STAMP        := $(VENV)/.setup-stamp
 RUN_DIR      ?= runs/tiny

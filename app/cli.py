@@ -28,7 +28,7 @@ examples:
 
 exit codes: 0 done (planned end, budget stop, early stop); 2 bad input or config;
             128+N preempted by signal N (retryable); 1 unexpected error;
-            4 wait-data gave up (no training data).
+            4 wait-data gave up (no training data); 6 out of space on the checkpoint volume.
 """
 
 # name -> (module with add_arguments/run, one-line help), in the order `pretrain --help` lists them.
@@ -43,7 +43,7 @@ COMMANDS = {
     "plan": ("app.tools.plan", "what model, tokens and hours a budget buys (Chinchilla)"),
     "sample": ("app.tools.sample", "generate text from a checkpoint"),
     "export": ("app.tools.export", "export a run: manifest, metrics CSV, plots, final weights, eval results"),
-    "serve": ("app.tools.serve", "serve a checkpoint over an OpenAI-compatible completions API"),
+    "serve": ("app.tools.serve", "serve a checkpoint over an OpenAI-compatible completions and chat API"),
     "eval": ("app.tools.eval", "evaluate a checkpoint on lm-eval tasks or a local CORE-style bundle"),
     "bench": ("app.tools.bench", "measure tokens/s, MFU, memory and step-time breakdown on synthetic tokens"),
 }

@@ -113,13 +113,16 @@ class TrainConfig:
     collective_timeout_minutes: float = 30.0  # NCCL/gloo timeout; must exceed the longest save
     parallel: str = "ddp"  # ddp | fsdp | auto
     activation_checkpointing: bool = False
-    fp8: bool = False  # H100-class GPUs only
+    fp8: str = "false"  # false | true (H100-class GPUs) | emulate (float8 math in software, any device)
     device_memory_gb: float = 0.0  # per-GPU memory for parallel=auto; 0 = detect (CUDA) / assume DDP fits
     inject_spike_at_step: int = 0  # observability drill: feed high-loss batches from this step; 0 = off
     spike_batches: int = 3
     spike_factor: float = 3.0  # a loss above this multiple of its moving average is a spike
     skip_spike_updates: bool = False  # drop the optimizer update of a step that spiked
     max_bad_steps: int = 5  # a non-finite loss or gradient skips the update; this many in a row stop the run
+    stop_check_every: int = 0  # ranks agree on stops every k steps; 0 = auto (docs/performance.md)
+    mfu_floor: float = 0.0  # after warm-up, MFU under this for mfu_floor_minutes: checkpoint, exit 7; 0 = off
+    mfu_floor_minutes: float = 10.0
 
 
 @dataclass
@@ -164,7 +167,7 @@ class CheckpointConfig:
 @dataclass
 class MetricsConfig:
     port: int = 0  # Prometheus /metrics on this port (global rank 0 and each node's local rank 0); 0 = off
-    addr: str = "0.0.0.0"  # address the metrics server binds (127.0.0.1 to keep it local)
+    addr: str = ""  # /metrics bind address; "" = 0.0.0.0 in a pod (KUBERNETES_SERVICE_HOST), else 127.0.0.1
     gpu_type: str = ""  # key of the peak-FLOPs table; "" = detect from the CUDA device name
     peak_tflops: float = 0.0  # override peak dense bf16 TFLOP/s per device (also enables MFU on CPU)
     progress: bool = True  # console progress bar
@@ -317,6 +320,8 @@ def _load_yaml(path: Path, what: str) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text())
     except OSError as e:
         raise ConfigError(f"cannot read {what} {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} {path} is not UTF-8 text; pass a YAML file") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""

@@ -5,6 +5,7 @@ Kept apart from app/config.py so the schema reads on its own; the checks here ar
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from app.errors import ConfigError
@@ -28,16 +29,11 @@ def _switch(value: str) -> str:
     return aliases.get(value, value)
 
 
+# Every number is >= 0 and below 2**53 (so JSON, numpy seeds and int64 tensors hold it);
+# these must be > 0. Sizes that would not fit the machine are refused at start (memory.plan_for_training).
 POSITIVE = ["model.d_model", "model.n_head", "model.seq_len", "train.micro_batch_size", "train.max_steps",
-            "checkpoint.lease_stale_seconds", "train.collective_timeout_minutes"]  # fmt: skip
-NON_NEGATIVE = [
-    "model.vocab_size", "model.n_kv_head", "model.d_ff", "train.batch_tokens", "train.max_tokens",
-    "train.max_hours", "train.eval_every", "train.prefetch", "schedule.warmup_steps", "checkpoint.every_steps",
-    "checkpoint.every_minutes", "checkpoint.lease_wait_seconds", "optim.weight_decay", "optim.grad_clip",
-    "optim.matrix_lr", "optim.embedding_lr", "optim.head_lr", "model.loop.improvement_reward_scale",
-    "budget.cap_usd", "budget.price_per_gpu_hour", "budget.gpus", "budget.max_price_per_gpu_hour",
-    "metrics.port",
-]  # fmt: skip
+            "checkpoint.lease_stale_seconds", "train.collective_timeout_minutes", "train.log_every",
+            "train.eval_batches", "model.norm_eps", "model.rope_base", "budget.poll_seconds"]  # fmt: skip
 CHOICES = {
     "optim.name": ("adamw", "muon"),
     "optim.muon_lr_adjust": ("match_rms_adamw", "original"),
@@ -47,6 +43,7 @@ CHOICES = {
     "train.parallel": ("ddp", "fsdp", "auto"),
     "budget.kube": ("auto", "on", "off"),
     "train.compile": ("auto", "true", "false"),
+    "train.fp8": ("false", "true", "emulate"),
     "train.compile_mode": ("default", "max-autotune", "max-autotune-no-cudagraphs"),
     "optim.fused": ("auto", "true", "false"),
     "checkpoint.verify": ("sha256", "size"),
@@ -63,14 +60,24 @@ def _get(cfg: Config, key: str):
     return obj
 
 
+def _numbers(obj: Any, prefix: str = ""):
+    """(dotted key, value) of every numeric field of the config, nested sections included."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _numbers(value, f"{prefix}{f.name}.")
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            yield f"{prefix}{f.name}", value
+
+
 def validate(cfg: Config) -> None:
     m, t, o, s, c, b = cfg.model, cfg.train, cfg.optim, cfg.schedule, cfg.checkpoint, cfg.budget
-    t.compile, o.fused = _switch(t.compile), _switch(o.fused)
+    t.compile, o.fused, t.fp8 = _switch(t.compile), _switch(o.fused), _switch(str(t.fp8))
     b.kube = {"true": "on", "false": "off"}.get(_switch(b.kube), _switch(b.kube))
     for key in POSITIVE:
         _check(_get(cfg, key) > 0, f"{key} must be > 0, got {_get(cfg, key)}")
-    for key in NON_NEGATIVE:
-        _check(_get(cfg, key) >= 0, f"{key} must be >= 0, got {_get(cfg, key)}")
+    for key, value in _numbers(cfg):
+        _check(0 <= value < 2**53, f"{key} must be >= 0 and below 2**53, got {value}")
     for key, choices in CHOICES.items():
         _one_of(_get(cfg, key), key, choices)
     if m.looped:
@@ -123,7 +130,10 @@ def validate(cfg: Config) -> None:
     )
     _check(0 < cfg.data.val_fraction < 0.5, "data.val_fraction must be in (0, 0.5)")
     _check(t.spike_factor > 1, f"train.spike_factor must be > 1, got {t.spike_factor}")
+    _check(t.collective_timeout_minutes <= 525600, "train.collective_timeout_minutes must be at most a year")
     _check(t.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {t.max_bad_steps}")
+    _check(t.mfu_floor < 1, f"train.mfu_floor is a fraction of peak (e.g. 0.3), got {t.mfu_floor}")
+    _check(t.mfu_floor_minutes > 0, f"train.mfu_floor_minutes must be > 0, got {t.mfu_floor_minutes}")
     _check(
         cfg.metrics.port < 65536,
         f"metrics.port must be a TCP port (1-65535) or 0 for off, got {cfg.metrics.port}",

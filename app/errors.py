@@ -9,3 +9,7 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """The resolved config is invalid."""
+
+
+EXIT_PEER_LOST = 144  # a peer rank or node was lost (or the launcher): retried, like 128 + signal
+EXIT_OUT_OF_SPACE = 6  # a checkpoint save failed for space: permanent (space does not free itself)

@@ -65,6 +65,16 @@ def write_json_durable(path: Path, data: Any) -> None:
         os.fsync(f.fileno())
 
 
+def cut_torn_line(path: Path) -> Path:
+    """Drop a last line that a kill cut short, so the next append starts a line of its own instead of
+    being glued to it (JSONL logs; read once at start); returns `path`."""
+    with contextlib.suppress(FileNotFoundError), open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+    return path
+
+
 def create_exclusive(path: Path, text: str, durable: bool = False) -> bool:
     """Create `path` holding `text` unless it exists (O_EXCL: one of several racing creators wins, also on
     NFS v3+); False when it was there. The primitive of the lock files (lease.json, the retry state's)."""
@@ -133,14 +143,17 @@ def not_a_directory_message(path: Path, what: str, blocker: Path) -> str:
     return f"{head}; pick another {other}"
 
 
-def check_writable_dir(path: Path | str, what: str = "--out") -> None:
+def check_writable_dir(path: Path | str, what: str = "--out", create: bool = True) -> None:
     """Create `path` if needed and prove a file can be made in it (a real probe: permission bits do not
     tell about root-squashed NFS, read-only mounts or ACLs); UserError (exit 2) with the fix if not:
-    ownership for a volume this user may not write, another path when a file is in the way."""
+    ownership for a volume this user may not write, another path when a file is in the way. Without
+    `create` (a dry run), the probe goes into the nearest directory that exists."""
     path = Path(path)
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write-probe.", dir=path)
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
+        probe_dir = next(p for p in (path, *path.parents) if p.exists() or create)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe.", dir=probe_dir)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:

@@ -3,32 +3,28 @@
     python -m app.launch <torchrun arguments> -m app.train <trainer arguments>
 
 (or any other module: the chart's benchmark job runs `-m app.tools.bench`; the exit code is its own).
+Flags not given come from PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT
+(torchrun reads PET_<FLAG>), which Kubeflow's training-operator v1 and Trainer v2 both set.
 
-Plain torchrun as a pod's command breaks the stop protocol twice:
-1. On SIGTERM it forwards the signal to its workers but SIGKILLs them 30 s later (before torch 2.12
-   the 30 s cannot be changed), which cuts a large checkpoint short.
-2. It exits 1 whenever a worker fails, whatever the worker's code was, while the PyTorchJob
-   `ExitCode` restart policy needs the real one: 128 + signal (preempted: retried) versus 1-127
-   (permanent; 2 = bad config).
-
-This launcher runs torchrun's own `run()` in-process and changes only those two things:
-- SIGTERM/SIGINT are passed to the worker processes and recorded; torchrun keeps monitoring them,
-  so the workers finish the step, agree, checkpoint and exit in their own time (the pod's
-  terminationGracePeriodSeconds is the only deadline). A signal before the workers exist aborts
-  the launch as torchrun would.
-- The exit code: 0 when every worker exited 0; 128 + signal when this launcher was signalled and a
-  worker did not exit 0; else the code of the first worker that failed, the cause (143 when it stopped
-  because a peer on another node was preempted, 2 bad config, 1 crash; killed by signal S: 128 + S).
-  torchrun records failures in the order it saw them; those it terminates afterwards are ignored.
+It runs torchrun's own `run()` in-process and changes what breaks the stop protocol and the PyTorchJob
+`ExitCode` restart policy (128 + signal retried, 1-127 permanent):
+- SIGTERM/SIGINT go to the workers and are recorded; torchrun keeps monitoring them, so the workers save
+  and exit in their own time (plain torchrun SIGKILLs them 30 s later). A signal before the workers exist
+  aborts the launch as torchrun would.
+- The exit code (plain torchrun: 1 for any failure): 0 when every worker exited 0; 128 + signal when
+  this launcher was signalled and a worker did not exit 0; else the first failed worker's code, the cause
+  (143 a peer preempted, 144 a peer lost, 2 bad config, 1 crash, 128 + S killed by signal S; torchrun
+  lists the cause first), or 144 when the node that kept the c10d rendezvous store is gone.
+- The workers learn this pid and end with this process, however it ends (app/trainer/distributed.py).
+- A worker left unreaped for 10 s (torchrun's c10d agent blocked on the store of a node that vanished)
+  ends the launcher with that worker's code.
 
 And two things a container needs:
-- One node rendezvous on 127.0.0.1. torchrun otherwise hands the workers this machine's FQDN (c10d,
-  the default for one node) or --master-addr / $PET_MASTER_ADDR (static: the Master's Service name),
-  and where that does not resolve (`docker run --network none`, a pod whose Service has no DNS yet)
-  the workers retry for 300 s and the agent for 900 s. Pass --local-addr to choose otherwise.
-- A SIGTERM while the launcher waits in C++ (a TCPStore connect to a Master that is not up yet) exits
-  128 + 15 within a second. Python runs signal handlers only between bytecodes, so there the handler
-  above would wait for the connect to time out (900 s) and the pod be SIGKILLed after its grace period.
+- One node rendezvous on 127.0.0.1, not this machine's FQDN (c10d) or the Master's Service name (static),
+  which may not resolve (`docker run --network none`, a Service without DNS yet: workers retry 300 s, the
+  agent 900 s). Pass --local-addr to choose otherwise.
+- A SIGTERM while the launcher waits in C++ (a TCPStore connect to a Master not up yet) exits 128 + 15 at
+  once; Python's handler would run only after the connect times out (900 s), past the grace period.
 """
 
 import argparse
@@ -41,7 +37,10 @@ import time
 
 import torch.distributed.elastic.multiprocessing.api as elastic_api
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.run import parse_args, parse_min_max_nnodes, run
+
+from app.errors import EXIT_OUT_OF_SPACE, EXIT_PEER_LOST
 
 LOOPBACK = "127.0.0.1"
 received: list = []
@@ -52,16 +51,16 @@ def _log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def children(pid: int) -> list:
-    """Live direct children of `pid` (Linux /proc): torchrun's worker processes."""
+def children(pid: int, state: str = "") -> list:
+    """Direct children of `pid` (Linux /proc): torchrun's worker processes; with `state`, those in it."""
     out = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
+                fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+        if int(fields[1]) == pid and state in ("", fields[0]):
             out.append(int(entry))
     return out
 
@@ -96,14 +95,36 @@ def rendezvous_locally(args: argparse.Namespace) -> None:
         args.master_addr = LOOPBACK
 
 
-hard_exit_hooks: list = []  # run, in order, before the os._exit of a signal caught in rendezvous
+hard_exit_hooks: list = []  # run, in order, before an os._exit (a signal caught in rendezvous, a hang)
+
+
+def hard_exit(code: int, why: str) -> None:
+    _log(f"launch: {why} -> exit {code}")
+    for hook in hard_exit_hooks:  # e.g. the retry budget records the attempt
+        code = hook(code)
+    os._exit(code)
+
+
+def exit_if_torchrun_hangs(after: float = 10.0) -> None:
+    """A worker unreaped for `after` s (torchrun's c10d agent stuck, see the module doc): exit with its code."""
+
+    def loop() -> None:
+        dead_since: dict = {}
+        while True:
+            time.sleep(1.0)
+            for pid in children(os.getpid(), "Z"):
+                if time.monotonic() - dead_since.setdefault(pid, time.monotonic()) >= after:
+                    with contextlib.suppress(ChildProcessError):  # torchrun reaped it after all
+                        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+                        code = 128 - code if code < 0 else code  # killed by a signal: as a shell says
+                        hard_exit(code, f"torchrun hung {after:.0f} s after a worker ended (a node lost?)")
+
+    threading.Thread(target=loop, name="launch-reaper", daemon=True).start()
 
 
 def watch_signals_in_c(grace: float = 1.0) -> None:
-    """Exit 128 + N on SIGTERM/SIGINT even while the main thread is stuck in C++. Python's C-level
-    handler writes each signal number to the wakeup fd at once; this thread reads it, and if the
-    Python handler has not run `grace` seconds later, acts for it: no workers yet -> exit now (nothing
-    to save); workers -> pass the signal on, as the handler would."""
+    """Exit 128 + N on SIGTERM/SIGINT even while the main thread is stuck in C++: this thread reads the wakeup
+    fd and, if the Python handler has not run `grace` s later, acts for it (no workers: exit; else pass on)."""
     r, w = os.pipe()  # not inherited by the workers (close-on-exec)
     os.set_blocking(w, False)
     signal.set_wakeup_fd(w, warn_on_full_buffer=False)
@@ -122,14 +143,7 @@ def watch_signals_in_c(grace: float = 1.0) -> None:
                     continue
                 workers = children(os.getpid())
                 if not workers:
-                    code = 128 + signum
-                    _log(
-                        f"launch: got {signal.Signals(signum).name} while waiting in rendezvous "
-                        f"-> exit {code}"
-                    )
-                    for hook in hard_exit_hooks:  # e.g. the retry budget records the attempt
-                        code = hook(code)
-                    os._exit(code)
+                    hard_exit(128 + signum, f"got {signal.Signals(signum).name} while waiting in rendezvous")
                 handled[0] = seen
                 pass_on(signum, workers)
 
@@ -149,14 +163,22 @@ def main(argv: list) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
     watch_signals_in_c()
+    exit_if_torchrun_hangs()
+    os.environ["PRETRAIN_LAUNCHER_PID"] = str(os.getpid())  # a worker that outlives this pid ends itself
     args = parse_args(argv)
     rendezvous_locally(args)
     try:
         run(args)
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]
-        code = 128 + received[0] if received else failure_exit_code(codes)
+        # a signal asked for a stop, unless the stop's own save failed for space: that must not be retried
+        signalled = received and EXIT_OUT_OF_SPACE not in codes
+        code = 128 + received[0] if signalled else failure_exit_code(codes)
         _log(f"launch: worker exit codes {codes} -> exit {code}")
+        return code
+    except RendezvousConnectionError as e:  # c10d: the node that kept the rendezvous store is gone
+        code = 128 + received[0] if received else EXIT_PEER_LOST
+        _log(f"launch: lost the node that kept the rendezvous store ({e.__cause__ or e}) -> exit {code}")
         return code
     except elastic_api.SignalException as e:
         code = 128 + int(e.sigval)

@@ -1,50 +1,40 @@
 """The launcher's gate: a retry budget kept in the run dir, and the data verdict of the wait step.
 
-Why: under the PyTorchJob `ExitCode` restart policy the Kubeflow training-operator (v1) retries every exit
-code >= 128 by deleting and recreating the pod, so no container ever restarts and `runPolicy.backoffLimit`,
-which counts container restarts, never trips (kubeflow/trainer#2045, "PytorchJob restartPolicy: ExitCode
-does not honor backoffLimit for retryable errors"). A crash that repeats with a code >= 128 (OOM kill
-137, segfault 139, NCCL abort 134) would loop until the budget cap, or forever without one. The chart
-therefore counts for itself, on the checkpoint volume that outlives the pods:
+Why: under the PyTorchJob `ExitCode` restart policy the training-operator (v1) retries every code >= 128
+by recreating the pod, so `runPolicy.backoffLimit` (container restarts) never trips (kubeflow/trainer#2045).
+A crash that repeats with a code >= 128 (OOM kill 137, segfault 139, NCCL abort 134, a lost node 144)
+would loop until the budget cap, or forever. The chart counts for itself, on the checkpoint volume:
 
     RUN_DIR/restarts/node-<R>.json      one file per node rank (no two pods write the same file)
 
 - An attempt is one run of the launcher. It is recorded when it starts and when it ends.
 - A *failure* is an end with a code >= 128 other than 143 (SIGTERM), 130 (SIGINT) and 142 (the run
-  dir's lease is held by another trainer), or no recorded end at all: the pod vanished (node loss), or
-  the whole container was OOM-killed (cgroup v2 with memory.oom.group, the kubelet's default since
-  Kubernetes 1.28, kills the launcher with the workers). SIGTERM/SIGINT are requests to stop
-  (preemption, drain, delete, Kueue eviction) and never count; codes 1-127 are permanent anyway.
+  dir's lease is held by another trainer), or no recorded end: the pod vanished (node loss), or the
+  container was OOM-killed whole (cgroup v2 memory.oom.group, the kubelet's default since 1.28).
+  SIGTERM/SIGINT ask to stop (preemption, drain, delete, eviction) and never count; 1-127 are permanent.
 - *Progress* is a newer checkpoint (checkpoints/step_N) than the attempt started with; a failure that
   made progress does not count, and any progress resets the count.
-- When the count exceeds `max_restarts` (the chart's `trainer.maxRestarts`), the launcher ends with
-  EXIT_RETRIES_SPENT (5, permanent under `ExitCode`), with one line saying why on stderr and in the
-  pod's termination message (`kubectl describe pod`), so the operator marks the job Failed.
+- When the count exceeds `max_restarts` (`trainer.maxRestarts`), the launcher ends with EXIT_RETRIES_SPENT
+  (5, permanent), one line why on stderr and in the pod's termination message: the job is Failed.
 - A new Helm release revision (`helm upgrade`, env PRETRAIN_RESTARTS_EPOCH) starts a new count: the
   documented way to retry after fixing the cause. Without Helm, delete RUN_DIR/restarts/.
 
-Two launchers can share one node-<R>.json: a recreated pod (same node rank) starts while the terminating
-one still saves. Every update is therefore a read-modify-write under an exclusive lock file beside it
-(node-<R>.json.lock, created with O_CREAT|O_EXCL: atomic on local filesystems and NFSv3+, where flock is
-not reliable), and each launcher finds its own attempt by id when it ends. A lock whose holder is gone
-(its process is dead in this same pid namespace, or the lock file has not changed for
-LOCK_STALE_SECONDS: a holder killed mid-update) is taken over. The newcomer may count the other's still
-open attempt as "no record"; when that one ends after all, its real code replaces the guess.
+Two launchers can share one node-<R>.json (a recreated pod starts while the terminating one saves), so
+every update is a read-modify-write under a lock file beside it (O_CREAT|O_EXCL: atomic on local
+filesystems and NFSv3+, where flock is not), and each launcher finds its own attempt by id. A lock whose
+holder is gone (dead in this pid namespace, or unchanged for LOCK_STALE_SECONDS) is taken over. The
+newcomer may count the other's open attempt as "no record"; if that one ends after all, its code wins.
 
-The pod's init steps cannot fail the job themselves: the operator reads the exit code of the `pytorch`
-container only, and one that never ran reads as 0xbeef (48879, "retryable"), which loops uncounted. So
-they leave a verdict {"code": N, "reason": ...} on the pod's emptyDir and let the pod go on, and the
-launcher ends it with that code (permanent) and the reason before torchrun starts:
-- the wait-for-data step (app/data/wait.py): EXIT_DATA_NOT_READY (4) when it gave up on the data, 2 for
-  arguments it could not use, 1 when it crashed;
-- the budget-watcher sidecar (app/budget/cli.py, `--verdict`): 2 when it cannot run (a checkpoint volume
-  it cannot write, a budget without a price), 1 when it crashed. It stays up, serving /metrics, so
-  that its startupProbe passes and the pod reaches this launcher instead of hanging in Init.
+The pod's init steps cannot fail the job: the operator reads the `pytorch` container's code only (one that
+never ran reads 0xbeef, "retryable": an uncounted loop). They leave a verdict {"code": N, "reason": ...}
+on the pod's emptyDir, and the launcher ends with that code (permanent) and reason before torchrun starts:
+- the wait-for-data step (app/data/wait.py): 4 when it gave up on the data, 2 bad arguments, 1 a crash;
+- the budget-watcher sidecar (app/budget/cli.py, `--verdict`): 2 when it cannot run (an unwritable
+  checkpoint volume, a budget without a price), 1 a crash. It stays up, serving /metrics, so that its
+  startupProbe passes and the pod reaches this launcher instead of hanging in Init.
 
-Configured by environment (set by the chart; without PRETRAIN_RUN_DIR there is no retry budget):
-PRETRAIN_RUN_DIR, PRETRAIN_MAX_RESTARTS, PRETRAIN_RESTARTS_EPOCH, PRETRAIN_DATA_VERDICT,
-PRETRAIN_WATCHER_VERDICT, PET_NODE_RANK (set by the training-operator), PRETRAIN_TERMINATION_LOG
-(default /dev/termination-log).
+Environment (set by the chart; no PRETRAIN_RUN_DIR, no retry budget): PRETRAIN_RUN_DIR, _MAX_RESTARTS,
+_RESTARTS_EPOCH, _DATA_VERDICT, _WATCHER_VERDICT, _TERMINATION_LOG (/dev/termination-log); PET_NODE_RANK.
 """
 
 from __future__ import annotations
@@ -66,8 +56,7 @@ from app.trainer.lease import holder_is_dead, identity
 
 EXIT_RETRIES_SPENT = 5  # 3 is the trainer's "diverged"
 EXIT_NOT_WRITABLE = 2
-# Asked to stop, not a failure: SIGINT, SIGTERM, and 142, the trainer that found the run dir's lease held
-# by another one (a terminating pod still writing) and gave up waiting.
+# Asked to stop, not failures: SIGINT, SIGTERM, 142 (the run dir's lease held by another trainer too long).
 STOP_CODES = (130, 142, 143)
 KEEP_ATTEMPTS = 50
 LOCK_STALE_SECONDS = 30.0  # the lock is held for one read and one write of a small file
@@ -86,8 +75,7 @@ def latest_checkpoint_step(run_dir: Path) -> int:
 
 
 def termination_message(text: str) -> None:
-    """The pod's termination message (shown by `kubectl describe pod` and in the pod status), if the
-    kubelet provided the file; elsewhere nothing."""
+    """The pod's termination message (`kubectl describe pod`, the pod status) where the kubelet gave one."""
     path = Path(os.environ.get("PRETRAIN_TERMINATION_LOG", "/dev/termination-log"))
     with contextlib.suppress(OSError):
         if path.is_file():
@@ -123,10 +111,7 @@ class StateLock:
             os.rename(self.path, aside)
         except FileNotFoundError:
             return False
-        try:
-            moved = json.loads(aside.read_text())
-        except (OSError, ValueError):
-            moved = {}
+        moved = read_lock_file(aside) or {}
         if stale and moved.get("token") != stale.get("token"):
             with contextlib.suppress(OSError):
                 os.link(aside, self.path)  # fails if yet another holder exists: then it is theirs
@@ -254,9 +239,8 @@ class RetryBudget:
         return refusal
 
     def end(self, code: int) -> tuple[int, str]:
-        """Record the end; returns the exit code to use (EXIT_RETRIES_SPENT once the budget is spent)
-        and the line saying why ("" when the code is kept). Reads the file afresh: another launcher on
-        this node rank may have written it since begin()."""
+        """Record the end: (the code to use, EXIT_RETRIES_SPENT once spent; the line why, or ""). Reads the
+        file afresh: another launcher on this node rank may have written it since begin()."""
         with self.lock:
             self.state = st = self._load()
             attempt = next((a for a in reversed(st["attempts"]) if a.get("id") == self.attempt_id), None)

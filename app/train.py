@@ -22,7 +22,9 @@ from app.budget import BudgetExhausted, PriceAboveMax
 from app.config import Config
 from app.data.loader import Prefetcher, TrainLoader, fit_vocab, resolve_data_dir
 from app.data.manifest import Manifest
+from app.errors import UserError
 from app.trainer import checkpoint as ckpt
+from app.trainer import distributed as peers
 from app.trainer.args import DESCRIPTION, add_arguments, config_from_args, print_config
 from app.trainer.budget_link import BudgetLink
 from app.trainer.checkpoint_state import find_checkpoint, restore_weights, schedule_note
@@ -116,7 +118,7 @@ class Trainer:
         self.heartbeat = Heartbeat(self.run_dir, enabled=env.is_rank0)
         self.steplog = StepLog(env)
         self.step_seconds = 0.0  # moving average over reads of the step log: the device's pace
-        self.last_saved_step = -1
+        self.last_saved_step = self.committed_step = -1  # the last save asked for / committed
         self.last_save: SaveResult | None = None  # its timings go to the heartbeat
         self.last_save_time = time.monotonic()
         self.last_eval_step = -1
@@ -126,9 +128,10 @@ class Trainer:
         cfg, env, t = self.cfg, self.env, self.cfg.train
         configure_device(self.device)
         _, peak = device_peak(cfg.metrics.gpu_type, cfg.metrics.peak_tflops, self.device)
-        self.report = Reporter(
-            cfg, env, self.run_dir, peak
-        )  # first: a busy metrics port fails before the data
+        if t.mfu_floor and not peak:
+            raise UserError(f"train.mfu_floor needs the device's peak to measure MFU, and {self.device.type} "
+                            "has none: set --gpu-type or metrics.peak_tflops, or drop train.mfu_floor")  # fmt: skip
+        self.report = Reporter(cfg, env, self.run_dir, peak)  # first: a busy port fails before the data
         self.log, self.warn = self.report.log, self.report.warn
         self.data_dir = resolve_data_dir(cfg.data, self.log)
         self.manifest = Manifest.load(self.data_dir)
@@ -136,30 +139,25 @@ class Trainer:
         self.accum = grad_accum_steps(cfg, env.world_size)
         self.tokens_per_step = self.accum * t.micro_batch_size * cfg.model.seq_len * env.world_size
 
-        from app.trainer.memory import plan as plan_parallel
+        from app.trainer.memory import checkpoint_bytes, plan_for_training
         from app.trainer.parallelize import build_parallel_model
 
         torch.manual_seed(t.seed)
-        self.parallel = plan_parallel(cfg, env.world_size, self.device)  # resolves train.parallel=auto
+        self.parallel = plan_for_training(cfg, env.world_size, self.device)  # resolves parallel=auto
         est = self.parallel.fsdp if self.parallel.mode == "fsdp" else self.parallel.ddp
         self.log(f"parallel: {self.parallel.mode} ({self.parallel.reason}); estimate {est.describe()}")
         self.model = build_parallel_model(cfg, env, self.device, self.parallel.mode, self.log)
         self.counts = count_parameters(unwrap(self.model))
         self.optimizer = build_optimizer(unwrap(self.model), cfg.optim, self.device)
-        self.loader = TrainLoader(
-            data_dir=self.data_dir,
-            seq_len=cfg.model.seq_len,
-            micro_batch_size=t.micro_batch_size,
-            rank=env.rank,
-            world_size=env.world_size,
-            seed=t.seed,
-            vocab_size=cfg.model.vocab_size,
-        )
+        self.loader = TrainLoader(data_dir=self.data_dir, seq_len=cfg.model.seq_len, micro_batch_size=t.micro_batch_size,
+                                  rank=env.rank, world_size=env.world_size, seed=t.seed,
+                                  vocab_size=cfg.model.vocab_size)  # fmt: skip
         self.early = EarlyStopping(patience=t.early_stop_patience, min_delta=t.early_stop_min_delta)
         self.spikes = SpikeDetector(factor=t.spike_factor)
         self.bad_steps = BadSteps(max_bad=t.max_bad_steps)
         resumed_unix = self._resume()
-        self.writer = CheckpointWriter(self.run_dir, env.rank, env.world_size, config=cfg.checkpoint)
+        self.writer = CheckpointWriter(self.run_dir, env.rank, env.world_size, cfg.checkpoint,
+                                       expect_bytes=checkpoint_bytes(cfg), warn=self.warn)  # fmt: skip
         self.autocast = autocast_for(cfg, self.device)
         source, self.drill = self.loader, None
         if t.inject_spike_at_step:
@@ -169,22 +167,13 @@ class Trainer:
         self.batches = Prefetcher(source, self.device, t.prefetch)  # after resume: from its position
         self.stop_file = self.args.stop_file or self.run_dir / "stop.json"
         self.planned = PlannedEnd(t.max_steps, t.max_tokens, t.max_hours * 3600)
-        self.stopper = StopAgreement(
-            stop_file=self.stop_file if env.is_rank0 else None,  # in Kubernetes only the master pod has it
-            planned=self.planned,
-            early=self.early,
-            signals=self.signals,
-            bad_steps=self.bad_steps,
-            warn=self.warn,
-        )
+        self.stopper = StopAgreement(stop_file=self.stop_file if env.is_rank0 else None,  # only the master pod's
+                                     planned=self.planned, early=self.early, signals=self.signals,
+                                     bad_steps=self.bad_steps, mfu_floor=(t.mfu_floor, t.mfu_floor_minutes),
+                                     every=t.stop_check_every, say=self.log, warn=self.warn)  # fmt: skip
         flops = flops_per_token(cfg.model)
-        self.report.started(
-            counts=self.counts,
-            flops_per_token=flops,
-            tokens=self.state.tokens,
-            checkpoint_step=self.last_saved_step,
-            checkpoint_unix=resumed_unix,
-        )
+        self.report.started(counts=self.counts, flops_per_token=flops, tokens=self.state.tokens,
+                            checkpoint_step=self.last_saved_step, checkpoint_unix=resumed_unix)  # fmt: skip
         self.log(
             f"data {self.data_dir} (vocab {self.manifest.vocab_size}, "
             f"{sum(s.tokens for s in self.manifest.train):,} train tokens); device {self.device}, "
@@ -208,7 +197,7 @@ class Trainer:
         for part, saved in [*parts, (self.bad_steps, st.bad_steps)]:
             if saved:
                 part.load_state_dict(saved)
-        self.last_saved_step = info.step if self.args.resume == "auto" else -1
+        self.last_saved_step = self.committed_step = info.step if self.args.resume == "auto" else -1
         self.log(f"resumed from {ckpt.describe(info)}")
         if note := schedule_note(info, self.cfg, st.budget_decay):
             self.log(note)
@@ -229,7 +218,7 @@ class Trainer:
             save_due = bool(minutes) and now - self.last_save_time >= minutes * 60
             proposal = self.budget.decay_proposal(st.step, self.step_seconds, bool(st.budget_decay))
             decision, decay, save_now = self.stopper.agree(
-                st.step, st.tokens, st.elapsed_seconds, proposal, save_due
+                st.step, st.tokens, st.elapsed_seconds, proposal, save_due, self.step_seconds
             )
             if decision.stops:
                 break
@@ -247,11 +236,13 @@ class Trainer:
                        autocast=self.autocast, grad_clip=cfg.optim.grad_clip, step=st.step + 1, lr=lr,
                        log=self.steplog, skip_update=skip_spikes)  # fmt: skip
             st.step += 1
+            peers.at_step(st.step)  # named if a peer is lost
             st.tokens += self.tokens_per_step
             self.report.step_done(st.step, self.tokens_per_step)
             if st.step % cfg.train.log_every == 0:
                 self.read_step_log()
-            if cfg.train.eval_every and st.step % cfg.train.eval_every == 0:
+            last = self.planned.check(st.step, st.tokens, 0.0) is not None  # evaluated before its save
+            if cfg.train.eval_every and (st.step % cfg.train.eval_every == 0 or last):
                 self.evaluate()
             if cfg.train.sample_every and st.step % cfg.train.sample_every == 0:
                 text = sample_text(self.model, self.data_dir, cfg.train.seed + st.step, self.device,
@@ -272,6 +263,7 @@ class Trainer:
             return False, False
         st, t = self.state, self.cfg.train
         tps, seconds = self.report.window()
+        self.stopper.mfu_floor.update(self.report.mfu(tps), time.monotonic())
         self.step_seconds = seconds if self.step_seconds == 0 else 0.5 * (self.step_seconds + seconds)
         data_wait, self.batches.wait_seconds = self.batches.wait_seconds / len(rows), 0.0
         planned_in = self.planned.seconds_left(st.step, st.tokens, st.elapsed_seconds, self.step_seconds, tps)
@@ -304,10 +296,8 @@ class Trainer:
         self.report.eval(st.step, val, bpb)
 
     def write_heartbeat(self, state: str) -> None:
-        st = self.state
-        self.heartbeat.write(
-            state, st.step, st.tokens, self.step_seconds, self.last_saved_step, self.last_save
-        )
+        st, committed = self.state, self.committed_step
+        self.heartbeat.write(state, st.step, st.tokens, self.step_seconds, committed, self.last_save)
 
     def save(self, reason: str, final: bool = False) -> None:
         """Collective; in the background unless `final` (a stop). Step 0 is never saved: nothing has been
@@ -339,7 +329,7 @@ class Trainer:
     def report_save(self, result: SaveResult | None) -> None:
         """Report a save once it is committed (at once when synchronous, later from the background)."""
         if result is not None:
-            self.last_save = result
+            self.last_save, self.committed_step = result, result.step
             self.report.checkpoint(result)
 
     def finish(self, decision: StopDecision) -> int:
@@ -356,11 +346,14 @@ class Trainer:
         if decision.saves:
             self.report_save(self.writer.wait())  # a stop ends on a complete, committed checkpoint
         else:
-            self.writer.abandon()  # immediate: exit now; a pending write stays an uncommitted temp dir
+            self.writer.abandon()  # immediate: exit now; a pending write is cancelled, its temp dir removed
         self.report.event("event", st.step, event="stop", cause=decision.name, reason=decision.reason,
                           exit_code=decision.exit_code)  # fmt: skip
         if self.env.is_rank0 and decision.consumes_stop_file:
             self.stopper.consume_stop_file()
+        if self.env.is_rank0 and decision.event:  # posted here, or relayed by the watcher (heartbeat)
+            posted = self.budget.event(decision.event, decision.reason, self.warn)
+            self.heartbeat.event = {"reason": decision.event, "message": decision.reason, "posted": posted}
         self.write_heartbeat("done" if decision.exit_code == 0 else "preempted")
         if self.env.is_rank0:
             for line in ckpt.summary(self.run_dir, self.cfg.checkpoint.verify, self.warn):
@@ -407,7 +400,8 @@ def train(cfg: Config, args: RunArgs) -> int:
         trainer = Trainer(cfg=cfg, args=args, env=env, device=device, budget=budget, signals=signals)
         trainer.setup()
         return trainer.run()
-    except BaseException:
+    except BaseException as error:
+        peers.exit_if_peer_lost(error)  # a collective failed because a peer is gone: exit 144 (retried)
         # the watcher must not go on reading "running" from a dead trainer
         with contextlib.suppress(Exception):
             if trainer is not None:

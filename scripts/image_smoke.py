@@ -326,6 +326,19 @@ class Smoke:
         )
         assert f"not writable by uid {UID}" in bad.stderr and "fsGroup" in bad.stderr, bad.stderr
 
+    def muon_preset_starts(self) -> None:
+        """A preset that trains with torch.optim.Muon (torch >= 2.9: why the base is pinned where it is),
+        at toy sizes; the stand-in's torch is the CPU wheel, so the base's own torch is checked by the
+        build (app/trainer/features.py) and by tests/test_dockerfile.py."""
+        toy = [f"model.{k}" for k in ("d_model=64", "n_head=4", "d_ff=0", "seq_len=64", "vocab_size=0")]
+        toy += ["data.vocab_size=2048", "train.batch_tokens=0", "train.micro_batch_size=8"]
+        toy += ["train.eval_every=0", "metrics.progress=false", "checkpoint.every_minutes=0"]
+        sets = [arg for kv in toy for arg in ("--set", kv)]
+        cmd = ["train", "--preset", "looped-546m-fast", "--out", "/ckpt/muon", "--max-steps", "2", *sets]
+        proc = self.docker("run", "--rm", *self.pod(), IMAGE, *cmd)
+        done = "stopping at step 2: planned end" in proc.stdout  # optim.name=muon: Muon built and stepped
+        assert proc.returncode == 0 and done, f"exit {proc.returncode}:\n{proc.stdout + proc.stderr}"
+
     def root_owned_volume(self) -> None:
         opts = ["--network", "none", "-v", f"{self.rootvol}:/ckpt"]
         proc = self.docker("run", "--rm", *opts, IMAGE, "train", "--out", "/ckpt/run", *FAST)
@@ -383,6 +396,7 @@ def main() -> int:
                 "watch --dry-run-budget: 0 on the volume, 2 on a root-owned one", smoke.dry_run_budget
             )
             smoke.check("train on a root-owned volume: one line, exit 2", smoke.root_owned_volume)
+            smoke.check("preset looped-546m-fast (torch.optim.Muon) trains 2 steps", smoke.muon_preset_starts)
     finally:
         with contextlib.suppress(Exception):
             smoke.cleanup()

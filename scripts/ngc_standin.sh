@@ -7,17 +7,41 @@
 #     (NGC images have done this since 25.03),
 #   - a uid-1000 user (`ubuntu` in the Ubuntu 24.04 based NGC images).
 # Plus this machine's extra CA certificates, so that pip inside the build can reach PyPI through a
-# TLS-inspecting egress. Debian bookworm (Python 3.11) where NGC 25.x has Ubuntu 24.04 (Python 3.12).
+# TLS-inspecting egress.
+#
+# Where it differs from the base it stands in for (app/trainer/features.py, BASE; `--versions` prints both):
+#   - Python: Debian bookworm's 3.11 where the base has 3.12. No Debian release ships 3.12 (bookworm 3.11,
+#     trixie 3.13), and nothing but Debian and PyPI can be reached here.
+#   - torch: the CPU wheel of TORCH_SPEC, not the base's minor. PyPI's torch of that minor is the CUDA
+#     build, which pins nvidia-* CUDA wheels (several GB; this index lacks some), and the CPU builds live
+#     on PyTorch's own index. tests/test_dockerfile.py checks instead that the base's torch has every
+#     feature the code uses, and the image build runs the same check against the real base.
 #
 #   DOCKER="docker -H unix:///path/docker.sock" scripts/ngc_standin.sh TAG WORKDIR
+#   scripts/ngc_standin.sh --versions
 #
 # Needs root, debootstrap and network access to a Debian mirror and to the pip index.
 set -euo pipefail
 
-tag=${1:?usage: ngc_standin.sh TAG WORKDIR}
-work=${2:?usage: ngc_standin.sh TAG WORKDIR}
 DOCKER=${DOCKER:-docker}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+SUITE=bookworm
+SUITE_PYTHON=3.11
+repo=$(cd "$(dirname "$0")/.." && pwd)
+read -r base_image base_torch base_cuda base_python < <(
+  python3 -c "import sys; sys.path.insert(0, sys.argv[1]); from app.trainer.features import BASE as b
+print(b['image'], b['torch'], b['cuda'], b['python'])" "$repo"
+)
+if [[ ${1:-} == --versions ]]; then
+  echo "base: $base_image (torch $base_torch, CUDA $base_cuda, Python $base_python)"
+  echo "stand-in: Debian $SUITE (Python $SUITE_PYTHON), $TORCH_SPEC CPU wheel"
+  exit 0
+fi
+[[ $base_python == "$SUITE_PYTHON" ]] ||
+  echo "ngc-standin: Python $SUITE_PYTHON where $base_image has $base_python (no Debian release ships it)"
+
+tag=${1:?usage: ngc_standin.sh TAG WORKDIR}
+work=${2:?usage: ngc_standin.sh TAG WORKDIR}
 
 # The mirror this machine's apt uses (deb822 or one-line sources), else the public one.
 mirror=${DEBIAN_MIRROR:-$(
@@ -31,18 +55,19 @@ wheels="$work/wheels"
 rm -rf "$root"
 mkdir -p "$root" "$wheels"
 
-echo "ngc-standin: debootstrap bookworm (minbase + python3, pip) from $mirror"
+echo "ngc-standin: debootstrap $SUITE (minbase + python3, pip) from $mirror"
 debootstrap --variant=minbase --include=python3,python3-pip,python-is-python3,ca-certificates \
-  bookworm "$root" "$mirror" > "$work/debootstrap.log" 2>&1 || {
+  "$SUITE" "$root" "$mirror" > "$work/debootstrap.log" 2>&1 || {
   tail -n 20 "$work/debootstrap.log"
   exit 1
 }
 
-# torch and its dependencies as wheels for the image's Python (cp311), resolved by the host's pip
+# torch and its dependencies as wheels for the image's Python, resolved by the host's pip
 # (its index, find-links and certificates), so the chroot needs no pip configuration of its own.
 echo "ngc-standin: ${SECONDS}s: fetching $TORCH_SPEC wheels"
-python3 -m pip download -q -d "$wheels" --only-binary=:all: --python-version 3.11 --implementation cp \
-  --abi cp311 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform linux_x86_64 \
+cp=cp${SUITE_PYTHON/./}
+python3 -m pip download -q -d "$wheels" --only-binary=:all: --python-version "$SUITE_PYTHON" --implementation cp \
+  --abi "$cp" --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform linux_x86_64 \
   "$TORCH_SPEC" > "$work/pip-download.log" 2>&1 || {
   tail -n 20 "$work/pip-download.log"
   exit 1

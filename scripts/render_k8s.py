@@ -4,9 +4,12 @@
     python scripts/render_k8s.py [--helm PATH]            # (re)write k8s/*.yaml
     python scripts/render_k8s.py [--helm PATH] --check    # exit 1 if k8s/ differs from a fresh render
 
-For users without Helm: `kubectl apply -f k8s/` (after k8s/PREREQUISITES.md). The files are named
-`NN-kind-name.yaml` so that kubectl applies them in a sensible order. Other files in k8s/ (such as
-PREREQUISITES.md) are left alone.
+For users without Helm: `kubectl apply -f k8s/` (after k8s/PREREQUISITES.md) on a cluster with the
+Kubeflow Training Operator v1 (PyTorchJob), `kubectl apply -f k8s/trainjob/` on one with Kubeflow
+Trainer v2 (the chart with scheduler=trainjob: TrainingRuntime, then TrainJob). The files are named
+`NN-kind-name.yaml` so that kubectl applies them in a sensible order (the TrainingRuntime before the
+TrainJob, which the Trainer refuses without it). Other files in k8s/ (such as PREREQUISITES.md) are left
+alone.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ OUT = ROOT / "k8s"
 RELEASE = "pretrain"
 NAMESPACE = "default"
 HEADER = (
-    "# Rendered from the Helm chart in helm/ with its default values (release {release}, namespace {ns})\n"
+    "# Rendered from the Helm chart in helm/ with its default values{extra} (release {release}, namespace {ns})\n"
     "# by scripts/render_k8s.py (`make k8s`). Do not edit: change the chart and re-render.\n"
 )
+# subdirectory of the output -> extra `helm template` arguments ("" = the output directory itself)
+VARIANTS = {"": [], "trainjob": ["--set", "scheduler=trainjob"]}
 ORDER = {
     "Namespace": 0,
     "ServiceAccount": 10,
@@ -40,6 +45,8 @@ ORDER = {
     "Service": 50,
     "Job": 60,
     "PyTorchJob": 70,
+    "TrainingRuntime": 70,
+    "TrainJob": 75,
     "PodMonitor": 80,
     "ServiceMonitor": 80,
     "PrometheusRule": 80,
@@ -58,10 +65,10 @@ def find_helm(explicit: str | None) -> str:
     return str(get_helm(ROOT / "bin"))
 
 
-def render(helm: str, chart: Path = CHART) -> dict[str, str]:
-    """file name -> content of every object of `helm template` with the default values."""
+def render(helm: str, chart: Path = CHART, extra: list[str] | None = None) -> dict[str, str]:
+    """file name -> content of every object of `helm template` with the default values (and `extra`)."""
     # No `helm test` hook pods: kubectl would create them as ordinary pods.
-    cmd = [helm, "template", RELEASE, str(chart), "--namespace", NAMESPACE, "--skip-tests"]
+    cmd = [helm, "template", RELEASE, str(chart), "--namespace", NAMESPACE, "--skip-tests", *(extra or [])]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     files: dict[str, str] = {}
     for chunk in re.split(r"^---\s*$", out, flags=re.M):
@@ -73,7 +80,8 @@ def render(helm: str, chart: Path = CHART) -> dict[str, str]:
         fname = f"{ORDER.get(kind, 90):02d}-{kind.lower()}-{name}.yaml"
         if fname in files:
             raise SystemExit(f"render_k8s: two objects map to {fname}")
-        files[fname] = HEADER.format(release=RELEASE, ns=NAMESPACE) + body.rstrip() + "\n"
+        note = f" and {' '.join(extra[1::2])}" if extra else ""
+        files[fname] = HEADER.format(extra=note, release=RELEASE, ns=NAMESPACE) + body.rstrip() + "\n"
     return files
 
 
@@ -116,17 +124,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=OUT, help="output directory (default k8s/)")
     p.add_argument("--chart", type=Path, default=CHART, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    files = render(find_helm(args.helm), args.chart)
+    helm = find_helm(args.helm)
+    renders = {args.out / sub: render(helm, args.chart, extra) for sub, extra in VARIANTS.items()}
     if args.check:
-        problems = check(files, args.out)
+        problems = [line for out, files in renders.items() for line in check(files, out)]
         if problems:
             print("k8s/ is out of date with the chart; run `make k8s`:", file=sys.stderr)
             print("\n".join(problems), file=sys.stderr)
             return 1
-        print(f"{args.out}: {len(files)} manifests equal a fresh render of {args.chart.name}/")
+        for out, files in renders.items():
+            print(f"{out}: {len(files)} manifests equal a fresh render of {args.chart.name}/")
         return 0
-    write(files, args.out)
-    print(f"wrote {len(files)} manifests to {args.out}: {', '.join(sorted(files))}")
+    for out, files in renders.items():
+        write(files, out)
+        print(f"wrote {len(files)} manifests to {out}: {', '.join(sorted(files))}")
     return 0
 
 

@@ -1,8 +1,9 @@
 """Helpers for the Kubernetes packaging tests: a real helm binary, rendering, and schema validation.
 
-The PyTorchJob is validated against the training-operator v1.9 CRD schema in
-tests/fixtures/k8s-schemas/ (upstream source and licence in its README), made strict the way
-`kubectl apply --validate=strict` is: unknown fields are errors, not silently pruned.
+The PyTorchJob is validated against the training-operator v1.9 CRD schema, the TrainJob and the
+TrainingRuntime against the Kubeflow Trainer v2.3.0 ones, all in tests/fixtures/k8s-schemas/
+(upstream source and licence in its README), made strict the way `kubectl apply --validate=strict`
+is: unknown fields are errors, not silently pruned.
 Core kinds are validated with kubernetes-validate in strict mode.
 """
 
@@ -26,6 +27,10 @@ REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "helm"
 SCHEMAS = REPO / "tests" / "fixtures" / "k8s-schemas"
 PYTORCHJOB_CRD = SCHEMAS / "kubeflow.org_pytorchjobs.v1.9.0.yaml"
+TRAINER_CRDS = {
+    "TrainJob": SCHEMAS / "trainer.kubeflow.org_trainjobs.v2.3.0.yaml",
+    "TrainingRuntime": SCHEMAS / "trainer.kubeflow.org_trainingruntimes.v2.3.0.yaml",
+}
 # The chart's kubeVersion floor (native sidecars) and the newest schema kubernetes-validate ships.
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 CORE_KINDS = {
@@ -79,15 +84,18 @@ def render(
     chart: Path = CHART,
     release: str = "pretrain",
     namespace: str = "default",
+    api_versions: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
-    """`helm template` with dotted-key values (JSON-typed); returns the parsed objects."""
-    out = helm("template", release, str(chart), "--namespace", namespace, *_set_args(values)).stdout
+    """`helm template` with dotted-key values (JSON-typed) and the cluster's extra API versions (what
+    `.Capabilities.APIVersions` then holds); returns the parsed objects."""
+    apis = [a for v in api_versions for a in ("--api-versions", v)]
+    out = helm("template", release, str(chart), "--namespace", namespace, *apis, *_set_args(values)).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
 
-def render_error(values: dict[str, Any], chart: Path = CHART) -> str:
+def render_error(values: dict[str, Any], chart: Path = CHART, release: str = "pretrain") -> str:
     """helm's error message for values that must be refused."""
-    proc = helm("template", "pretrain", str(chart), *_set_args(values), check=False)
+    proc = helm("template", release, str(chart), *_set_args(values), check=False)
     if proc.returncode == 0:
         raise AssertionError(f"helm accepted {values}")
     return proc.stderr
@@ -150,6 +158,39 @@ def validate_pytorchjob(job: dict[str, Any]) -> None:
         validate_core(pod)
 
 
+@functools.lru_cache(maxsize=2)
+def trainer_validator(kind: str) -> jsonschema.Draft7Validator:
+    crd = yaml.safe_load(TRAINER_CRDS[kind].read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1"]
+    return jsonschema.Draft7Validator(_strict(copy.deepcopy(version["schema"]["openAPIV3Schema"])))
+
+
+def validate_trainer_object(doc: dict[str, Any]) -> None:
+    """A TrainJob or TrainingRuntime against its Kubeflow Trainer v2.3.0 CRD; a runtime's pod templates
+    also as Pods of the oldest and newest supported Kubernetes."""
+    assert doc["apiVersion"] == "trainer.kubeflow.org/v1alpha1", doc["apiVersion"]
+    errors = sorted(trainer_validator(doc["kind"]).iter_errors(doc), key=lambda e: list(e.absolute_path))
+    if errors:
+        raise AssertionError(
+            f"{doc['kind']} does not match the v2.3.0 CRD:\n"
+            + "\n".join(f"  {'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors[:20])
+        )
+    for where, meta, spec in runtime_pods(doc):
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": where, **meta}, "spec": spec}
+        validate_core(pod)
+
+
+def runtime_pods(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(pod name, metadata, spec) of each replicated Job's pod template of a TrainingRuntime."""
+    if doc["kind"] != "TrainingRuntime":
+        return []
+    out = []
+    for rjob in doc["spec"]["template"]["spec"]["replicatedJobs"]:
+        tpl = rjob["template"]["spec"]["template"]
+        out.append((f"{doc['metadata']['name']}-{rjob['name']}-0-0", tpl["metadata"], tpl["spec"]))
+    return out
+
+
 def validate_core(doc: dict[str, Any]) -> None:
     for version in K8S_VERSIONS:
         try:
@@ -186,9 +227,13 @@ def validate_all(docs: list[dict[str, Any]]) -> None:
         if doc["kind"] == "PyTorchJob":
             for rtype, spec in doc["spec"]["pytorchReplicaSpecs"].items():
                 check_metadata(spec["template"]["metadata"], f"PyTorchJob {rtype} template")
+        for where, meta, _ in runtime_pods(doc):
+            check_metadata(meta, f"TrainingRuntime pod {where}")
         kind = doc["kind"]
         if kind == "PyTorchJob":
             validate_pytorchjob(doc)
+        elif kind in TRAINER_CRDS:
+            validate_trainer_object(doc)
         elif kind in CORE_KINDS:
             validate_core(doc)
         elif doc["apiVersion"] == "monitoring.coreos.com/v1":
@@ -222,6 +267,8 @@ def pod_specs(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
         if d["kind"] == "PyTorchJob":
             for rtype, spec in d["spec"]["pytorchReplicaSpecs"].items():
                 out.append((f"{name} {rtype}", spec["template"]["spec"]))
+        elif d["kind"] == "TrainingRuntime":
+            out += [(f"{name} {where}", spec) for where, _, spec in runtime_pods(d)]
         elif d["kind"] == "Job":
             out.append((name, d["spec"]["template"]["spec"]))
         elif d["kind"] == "Pod":
@@ -237,6 +284,8 @@ def pod_templates(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]
         if d["kind"] == "PyTorchJob":
             for rtype, spec in d["spec"]["pytorchReplicaSpecs"].items():
                 out.append((f"{name} {rtype}", spec["template"]["metadata"]))
+        elif d["kind"] == "TrainingRuntime":
+            out += [(f"{name} {where}", meta) for where, meta, _ in runtime_pods(d)]
         elif d["kind"] == "Job":
             out.append((name, d["spec"]["template"]["metadata"]))
         elif d["kind"] == "Pod":

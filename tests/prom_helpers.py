@@ -64,9 +64,10 @@ def free_port() -> int:
 
 
 def exported_metric_names() -> set[str]:
-    """Names of every series the trainer's and the watcher's exporters can serve (labelled families with
-    no child yet included; `_created` excluded)."""
+    """Names of every series the trainer's, the watcher's and the inference server's exporters can serve
+    (labelled families with no child yet included; `_created` excluded)."""
     from app.budget.metrics import BudgetMetrics
+    from app.tools.generation import ServeMetrics
     from app.trainer.metrics import TrainerMetrics
 
     suffix = {"counter": "_total", "info": "_info"}
@@ -74,11 +75,18 @@ def exported_metric_names() -> set[str]:
         0, "node0", serve_global=True, with_mfu=True, addr="127.0.0.1"
     )  # port 0: any free port
     try:
-        families = list(trainer.registry.collect()) + list(BudgetMetrics().registry.collect())
+        families = [
+            *trainer.registry.collect(),
+            *BudgetMetrics().registry.collect(),
+            *ServeMetrics().registry.collect(),
+        ]
     finally:
         trainer.close()
     names = set()
     for fam in families:
+        if fam.type == "histogram":  # queried through its buckets; _sum and _count follow them
+            names.add(fam.name + "_bucket")
+            continue
         names.add(fam.name + suffix.get(fam.type, ""))
         names |= {s.name for s in fam.samples if not s.name.endswith("_created")}
     return names

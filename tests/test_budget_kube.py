@@ -26,6 +26,7 @@ NS, JOB = "ml", "demo"
 # the kubernetes client still calls urllib3's deprecated getheader(s); not ours to fix
 pytestmark = pytest.mark.filterwarnings("ignore:HTTPResponse.getheader:DeprecationWarning")
 JOB_PATH = f"/apis/kubeflow.org/v1/namespaces/{NS}/pytorchjobs/{JOB}"
+TRAINJOB_PATH = f"/apis/trainer.kubeflow.org/v1alpha1/namespaces/{NS}/trainjobs/{JOB}"
 EVENTS_PATH = f"/api/v1/namespaces/{NS}/events"
 WORKLOADS_PATH = f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{NS}/workloads"
 
@@ -87,6 +88,8 @@ class FakeApiServer:
             return 200, {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "WorkloadList", "items": items}
         if req["method"] == "PATCH" and path.startswith(WORKLOADS_PATH + "/"):
             return 200, {"metadata": {"name": path.rsplit("/", 1)[1]}}
+        if req["path"] == TRAINJOB_PATH and req["method"] in ("GET", "PATCH"):
+            return 200, dict(job, apiVersion="trainer.kubeflow.org/v1alpha1", kind="TrainJob")
         if req["method"] == "GET" and req["path"] == JOB_PATH:
             return 200, job
         if req["method"] == "PATCH" and req["path"] == JOB_PATH:
@@ -279,3 +282,55 @@ def test_from_config(monkeypatch):
         KubeActions.from_config(BudgetConfig(kube="on"))
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
     assert KubeActions.from_config(BudgetConfig(kube="auto")) is None  # in a cluster but no job name
+
+
+def test_a_trainjob_gets_its_events_and_is_suspended_through_spec_suspend(api):
+    """Kubeflow Trainer v2: the same actions on trainer.kubeflow.org/v1alpha1 TrainJob (spec.suspend)."""
+    kube = KubeActions(NS, JOB, client.ApiClient(client.Configuration(host=api.url)), kind="TrainJob")
+    assert kube.event("LowMFU", "MFU 12% under train.mfu_floor=0.3")
+    get, post = api.requests
+    assert (get["method"], get["path"]) == ("GET", TRAINJOB_PATH)
+    assert post["body"]["involvedObject"] == {
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
+        "kind": "TrainJob",
+        "name": JOB,
+        "namespace": NS,
+        "uid": "uid-42",
+    }
+    assert kube.suspend()
+    patch = api.calls("PATCH")[-1]
+    assert patch["path"] == TRAINJOB_PATH and patch["body"] == {"spec": {"suspend": True}}
+    assert patch["content_type"] == "application/merge-patch+json"
+
+
+def test_the_job_kind_comes_from_the_config_or_the_environment(monkeypatch):
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    monkeypatch.setenv("PRETRAIN_JOB_NAME", JOB)
+    monkeypatch.setattr("kubernetes.config.load_incluster_config", lambda: None)
+    monkeypatch.delenv("PRETRAIN_JOB_KIND", raising=False)
+    assert KubeActions.from_config(BudgetConfig(kube="auto")).kind == "PyTorchJob"
+    monkeypatch.setenv("PRETRAIN_JOB_KIND", "TrainJob")
+    assert KubeActions.from_config(BudgetConfig(kube="auto")).plural == "trainjobs"
+    assert KubeActions.from_config(BudgetConfig(kube="auto", job_kind="PyTorchJob")).kind == "PyTorchJob"
+    monkeypatch.setenv("PRETRAIN_JOB_KIND", "MPIJob")
+    with pytest.raises(UserError, match="MPIJob"):
+        KubeActions.from_config(BudgetConfig(kube="auto"))
+
+
+@pytest.mark.parametrize("posted", [False, True], ids=["relayed", "already-posted"])
+def test_the_watcher_relays_the_trainers_event_once_when_the_trainer_could_not_post_it(api, tmp_path, posted):
+    """In the chart's pods the trainer has no API token: its LowMFU stop reaches the job's Events through
+    status.json and the watcher; a trainer that posted it itself is not echoed."""
+    w = Watcher(BudgetConfig(cap_usd=100.0, poll_seconds=5.0, kube="on"), run_dir=tmp_path,
+                stop_file=tmp_path / "stop.json", static_rate_usd_per_hour=1.0, kube=actions(api), now=T)  # fmt: skip
+    heartbeat(tmp_path, T + 10)
+    w.tick(T + 10)
+    event = {"reason": "LowMFU", "message": "MFU 12.0% under train.mfu_floor=0.3", "posted": posted}
+    atomic_write_json(
+        tmp_path / "status.json", {"state": "preempted", "step": 40, "updated_unix": T + 20, "event": event}
+    )
+    w.tick(T + 20)
+    w.tick(T + 25)
+    posts = [r["body"] for r in api.calls("POST")]
+    assert [(p["reason"], p["message"]) for p in posts] == ([] if posted else [("LowMFU", event["message"])])
+    w.close(T + 30)

@@ -186,3 +186,21 @@ def test_ranks_share_the_sha256_checks_and_agree_on_the_same_checkpoint(tmp_path
         assert mine and not set(mine) & set(others)  # each file of the good checkpoint hashed once
     files = len(ckpt.read_meta(tmp_path / "checkpoints" / "step_000001")["files"])
     assert sum(p.parent.name == "step_000001" for r in range(2) for p in hashed[r]) == files
+
+
+def test_the_final_eval_is_in_the_final_checkpoint_and_a_torn_log_line_is_cut(tmp_path):
+    """A planned end evaluates before the save of its last step (every_steps divides max_steps), so the
+    run's best checkpoint is a real one; a metrics.jsonl line cut by a kill is dropped at the next start
+    instead of the next record being glued to it."""
+    run = tmp_path / "run"
+    args = ["--out", str(run), *FAST, "--set", "checkpoint.every_steps=10", "--set", "train.eval_every=100"]
+    pretrain("train", "--max-steps", "20", *args, "--set", "train.eval_batches=2", check=True)
+    log = run / "metrics.jsonl"
+    with log.open("a") as f:
+        f.write('{"kind": "train", "step": 21, "lo')  # a kill mid-write
+    done = pretrain("train", "--max-steps", "30", *args, "--set", "train.eval_batches=2", check=True)
+    final = ckpt.read_meta(run / "checkpoints" / "step_000030")
+    assert final is not None and final["val_loss"] is not None
+    assert f"best checkpoint:   {run / 'checkpoints' / 'step_000030'} (step 30, val loss" in done.stdout
+    rows = [json.loads(line) for line in log.read_text().splitlines()]  # every line parses
+    assert [r["step"] for r in rows if r["kind"] == "eval"].count(30) == 1

@@ -67,6 +67,11 @@ def test_print_config_shows_resolved_config_and_counts():
     assert proc.returncode == 0, proc.stderr
     assert "max_steps: 5" in proc.stdout and "n_kv_head: 4" in proc.stdout
     assert "# parameters: 88,942,080 total, 50,344,704 non-embedding" in proc.stdout
+    # 12 bytes a parameter (fp32 weights + AdamW's two moments), 5 of them on the volume at once
+    assert (
+        "# checkpoint: 1.07 GB each (fp32 weights + adamw state); checkpoint volume: at least 5.34 GB"
+        in proc.stdout
+    )
 
 
 def test_unknown_flag_is_one_line():

@@ -18,6 +18,7 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     from pip._vendor import tomli as tomllib
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
@@ -183,3 +184,143 @@ def test_make_image_takes_base_engine_and_build_flags():
         custom
         == "docker -H unix:///s.sock build --network host --build-arg BASE_IMAGE=local/torch:1 -t pretrain:dev ."
     )
+
+
+# ---------------------------------------------------------------- the base's torch has every feature used
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = re.match(r"(\d+)\.(\d+)", text).groups()
+    return int(major), int(minor)
+
+
+def test_the_pinned_base_is_recorded_once_and_its_torch_has_every_feature():
+    """app/trainer/features.py is the one record of the base (tag, torch, CUDA, Python) and of the torch
+    features the code uses; the Dockerfile pins that tag and runs the same check against the real base."""
+    from app.trainer.features import BASE, FEATURES
+
+    pinned = next(r.split("=", 1)[1] for w, r in instructions() if w == "ARG" and r.startswith("BASE_IMAGE="))
+    assert pinned == BASE["image"]
+    torch_of_base = _version(BASE["torch"])
+    for name, first, *_ in FEATURES:
+        assert first is None or torch_of_base >= _version(first), (
+            f"{BASE['image']} lacks {name} (torch {first})"
+        )
+    assert {"torch.optim.Muon", "FSDP2 fully_shard in torch.distributed.fsdp"} <= {row[0] for row in FEATURES}
+    docs = (REPO / "docs" / "performance.md").read_text()
+    for key in ("image", "torch", "cuda", "python"):
+        assert BASE[key] in docs, f"docs/performance.md does not name the base's {key} {BASE[key]}"
+
+
+def _build_check() -> str:
+    """The Python the image build runs against the base's torch (the RUN after the project's install)."""
+    run = next(r for w, r in instructions() if w == "RUN" and "app.trainer.features" in r)
+    return re.search(r'python -c "(.*?)"', run).group(1)
+
+
+def test_the_image_build_check_passes_here_and_refuses_a_torch_without_muon():
+    proc = subprocess.run([sys.executable, "-c", _build_check()], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0 and "has every feature" in proc.stdout, proc.stdout + proc.stderr
+    old = "import torch; del torch.optim.Muon; " + _build_check()
+    proc = subprocess.run([sys.executable, "-c", old], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode != 0 and "this run needs torch.optim.Muon" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_standin_reads_the_same_record():
+    from app.trainer.features import BASE
+
+    standin = subprocess.run(
+        ["bash", str(REPO / "scripts" / "ngc_standin.sh"), "--versions"], capture_output=True, text=True
+    )
+    assert standin.returncode == 0, standin.stderr
+    base_line = standin.stdout.splitlines()[0]
+    assert base_line == (
+        f"base: {BASE['image']} (torch {BASE['torch']}, CUDA {BASE['cuda']}, Python {BASE['python']})"
+    )
+
+
+# ---------------------------------------------------------------- a torch without one: one line at start-up
+
+
+def _fake_old_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+    """torch < 2.5's signature: no enable_gqa (so a call with it is a TypeError)."""
+
+
+OLD_TORCH = {  # feature row -> (what a torch without it looks like, the config that needs it)
+    "torch.optim.Muon": (lambda mp, torch: mp.delattr(torch.optim, "Muon"), ["optim.name=muon"], False),
+    "scaled_dot_product_attention": (
+        lambda mp, torch: mp.setattr(torch.nn.functional, "scaled_dot_product_attention", _fake_old_sdpa),
+        [],
+        False,
+    ),
+    "FSDP2 fully_shard": (lambda mp, torch: mp.delattr(torch.distributed.fsdp, "fully_shard"), [], True),
+    "public DTensor": (lambda mp, torch: mp.delattr(torch.distributed.tensor, "DTensor"), [], False),
+    "torch.compiler.set_stance": (lambda mp, torch: mp.delattr(torch.compiler, "set_stance"), [], False),
+    "torch.compile mode": (
+        lambda mp, torch: mp.setattr(
+            torch._inductor, "list_mode_options", lambda *a, **k: {"max-autotune": {}}
+        ),
+        ["train.compile=true", "train.compile_mode=max-autotune-no-cudagraphs"],
+        False,
+    ),
+    "torchao's float8 training": (
+        lambda mp, torch: mp.setitem(sys.modules, "torchao.float8", None),
+        ["train.fp8=emulate"],
+        False,
+    ),
+}
+
+
+def test_every_feature_row_has_an_old_torch_refusal_test():
+    from app.trainer.features import FEATURES
+
+    assert len(OLD_TORCH) == len(FEATURES)
+    for name, *_ in FEATURES:
+        assert any(name.startswith(prefix) for prefix in OLD_TORCH), name
+
+
+@pytest.mark.parametrize("feature", list(OLD_TORCH))
+def test_a_torch_without_a_feature_is_refused_in_one_line(feature, monkeypatch):
+    import torch
+    import torch._inductor
+    import torch.distributed.fsdp
+    import torch.distributed.tensor
+
+    from app.config import load_config
+    from app.errors import ConfigError
+    from app.trainer.features import BASE, require
+
+    fake, overrides, fsdp = OLD_TORCH[feature]
+    cfg = load_config(overrides=overrides)
+    compiled = cfg.train.compile == "true"
+    require(cfg, fsdp, compiled)  # this torch has it
+    monkeypatch.setattr(torch, "__version__", "2.4.1")
+    fake(monkeypatch, torch)
+    with pytest.raises(ConfigError) as refused:
+        require(cfg, fsdp, compiled)
+    line = str(refused.value)
+    assert "\n" not in line and feature in line, line
+    if "torchao" in feature:
+        assert "pip install torchao" in line and "remove train.fp8" in line
+    else:
+        assert "torch 2.4.1 lacks" in line and BASE["image"] in line, line
+
+
+def test_train_on_a_torch_without_muon_exits_2_with_one_line(tmp_path):
+    """The real CLI on a torch whose torch.optim has no Muon (as in the 25.05 base's torch 2.8)."""
+    sys.path.insert(0, str(REPO))
+    from tests.conftest import FAST, cli_env
+
+    fake = "import sys, torch; del torch.optim.Muon; from app.cli import main; sys.exit(main(sys.argv[1:]))"
+    args = ["train", "--out", str(tmp_path / "r"), "--max-steps", "1", *FAST, "--set", "optim.name=muon"]
+    proc = subprocess.run(
+        [sys.executable, "-c", fake, *args],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "torch.optim.Muon" in lines[0] and "optim.name=adamw" in lines[0], lines[0]

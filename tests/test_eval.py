@@ -154,8 +154,13 @@ def test_lm_eval_tasks_give_the_known_accuracy(known, tmp_path, monkeypatch, cap
     out = tmp_path / "results.json"
     assert cli_main(["eval", "--checkpoint", str(run), "--tasks", "greedy_mc,decoy_mc,greedy_gen,rolling_ppl",
                      "--include-path", str(tasks), "--output", str(out), "--device", "cpu"]) == 0  # fmt: skip
+    from lm_eval.utils import make_table
+
     res = json.loads(out.read_text())
-    got = res["lm_eval"]["results"]
+    rows = [[c.strip() for c in line.split("|")] for line in make_table(res).splitlines()[2:]]
+    table = {(r[1], r[5]): r[7] for r in rows}  # lm-eval's own reader: (task, metric) -> value
+    assert table[("greedy_mc", "acc")] == "1.0000" and table[("decoy_mc", "acc")] == "0.0000"
+    got = res["results"]
     assert got["greedy_mc"]["acc,none"] == 1.0  # the model prefers its own greedy continuation
     assert got["decoy_mc"]["acc,none"] == 0.0  # and never a random-token decoy
     assert got["greedy_gen"]["exact_match,none"] == 1.0  # generation reproduces it
@@ -165,8 +170,11 @@ def test_lm_eval_tasks_give_the_known_accuracy(known, tmp_path, monkeypatch, cap
     logp = sum(own_logprob(model, tok, d) for d in DOCS)  # the perplexity task: the model's own log p
     bpb = -logp / sum(len(d.encode()) for d in DOCS) / math.log(2)
     assert got["rolling_ppl"]["bits_per_byte,none"] == pytest.approx(bpb, rel=1e-5)
-    assert res["lm_eval"]["n-samples"]["greedy_mc"]["effective"] == len(items)
-    assert res["step"] == 120 and res["checkpoint"].endswith("step_000120")
+    assert res["n-samples"]["greedy_mc"]["effective"] == len(items)
+    ours = res["pretrain"]  # our fields beside lm-eval's
+    assert (
+        ours["step"] == 120 and ours["checkpoint"].endswith("step_000120") and ours["tasks"][0] == "greedy_mc"
+    )
     assert "greedy_mc" in capsys.readouterr().out  # the results table
 
 
@@ -197,7 +205,7 @@ def test_core_bundle_and_results_in_the_run_dir_and_export(known, tmp_path):
     )
     (path,) = (run_copy / "eval").glob("*.json")
     assert path.name == "step_000120-core.json"
-    core = json.loads(path.read_text())["core"]
+    core = json.loads(path.read_text())["pretrain"]["core"]
     assert core["tasks"]["mc"]["accuracy"] == 1.0 and core["tasks"]["mc"]["centered"] == 1.0
     assert core["tasks"]["decoy"]["accuracy"] == 0.0
     assert core["tasks"]["decoy"]["centered"] == pytest.approx(-1 / 3)
@@ -208,7 +216,7 @@ def test_core_bundle_and_results_in_the_run_dir_and_export(known, tmp_path):
     assert cli_main(["export", str(run_copy), "--output", str(out)]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert "eval/step_000120-core.json" in manifest["files"]
-    assert json.loads((out / "eval" / "step_000120-core.json").read_text())["core"] == core
+    assert json.loads((out / "eval" / "step_000120-core.json").read_text())["pretrain"]["core"] == core
     assert manifest["evals"]["eval/step_000120-core.json"]["core"] == pytest.approx(core["core"])
 
 
@@ -234,6 +242,43 @@ def test_unknown_task_is_one_line(known, tmp_path, capsys):
     assert cli_main(["eval", "--checkpoint", str(run), "--tasks", "no_such_task_xyz"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "unknown lm-eval task(s): no_such_task_xyz" in err
+
+
+@pytest.mark.slow  # scans lm-eval's whole built-in task index, in a subprocess (~1 min on 2 cores)
+def test_task_data_that_cannot_be_loaded_is_one_line_exit_2(known, tmp_path):
+    """A built-in task offline with nothing cached (its dataset is on the Hub), and a task YAML of ours whose
+    data file is gone: one line, exit 2, no traceback, no results file."""
+    run, _ = known
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "gone.yaml").write_text(MC_YAML.format(name="gone", data=tmp_path / "gone.jsonl"))
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    out = tmp_path / "r.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "app.cli",
+        "eval",
+        "--checkpoint",
+        str(run),
+        "--limit",
+        "2",
+        "--output",
+        str(out),
+    ]
+
+    def fails(*args: str) -> list[str]:
+        proc = subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert not out.exists()
+        return proc.stderr.strip().splitlines()
+
+    (line,) = fails("--tasks", "hellaswag")
+    assert (
+        line.startswith("error: lm-eval could not load the data of hellaswag") and "Rowan/hellaswag" in line
+    )
+    lines = fails("--tasks", "gone", "--include-path", str(tasks))  # lm-eval warns about our YAML first
+    assert "lm-eval could not load the data of gone" in lines[-1] and "gone.jsonl" in lines[-1]
 
 
 def test_loglikelihood_rolling_through_the_wrapper_is_the_models_own_logprob(known):

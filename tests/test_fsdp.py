@@ -135,6 +135,19 @@ def test_fp8_is_refused_on_cpu_in_one_line(tmp_path):
         check_fp8_device(torch.device("cpu"))
 
 
+def test_max_autotune_under_fsdp_compiles_without_cuda_graphs():
+    """CUDA graphs (max-autotune) do not survive FSDP2's per-block gathers: the same autotuning without them."""
+    from app.trainer.parallelize import compile_mode_for
+
+    said = []
+    assert compile_mode_for("max-autotune", True, said.append) == "max-autotune-no-cudagraphs"
+    assert len(said) == 1 and "max-autotune-no-cudagraphs" in said[0] and "FSDP" in said[0]
+    for mode in ("default", "max-autotune-no-cudagraphs"):
+        assert compile_mode_for(mode, True, said.append) == mode
+    assert compile_mode_for("max-autotune", False, said.append) == "max-autotune"  # DDP / one process
+    assert len(said) == 1
+
+
 META_WORKER = """
 import torch, torch.distributed as dist
 from app.config import load_config

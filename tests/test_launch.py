@@ -26,7 +26,7 @@ if code < 0:  # like the trainer: on SIGTERM finish the step, save (SAVE_S secon
     def stop(*_):
         time.sleep(float(os.environ["SAVE_S"]))
         open(f"{ready}saved{rank}", "w").close()
-        sys.exit(143)
+        sys.exit(int(os.environ.get("STOP_CODE", "143")))
     signal.signal(signal.SIGTERM, stop)
     open(f"{ready}{rank}", "w").close()
     time.sleep(60)
@@ -75,17 +75,22 @@ def test_launcher_keeps_the_worker_exit_code(launcher, code):
     assert proc.returncode == code, out
 
 
-def test_launcher_preempted_saves_then_exits_143(launcher):
-    """SIGTERM reaches the workers, which get their whole save time (torchrun's own timeout is 1 s here)."""
-    proc = _launch(launcher, -1, SAVE_S="4", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="1")
+@pytest.mark.parametrize(("stop_code", "expected"), [(143, 143), (6, 6)], ids=["saved", "volume-full"])
+def test_launcher_preempted_saves_then_exits_143(launcher, stop_code, expected):
+    """SIGTERM reaches the workers, which get their whole save time (torchrun's own timeout is 1 s here);
+    a stop whose save failed for space (the workers' exit 6) is not turned into a retryable 143."""
     ready = launcher / "r-1-"
+    for r in (0, 1):  # markers of the other parametrization: each run must leave its own
+        Path(f"{ready}{r}").unlink(missing_ok=True)
+        Path(f"{ready}saved{r}").unlink(missing_ok=True)
+    proc = _launch(launcher, -1, SAVE_S="4", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="1", STOP_CODE=str(stop_code))
     deadline = time.monotonic() + 60
     while not all(Path(f"{ready}{r}").exists() for r in (0, 1)):
         assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.stdout else ""
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 143, out
+    assert proc.returncode == expected, out
     assert all(Path(f"{ready}saved{r}").exists() for r in (0, 1)), "a worker was killed before its save ended"
     assert "got SIGTERM, passed to workers" in out
 
@@ -158,3 +163,31 @@ def test_sigterm_while_waiting_in_rendezvous_exits_143_at_once(tmp_path):
     # the retry budget recorded the attempt (a preemption, not a failure) before the hard exit
     (attempt,) = json.loads((tmp_path / "run" / "restarts" / "node-1.json").read_text())["attempts"]
     assert attempt["exit_code"] == 143 and not attempt["counted"]
+
+
+WORLD_CHILD = """
+import os, torch.distributed as dist
+dist.init_process_group("gloo")
+dist.barrier()
+print(f"rank {dist.get_rank()} of {dist.get_world_size()} on node {os.environ['GROUP_RANK']}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_the_operators_environment_alone_gives_the_shape_and_the_rendezvous(tmp_path):
+    """Kubeflow Trainer v2's torch plugin (like the v1 operator) sets PET_NNODES, PET_NPROC_PER_NODE,
+    PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT on the node container: with no torchrun flags,
+    two launchers form one 2-node world from them (static rendezvous on the master's address)."""
+    from tests.test_budget_inprocess import free_port
+
+    (tmp_path / "child.py").write_text(WORLD_CHILD)
+    port, nodes = free_port(), []
+    for node in (0, 1):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PET_NNODES": "2"}
+        env.update(PET_NPROC_PER_NODE="1", PET_NODE_RANK=str(node), PET_MASTER_ADDR="127.0.0.1")
+        env.update(PET_MASTER_PORT=str(port))
+        cmd = [sys.executable, "-m", "app.launch", "child.py"]
+        nodes.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True))
+    outs = [proc.communicate(timeout=120)[0] for proc in nodes]
+    assert [proc.returncode for proc in nodes] == [0, 0], outs
+    assert "rank 0 of 2 on node 0" in outs[0] and "rank 1 of 2 on node 1" in outs[1], outs

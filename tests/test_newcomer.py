@@ -138,7 +138,7 @@ def test_metrics_port_in_use_or_out_of_range_is_one_line(tmp_path):
         busy.listen()
         port = busy.getsockname()[1]
         proc = train(tmp_path / "a", "--max-steps", "2", "--metrics-port", str(port), check=False)
-        one_line_error(proc, f"metrics port 0.0.0.0:{port} is not available")
+        one_line_error(proc, f"metrics port 127.0.0.1:{port} is not available")  # loopback outside a pod
     status = (
         json.loads((tmp_path / "a" / "status.json").read_text())
         if (tmp_path / "a" / "status.json").exists()

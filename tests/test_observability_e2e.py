@@ -321,3 +321,27 @@ def test_token_counter_counts_every_step_not_only_the_logged_ones(tmp_path):
         if trainer.poll() is None:
             os.kill(trainer.pid, signal.SIGKILL)
             trainer.wait(timeout=30)
+
+
+@pytest.mark.parametrize("in_pod, want", [(False, "127.0.0.1"), (True, "0.0.0.0")])
+def test_metrics_listen_on_loopback_outside_a_pod_and_on_every_interface_in_one(monkeypatch, in_pod, want):
+    from app.budget.metrics import BudgetMetrics
+    from app.trainer.metrics import TrainerMetrics
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    if in_pod:
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    trainer = TrainerMetrics(0, "node0", serve_global=True, with_mfu=False)
+    watcher = BudgetMetrics()
+    try:
+        watcher.serve(0)
+        assert trainer.server.server_address[0] == want
+        assert watcher._server.server_address[0] == want
+    finally:
+        trainer.close()
+        watcher.shutdown()
+    explicit = TrainerMetrics(0, "node0", serve_global=True, with_mfu=False, addr="127.0.0.1")
+    try:
+        assert explicit.server.server_address[0] == "127.0.0.1"  # metrics.addr wins
+    finally:
+        explicit.close()

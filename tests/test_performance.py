@@ -245,6 +245,11 @@ def test_bench_under_torchrun_measures_two_ranks_and_their_communication(tmp_pat
     r = _bench(tmp_path, runner=run_bench)
     assert r["world_size"] == 2 and r["tokens_per_step"] == 2 * 32 * 128
     assert set(r["breakdown_share"]) == {"data", "forward_backward", "communication", "optimizer"}
+    from app.trainer.stopping import auto_every
+
+    # two real ranks: the agreement is a gloo round trip, and k is what the trainer would pick from it
+    assert r["stop_agreement_seconds"] > 0
+    assert r["stop_check_every"] == auto_every(r["stop_agreement_seconds"], r["step_seconds"])
 
 
 COMPILE = ["--set", "train.compile=true"]

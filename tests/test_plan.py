@@ -94,3 +94,34 @@ def test_cli_prints_the_plan_and_a_table(capsys):
     assert [row.split()[0] for row in table if row.strip()] == list(P.pricing.GPUS)
     assert P.main(["--budget-usd", "35", "--gpu", "nope"]) == 2
     assert "unknown GPU type 'nope'" in capsys.readouterr().err
+
+
+def test_preset_plan_gives_the_checkpoint_and_volume_size(capsys):
+    assert P.main(["--preset", "gpt2-124m", "--gpu", "h100-sxm", "--gpus", "8"]) == 0
+    out, params = capsys.readouterr().out, P.preset_params()["gpt2-124m"]
+    assert f"checkpoint: {12 * params / 1e9:.2f} GB each" in out
+    assert (
+        f"at least {5 * 12 * params / 1e9:.2f} GB (checkpoint.keep_last=3 + 1 best + 1 being written)" in out
+    )
+
+
+def test_the_checkpoint_size_estimate_is_what_a_save_writes(tmp_path):
+    """memory.checkpoint_bytes (what plan, --print-config and the space warnings use) against the bytes of
+    a real checkpoint of the same model, optimizer state included: within the JSON files' few KB."""
+    import torch
+
+    from app.config import load_config
+    from app.trainer.checkpoint_writer import CheckpointWriter
+    from app.trainer.memory import checkpoint_bytes
+    from app.trainer.model import build_model
+
+    cfg = load_config(
+        overrides=["model.vocab_size=512", "model.n_layer=2", "model.d_model=64", "model.n_head=4"]
+    )
+    model = build_model(cfg.model)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.zeros(1, 4, dtype=torch.long)
+    model(x, x).loss.backward()
+    opt.step()
+    saved = CheckpointWriter(tmp_path, 0, 1).save(1, model, opt, {"step": 1}, {})
+    assert checkpoint_bytes(cfg) <= saved.bytes < checkpoint_bytes(cfg) + 100_000

@@ -109,6 +109,16 @@ def test_progress_and_preemption_do_not_count(pod):
     assert state(pod)["failures"] == 1
 
 
+def test_a_lost_node_is_retried_and_counts_like_a_crash_without_a_new_checkpoint(pod):
+    """144 (a peer rank or node lost): retried; a loop of losses without progress ends the job (exit 5),
+    a loss after a new checkpoint does not count."""
+    assert attempt(pod, 144, 100) == (144, True)
+    assert state(pod)["failures"] == 0
+    assert attempt(pod, 144) == (144, True)
+    assert attempt(pod, 144) == (144, True)
+    assert attempt(pod, 144) == (EXIT_RETRIES_SPENT, True)
+
+
 def test_permanent_codes_are_kept(pod):
     for _ in range(4):
         assert attempt(pod, 2) == (2, True)  # 1-127 fail the job anyway; nothing to replace

@@ -197,7 +197,7 @@ def test_concurrent_clients_each_get_their_own_answer(client, reference):
         ('{"prompt": "a", "max_token": 5}', 400, "max_token"),  # unknown field: a typo is not ignored
         ('{"prompt": "a", "n": 2}', 400, "n"),
         ('{"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}', 400, "stop"),
-        ('{"prompt": ["a", "b"]}', 400, "prompt"),
+        ('{"prompt": ["a", "b"], "stream": true}', 400, "prompt"),  # several prompts: not streamed
         ('{"max_tokens": 5}', 400, "prompt"),
         ("{not json", 400, None),
         ('{"prompt": "a", "model": "gpt-4"}', 404, "model"),

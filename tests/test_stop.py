@@ -10,8 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from app.trainer.checkpoint import list_checkpoints
-from tests.conftest import FAST, REPO, cli_env, pretrain, spawn_train, train_rows, wait_for_step
+from tests.conftest import FAST, REPO, cli_env, pretrain, spawn_train, torchrun, train_rows, wait_for_step
 
 
 def stop_and_wait(run, proc, body, step=3):
@@ -199,3 +201,93 @@ def test_time_based_checkpoints_and_retention(tmp_path):
     saves = [r for r in train_rows(run, "checkpoint")]
     assert sum(r["reason"] == "every_minutes" for r in saves) >= 2, saves
     assert [p.name for p in list_checkpoints(run)] == ["step_000150", f"step_{saves[-2]['step']:06d}"]
+
+
+def test_mfu_floor_checkpoints_and_exits_7_with_its_own_cause(tmp_path):
+    """A peak no CPU reaches makes the floor unreachable: after the warm-up windows and
+    train.mfu_floor_minutes under the floor the run saves, says why in one line and exits 7."""
+    run = tmp_path / "run"
+    proc = pretrain(
+        "train", "--out", str(run), *FAST, "--max-steps", "100000",
+        "--set", "metrics.peak_tflops=1000", "--set", "train.mfu_floor=0.3",
+        "--set", "train.mfu_floor_minutes=0.02", "--set", "train.log_every=2",
+    )  # fmt: skip
+    assert proc.returncode == 7, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "under train.mfu_floor=0.3" in proc.stdout + proc.stderr
+    stop = [r for r in train_rows(run, "event") if r.get("event") == "stop"][-1]
+    assert stop["cause"] == "low_mfu" and stop["exit_code"] == 7
+    last = stop["step"]
+    assert list_checkpoints(run)[0].name == f"step_{last:06d}"  # stopped on a checkpoint of its last step
+    assert last >= 6  # the three warm-up windows (2 steps each) never count
+    # no cluster here: the Event is left in status.json for a budget watcher to relay
+    event = json.loads((run / "status.json").read_text())["event"]
+    assert event["reason"] == "LowMFU" and event["posted"] is False and "mfu_floor" in event["message"]
+
+
+def test_mfu_floor_without_a_known_peak_is_refused_in_one_line(tmp_path):
+    proc = pretrain("train", "--out", str(tmp_path / "run"), *FAST, "--set", "train.mfu_floor=0.3")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "metrics.peak_tflops" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_low_mfu_stop_yields_to_preemption_divergence_and_an_immediate_stop():
+    from app.trainer.stopping import StopCause, StopDecision
+
+    low = StopDecision(StopCause.LOW_MFU).encode()
+    for stronger in (StopCause.PREEMPTED, StopCause.IMMEDIATE, StopCause.DIVERGED):
+        assert StopDecision(stronger).encode() > low
+    for weaker in (StopCause.PLANNED, StopCause.EARLY, StopCause.BUDGET):
+        assert StopDecision(weaker).encode() < low
+    assert StopDecision(StopCause.LOW_MFU).gauge_code == 8 and StopDecision(StopCause.LOW_MFU).exit_code == 7
+
+
+@pytest.mark.slow  # three 2-rank runs
+def test_a_stop_waits_for_the_agreement_every_k_steps_and_the_run_resumes_exactly(tmp_path):
+    """train.stop_check_every=4 on 2 ranks: a stop file seen between agreements stops both ranks at the
+    next multiple of 4, on a checkpoint, and the resumed run equals a straight one bit for bit."""
+    from tests.test_resume import assert_same_run
+
+    every = ["--set", "train.stop_check_every=4", "--set", "train.log_every=1", "--max-steps", "24", *FAST]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert torchrun("--out", str(straight), *every).returncode == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "app.train", "--out", str(stopped), *every]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        wait_for_step(stopped, 1, proc)
+        (stopped / "stop.json").write_text(json.dumps({"mode": "graceful", "cause": "test"}))
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    last = train_rows(stopped)[-1]["step"]
+    assert last % 4 == 0 and last < 24, last
+    assert list_checkpoints(stopped)[0].name == f"step_{last:06d}"
+    resumed = torchrun("--out", str(stopped), *every)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert_same_run(straight, stopped, 24)
+
+
+def test_auto_k_keeps_the_agreement_cheap_and_the_stop_delay_bounded():
+    from app.trainer.stopping import (
+        MAX_STOP_DELAY,
+        BadSteps,
+        EarlyStopping,
+        PlannedEnd,
+        SignalFlag,
+        StopAgreement,
+    )
+
+    stopper = StopAgreement(stop_file=None, planned=PlannedEnd(100), early=EarlyStopping(0, 0.0),
+                            signals=SignalFlag(), bad_steps=BadSteps(5))  # fmt: skip
+    stopper.costs = [0.004, 0.002, 0.009]  # the cheapest, 2 ms, is the cost; the rest waited for a peer
+    assert stopper._k(step_seconds=1.0) == 1  # 2 ms is under 1% of a 1 s step
+    assert stopper._k(step_seconds=0.05) == 4  # 2 ms / 0.5 ms
+    stopper.costs = [0.05]  # a slow ring: 1% of a 10 ms step would ask for k=500
+    assert stopper._k(step_seconds=0.01) == int(MAX_STOP_DELAY / 0.01)  # capped by the stop delay
+    fixed = StopAgreement(stop_file=None, planned=PlannedEnd(100), early=EarlyStopping(0, 0.0),
+                          signals=SignalFlag(), bad_steps=BadSteps(5), every=3)  # fmt: skip
+    fixed.costs = [1.0]
+    assert fixed._k(step_seconds=0.001) == 3  # train.stop_check_every wins

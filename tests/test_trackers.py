@@ -1,43 +1,111 @@
 """Experiment trackers on a real run, read back with each tool's own reader: TensorBoard's event reader,
-an MLflow file store through MlflowClient, W&B's offline run file (its record protobufs). A failing
+an MLflow file store through MlflowClient, W&B's offline run files (its record protobufs). The run is
+SIGKILLed twice between checkpoints and resumed: every step shows once, in the same tracker run. A failing
 tracker warns once, counts, and never fails the run; a tracker whose extra is missing is exit 2."""
 
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import struct
+import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
 import pytest
 
 from app.cli import main as cli_main
-from tests.conftest import FAST, cli_env, pretrain, train_rows
+from tests.conftest import FAST, REPO, cli_env, pretrain, train_rows
 from tests.prom_helpers import sets
 
 STEPS = 12
-TRAIN = [*FAST, *sets("train.eval_every=6", "checkpoint.every_steps=6", "schedule.warmup_steps=2")]
+TRAIN = [
+    *FAST,
+    *sets("train.eval_every=6", "checkpoint.every_steps=6", "schedule.warmup_steps=2"),
+    *sets("metrics.trackers=tensorboard,mlflow,wandb", "metrics.wandb_mode=offline"),
+]
+# W&B writes its offline file every 15 s by default: flush often, so the killed processes leave steps behind
+ENV = {"WANDB_SILENT": "true", "WANDB__TRANSACTION_LOG_FLUSH_INTERVAL": "0.2"}
+# The trainer, held after logging one step, so that the test kills it there (between checkpoints 6 and 12).
+HELD = """
+import sys, time
+from app.trainer import report
+log_train = report.Reporter.train
+def held(self, r, **kw):
+    log_train(self, r, **kw)
+    if r.step == int(sys.argv[1]):
+        time.sleep(3600)
+report.Reporter.train = held
+from app.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
 
 
-@pytest.fixture(scope="module")
-def tracked(tmp_path_factory) -> Path:
-    """Two processes: steps 1-6, then a restart that resumes and trains 7-12 into the same tracker runs."""
-    run = tmp_path_factory.mktemp("tracked") / "run"
-    for steps in (6, STEPS):
-        pretrain(
+def tracked_steps(run: Path) -> tuple[int, int, int]:
+    """The last train step each tool holds on disk now: (TensorBoard, MLflow, W&B)."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    tb = max((e.step for e in acc.Scalars("train/loss")), default=0) if acc.Tags()["scalars"] else 0
+    run_id = json.loads((run / "trackers.json").read_text())["mlflow"]["run_id"]
+    history = MlflowClient(tracking_uri=(run / "mlruns").as_uri()).get_metric_history(run_id, "train/loss")
+    files = sorted((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    wb = [r.history.step.num for r in wandb_records(files[-1]) if r.WhichOneof("record_type") == "history"]
+    return tb, max((m.step for m in history), default=0), max(wb, default=0)
+
+
+def kill_after(run: Path, step: int) -> None:
+    """Train until `step` is logged and every tracker has written what it got (W&B: up to the step before,
+    its row for a step closes when the next one starts), then SIGKILL."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            HELD,
+            str(step),
             "train",
             "--out",
             str(run),
             "--max-steps",
-            str(steps),
+            f"{STEPS}",
             *TRAIN,
-            *sets("metrics.trackers=tensorboard,mlflow,wandb", "metrics.wandb_mode=offline"),
-            env=cli_env(WANDB_SILENT="true"),
-            check=True,
-            timeout=600,
-        )
+        ],
+        cwd=REPO,
+        env=cli_env(**ENV),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 300
+    try:
+        while not (run / "trackers.json").exists() or not all(
+            got >= want for got, want in zip(tracked_steps(run), (step, step, step - 1), strict=True)
+        ):
+            assert proc.poll() is None, f"the trainer exited {proc.returncode} before step {step}"
+            assert time.monotonic() < deadline, f"trackers never got step {step}: {tracked_steps(run)}"
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory) -> Path:
+    """Steps 1-6 (checkpoint), a restart killed at step 9, another killed at step 10 (each resumed from
+    step 6), then one that trains to the end: the tracker runs are the same throughout."""
+    run = tmp_path_factory.mktemp("tracked") / "run"
+    pretrain(
+        "train", "--out", str(run), "--max-steps", "6", *TRAIN, env=cli_env(**ENV), check=True, timeout=600
+    )
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+        kill_after(run, 9)
+        kill_after(run, 10)
+    pretrain("train", "--out", str(run), "--max-steps", str(STEPS), *TRAIN, env=cli_env(**ENV), check=True)
     return run
 
 
@@ -45,15 +113,15 @@ def jsonl(run: Path, kind: str) -> dict[int, dict]:
     return {r["step"]: r for r in train_rows(run, kind)}
 
 
-@pytest.mark.slow  # two real training processes (~20-40 s on 2 cores)
+@pytest.mark.slow  # four real training processes, two of them SIGKILLed (~1 min on 2 cores)
 def test_tensorboard_has_the_jsonl_rows(tracked):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(tracked / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     train, evals = jsonl(tracked, "train"), jsonl(tracked, "eval")
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, STEPS + 1))  # redone steps once
     loss = {e.step: e.value for e in acc.Scalars("train/loss")}
-    assert sorted(loss) == sorted(train) == list(range(1, STEPS + 1))
     assert all(loss[s] == pytest.approx(train[s]["loss"], rel=1e-6) for s in train)  # float32 in TB
     assert {e.step: e.value for e in acc.Scalars("eval/val_loss")} == pytest.approx(
         {s: r["val_loss"] for s, r in evals.items()}, rel=1e-6
@@ -62,7 +130,7 @@ def test_tensorboard_has_the_jsonl_rows(tracked):
     assert "config" in " ".join(acc.Tags()["tensors"])
 
 
-@pytest.mark.slow  # two real training processes (~20-40 s on 2 cores)
+@pytest.mark.slow  # four real training processes, two of them SIGKILLed (~1 min on 2 cores)
 def test_mlflow_file_store_has_metrics_params_and_the_checkpoint(tracked, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     from mlflow.tracking import MlflowClient
@@ -73,12 +141,15 @@ def test_mlflow_file_store_has_metrics_params_and_the_checkpoint(tracked, monkey
     assert run.info.status == "FINISHED" and run.info.run_name == "run"
     assert run.info.run_id == json.loads((tracked / "trackers.json").read_text())["mlflow"]["run_id"]
     train = jsonl(tracked, "train")
-    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
-    assert history == pytest.approx({s: r["loss"] for s, r in train.items()})
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert sorted(m.step for m in history) == list(range(1, STEPS + 1))  # redone steps once
+    assert {m.step: m.value for m in history} == pytest.approx({s: r["loss"] for s, r in train.items()})
     params = run.data.params
     assert params["model.n_layer"] == "2" and params["model.d_model"] == "64"
     assert params["metrics.trackers"] == '["tensorboard", "mlflow", "wandb"]'
-    assert json.loads(run.data.tags["event.stop"])["cause"] == "planned"
+    events = sorted((k, json.loads(v)) for k, v in run.data.tags.items() if k.startswith("event."))
+    assert [k.split(".")[2] for k, _ in events] == ["start", "stop", "start", "start", "start", "stop"]
+    assert [e["step"] for _, e in events] == [0, 6, 6, 6, 6, 12] and events[-1][1]["cause"] == "planned"
     files = {f.path for f in client.list_artifacts(run.info.run_id, "checkpoint")}
     # the checkpoint as the run wrote it (sharded: `pretrain sample/serve --checkpoint DIR` reads it)
     sharded = {"model.index.json", "model-rank00000.safetensors", "meta.json", "tokenizer.json"}
@@ -98,7 +169,7 @@ def wandb_records(path: Path) -> list:
             pos += 32768 - pos % 32768
             continue
         crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if kind == 0:
+        if kind == 0 or pos + 7 + length > len(data):  # the end, or a chunk cut by the kill
             break
         chunk = data[pos + 7 : pos + 7 + length]
         assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF == crc
@@ -111,11 +182,11 @@ def wandb_records(path: Path) -> list:
     return out
 
 
-@pytest.mark.slow  # two real training processes (~20-40 s on 2 cores)
+@pytest.mark.slow  # four real training processes, two of them SIGKILLed (~1 min on 2 cores)
 def test_wandb_offline_run_has_config_history_and_the_checkpoint(tracked):
     wandb_id = json.loads((tracked / "trackers.json").read_text())["wandb"]["id"]
     paths = sorted((tracked / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(paths) == 2 and all(p.name == f"run-{wandb_id}.wandb" for p in paths)  # one run id, resumed
+    assert len(paths) == 4 and all(p.name == f"run-{wandb_id}.wandb" for p in paths)  # one run id, resumed
     records = [r for p in paths for r in wandb_records(p)]
     kinds = [r.WhichOneof("record_type") for r in records]
     config = {
@@ -134,7 +205,10 @@ def test_wandb_offline_run_has_config_history_and_the_checkpoint(tracked):
         for r in records
         if r.WhichOneof("record_type") == "history"
     ]
-    loss = {row["trainer/step"]: row["train/loss"] for row in rows if "train/loss" in row}
+    steps = [row["_step"] for row in rows]  # W&B's step is ours: each once, after the restarts too
+    assert steps == sorted(set(steps))
+    assert [row["_step"] for row in rows if "train/loss" in row] == list(range(1, STEPS + 1))
+    loss = {row["_step"]: row["train/loss"] for row in rows if "train/loss" in row}
     assert loss == pytest.approx({s: r["loss"] for s, r in jsonl(tracked, "train").items()})
     arts = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"]
     assert len(arts) == 2  # the final checkpoint of each process that ended with exit 0 (steps 6, 12)

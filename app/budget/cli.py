@@ -64,7 +64,8 @@ FIELD_HELP = {
     "margin_seconds": "safety margin added to step + checkpoint time when projecting",
     "decay_fraction": "fraction of the run the budget-driven LR decay takes",
     "kube": "Kubernetes Events and last-resort suspend: auto (in a cluster), on, off",
-    "job_name": "PyTorchJob name for Events/suspend (default $PRETRAIN_JOB_NAME)",
+    "job_name": "the job's name for Events/suspend (default $PRETRAIN_JOB_NAME)",
+    "job_kind": "the job's kind: PyTorchJob or TrainJob (default $PRETRAIN_JOB_KIND, else PyTorchJob)",
     "namespace": "the job's namespace (default $POD_NAMESPACE or the service account's)",
     "max_price_per_gpu_hour": (
         "launch price guard: stop gracefully while the source's price per GPU-hour is above this (0 = off)"
@@ -97,7 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port", type=int, help=f"Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0 = off)"
     )
-    parser.add_argument("--metrics-addr", default="0.0.0.0", help="address /metrics binds to")
+    parser.add_argument(
+        "--metrics-addr", default="", help="address /metrics binds to (0.0.0.0 in a pod, else 127.0.0.1)"
+    )
     parser.add_argument(
         "--exit-when-done",
         action=argparse.BooleanOptionalAction,
@@ -211,14 +214,14 @@ def _dur(seconds: float | None) -> str:
     return f"in {h}h{m:02d}m{s:02d}s" if h else (f"in {m}m{s:02d}s" if m else f"in {s}s")
 
 
-def write_problems(run_dir: Path, ledger_path: Path, stop_file: Path) -> list[str]:
+def write_problems(run_dir: Path, ledger_path: Path, stop_file: Path, create: bool = True) -> list[str]:
     """Why the watcher could not write its files (one line each, with the uid and the fix), or []."""
     dirs = {ledger_path.parent: "the ledger's dir", state_path_for(run_dir).parent: "--run-dir's budget dir"}
     dirs.setdefault(stop_file.parent, "the stop file's dir")
     problems = []
     for path, what in dirs.items():
         try:
-            check_writable_dir(path, what)
+            check_writable_dir(path, what, create)
         except UserError as e:
             problems.append(str(e))
     return problems
@@ -228,12 +231,12 @@ def dry_run(
     cfg: BudgetConfig, run_dir: Path, ledger_path: Path, stop_file: Path, rate: float, price: float
 ) -> tuple[list[str], list[str]]:
     """What the watcher would see and do, and why it could not write its files (a preflight: exit 2 then).
-    Writes nothing but the directories the watcher would create and a probe file in each."""
+    Writes nothing but a probe file in each directory the watcher would write (or its nearest parent)."""
     now = time.time()
     out = [f"budget dry run: cap ${cfg.cap_usd:.4f}, run dir {run_dir}"]
     led = load_ledger(ledger_path)
     spent = led.effective_spent()
-    problems = write_problems(run_dir, ledger_path, stop_file)
+    problems = write_problems(run_dir, ledger_path, stop_file, create=False)
     writable = "writable" if not problems else "NOT writable: the watcher would fail"
     new = (
         f"{len(led.sessions)} sessions, {led.running_seconds / 3600:.2f} h charged" if led.sessions else "new"

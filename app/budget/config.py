@@ -7,7 +7,11 @@ from dataclasses import dataclass
 
 from app.errors import UserError
 
-CHOICES = {"source": ("static", "file", "opencost"), "kube": ("auto", "on", "off")}  # valid values
+CHOICES = {  # valid values
+    "source": ("static", "file", "opencost"),
+    "kube": ("auto", "on", "off"),
+    "job_kind": ("", "PyTorchJob", "TrainJob"),
+}
 
 
 @dataclass
@@ -31,7 +35,8 @@ class BudgetConfig:
     metrics_port: int = 0  # watcher /metrics port; 0 = off (`pretrain watch` defaults to 9401)
     price_table: str = ""  # JSON/YAML file {gpu_type: price_per_gpu_hour} overriding the built-in table
     kube: str = "auto"  # auto (in a cluster with a job name) | on | off: Events and last-resort suspend
-    job_name: str = ""  # PyTorchJob name for Events/suspend; "" = $PRETRAIN_JOB_NAME
+    job_name: str = ""  # the job's name for Events/suspend; "" = $PRETRAIN_JOB_NAME
+    job_kind: str = ""  # PyTorchJob | TrainJob (Trainer v2); "" = $PRETRAIN_JOB_KIND, else PyTorchJob
     namespace: str = ""  # its namespace; "" = $POD_NAMESPACE or the service account's namespace
     suspend_grace_seconds: float = 120.0  # after an immediate stop, suspend the job if the trainer still runs
     # Until the trainer first reports training (a data wait, a crash loop before step 1), only this much time

@@ -26,6 +26,7 @@ class TrainerStatus:
     state: str
     updated_unix: float
     checkpoint_write_seconds: float = 0.0  # of checkpoint_seconds, what ran in the background
+    event: dict | None = None  # {"reason", "message", "posted"}: the trainer's Event, to relay
 
 
 def read_json_object(path: Path) -> dict | None:
@@ -48,7 +49,8 @@ def read_status(path: Path) -> TrainerStatus | None:
     step = data.get("step", 0)
     step = step if isinstance(step, int) and not isinstance(step, bool) else 0
     seconds = {f.name: _num(data, f.name) for f in fields(TrainerStatus) if f.type == "float"}
-    return TrainerStatus(step=step, state=str(data.get("state", "")), **seconds)
+    event = data.get("event") if isinstance(data.get("event"), dict) else None
+    return TrainerStatus(step=step, state=str(data.get("state", "")), event=event, **seconds)
 
 
 def write_stop_file(path: Path, mode: str, reason: str, now: float | None = None) -> bool:

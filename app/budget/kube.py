@@ -1,5 +1,6 @@
-"""Optional Kubernetes actions: Events on the PyTorchJob for alerts and stops, and, as the last resort when
-the trainer ignores an immediate stop, suspending the PyTorchJob (spec.runPolicy.suspend: true).
+"""Optional Kubernetes actions: Events on the job (a PyTorchJob, or a Kubeflow Trainer v2 TrainJob) for
+alerts and stops, and, as the last resort when the trainer ignores an immediate stop, suspending it
+(PyTorchJob spec.runPolicy.suspend: true; TrainJob spec.suspend: true).
 
 Under Kueue (the job carries the label kueue.x-k8s.io/queue-name) a suspend would not hold: Kueue owns
 `suspend` of the jobs it manages and unsuspends a job whose Workload is still admitted. There the last
@@ -11,7 +12,8 @@ never stops the watcher: the stop file is the primary path, these are extras.
 
 RBAC (namespaced Role for the pod's service account):
   - apiGroups [""], resources [events], verbs [create]
-  - apiGroups [kubeflow.org], resources [pytorchjobs], verbs [get, patch]
+  - apiGroups [kubeflow.org], resources [pytorchjobs], verbs [get, patch] (or [trainer.kubeflow.org],
+    [trainjobs] for a TrainJob)
   - under Kueue: apiGroups [kueue.x-k8s.io], resources [workloads], verbs [list, patch]
 """
 
@@ -28,7 +30,11 @@ from app.errors import UserError
 
 log = logging.getLogger("pretrain.budget")
 
-GROUP, VERSION, PLURAL, KIND = "kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"
+# kind -> (group, version, plural, the merge patch that suspends it)
+JOB_KINDS = {
+    "PyTorchJob": ("kubeflow.org", "v1", "pytorchjobs", {"spec": {"runPolicy": {"suspend": True}}}),
+    "TrainJob": ("trainer.kubeflow.org", "v1alpha1", "trainjobs", {"spec": {"suspend": True}}),
+}
 KUEUE_GROUP, KUEUE_VERSION, WORKLOADS = "kueue.x-k8s.io", "v1beta1", "workloads"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
@@ -55,9 +61,12 @@ class KubeActions:
         api_client: Any,
         component: str = COMPONENT,
         prefix: str = "budget",
+        kind: str = "PyTorchJob",
     ):
         from kubernetes import client
 
+        self.kind = kind
+        self.group, self.version, self.plural, self.suspend_patch = JOB_KINDS[kind]
         self.namespace = namespace
         self.job_name = job_name
         self.component = component
@@ -73,14 +82,13 @@ class KubeActions:
         if cfg.kube == "off" or (cfg.kube == "auto" and not in_cluster):
             return None
         job = cfg.job_name or os.environ.get("PRETRAIN_JOB_NAME", "")
+        kind = cfg.job_kind or os.environ.get("PRETRAIN_JOB_KIND", "") or "PyTorchJob"
+        if kind not in JOB_KINDS:
+            raise UserError(f"job kind {kind!r} ($PRETRAIN_JOB_KIND) is not one of: {', '.join(JOB_KINDS)}")
         if not job:
             if cfg.kube == "on":
-                raise UserError(
-                    "budget.kube=on needs the PyTorchJob name: --job-name NAME or $PRETRAIN_JOB_NAME"
-                )
-            log.info(
-                "budget: in a cluster but no PyTorchJob name ($PRETRAIN_JOB_NAME); Kubernetes actions off"
-            )
+                raise UserError("budget.kube=on needs the job's name: --job-name NAME or $PRETRAIN_JOB_NAME")
+            log.info("budget: in a cluster but no job name ($PRETRAIN_JOB_NAME); Kubernetes actions off")
             return None
         from kubernetes import client, config
 
@@ -91,20 +99,25 @@ class KubeActions:
                 raise UserError(f"budget.kube=on but no Kubernetes credentials: {e}") from None
             log.warning("budget: cannot load Kubernetes credentials (%s); Kubernetes actions off", e)
             return None
-        return cls(_namespace(cfg), job, client.ApiClient())
+        return cls(_namespace(cfg), job, client.ApiClient(), kind=kind)
 
     def _job_meta(self) -> dict:
-        """The PyTorchJob's metadata (fetched once), or {} when it cannot be read: a failed read is logged
+        """The job's metadata (fetched once), or {} when it cannot be read: a failed read is logged
         and the caller carries on without (an Event without uid still shows; a plain suspend is tried)."""
         if self._job is None:
             try:
                 job = self.custom.get_namespaced_custom_object(
-                    GROUP, VERSION, self.namespace, PLURAL, self.job_name, _request_timeout=TIMEOUT
+                    self.group,
+                    self.version,
+                    self.namespace,
+                    self.plural,
+                    self.job_name,
+                    _request_timeout=TIMEOUT,
                 )
                 self._job = dict(job.get("metadata", {}))
             except Exception as e:  # no 'get' permission or job gone
                 log.warning(
-                    "budget: cannot read PyTorchJob %s/%s: %s", self.namespace, self.job_name, _short(e)
+                    "budget: cannot read %s %s/%s: %s", self.kind, self.namespace, self.job_name, _short(e)
                 )
                 return {}
         return self._job
@@ -115,13 +128,13 @@ class KubeActions:
         )
 
     def event(self, reason: str, message: str, warning: bool = True) -> bool:
-        """A core/v1 Event on the PyTorchJob (shows in `kubectl describe pytorchjob`)."""
+        """A core/v1 Event on the job (shows in `kubectl describe pytorchjob|trainjob`)."""
         try:
             uid = str(self._job_meta().get("uid", ""))
             now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
             involved = {
-                "apiVersion": f"{GROUP}/{VERSION}",
-                "kind": KIND,
+                "apiVersion": f"{self.group}/{self.version}",
+                "kind": self.kind,
                 "name": self.job_name,
                 "namespace": self.namespace,
                 **({"uid": uid} if uid else {}),
@@ -148,15 +161,17 @@ class KubeActions:
             return False
 
     def suspend(self) -> bool:
-        """spec.runPolicy.suspend=true (merge patch): the operator deletes the pods and keeps the job.
-        Under Kueue: deactivate the job's Workload instead (see the module docstring)."""
+        """Suspend (a merge patch): the operator deletes the pods and keeps the job. Under Kueue: deactivate
+        the job's Workload instead (see the module docstring)."""
         if (self._job_meta().get("labels") or {}).get(QUEUE_LABEL):
             return self._deactivate_workload()
         try:
-            self._patch(GROUP, VERSION, PLURAL, self.job_name, {"spec": {"runPolicy": {"suspend": True}}})
+            self._patch(self.group, self.version, self.plural, self.job_name, self.suspend_patch)
             return True
         except Exception as e:
-            log.error("budget: cannot suspend PyTorchJob %s/%s: %s", self.namespace, self.job_name, _short(e))
+            log.error(
+                "budget: cannot suspend %s %s/%s: %s", self.kind, self.namespace, self.job_name, _short(e)
+            )
             return False
 
     def _deactivate_workload(self) -> bool:
@@ -176,11 +191,11 @@ class KubeActions:
                 if any(o.get("uid") == uid for o in w.get("metadata", {}).get("ownerReferences", []))
             ]
             if not found:
-                log.error("budget: no Kueue Workload owned by PyTorchJob %s (uid %s)", self.job_name, uid)
+                log.error("budget: no Kueue Workload owned by %s %s (uid %s)", self.kind, self.job_name, uid)
                 return False
             name = found[0]["metadata"]["name"]
             self._patch(KUEUE_GROUP, KUEUE_VERSION, WORKLOADS, name, {"spec": {"active": False}})
-            log.error("budget: deactivated Kueue Workload %s of PyTorchJob %s", name, self.job_name)
+            log.error("budget: deactivated Kueue Workload %s of %s %s", name, self.kind, self.job_name)
             return True
         except Exception as e:
             log.error("budget: cannot deactivate the Kueue Workload of %s: %s", self.job_name, _short(e))
@@ -193,3 +208,17 @@ def _short(e: Exception) -> str:
     if status:
         return f"HTTP {status} {reason or ''}".strip()
     return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def post_event(cfg: BudgetConfig, reason: str, message: str, warn=log.warning) -> bool:
+    """A Warning Event on the job from the trainer, when it has API access (budget.kube); True when posted.
+    Never raises: the exit code and metrics.jsonl carry the same fact, and a budget watcher relays it
+    from status.json where the trainer has no API token (the chart's pods)."""
+    try:
+        kube = KubeActions.from_config(cfg)
+        if kube is not None:
+            kube.component, kube.prefix = "pretrain-trainer", "trainer"
+            return kube.event(reason, message)
+    except Exception as e:  # noqa: BLE001 - an Event is an extra
+        warn(f"warning: cannot post the {reason} Event: {_short(e)}")
+    return False

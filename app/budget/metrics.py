@@ -93,9 +93,11 @@ class BudgetMetrics:
             self.source_updated.set(view.source_updated_unix)
         self.last_poll.set(view.updated_unix)
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
-        """Start /metrics on port (0 = any free port); returns the bound port."""
-        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, addr: str = "") -> int:
+        """Start /metrics on port (0 = any free port; addr "" = the trainer's default); returns the port."""
+        from app.trainer.metrics import bind_address
+
+        server, _thread = start_http_server(port, addr=addr or bind_address(), registry=self.registry)
         self._server = server
         return server.server_address[1]
 

@@ -89,6 +89,7 @@ class Watcher:
         stop = self.ledger.stop
         self._immediate_seen = now if stop and stop.mode == "immediate" else None
         self._suspend_done = False
+        self._relayed = False  # the trainer's Event from status.json
         self._said_unbilled = False
         self._stopped_at_open = stop is not None
         self._closed = False
@@ -299,6 +300,7 @@ class Watcher:
         if self.metrics:
             self.metrics.update(view)
         self._escalate(now, status)
+        self._relay_event(status)
         self.view = view
         return view
 
@@ -355,6 +357,12 @@ class Watcher:
                 "BudgetGracefulStop" if dec.stop == "graceful" else "BudgetImmediateStop", dec.reason
             )
 
+    def _relay_event(self, status: Any) -> None:
+        """The trainer's own Event (status.json `event`, e.g. LowMFU) when it could not post it itself."""
+        ev = status.event if status and self._in_session(status, ("done", "preempted")) else None
+        if ev and not ev.get("posted") and self.kube and not self._relayed:
+            self._relayed = bool(self.kube.event(str(ev.get("reason")), str(ev.get("message"))))
+
     def _escalate(self, now: float, status: Any) -> None:
         """Last resort: the trainer still heartbeats `suspend_grace_seconds` after an immediate stop."""
         seen = self._immediate_seen
@@ -372,7 +380,9 @@ class Watcher:
             )
             return
         log.error(
-            "budget: the trainer still runs %.0f s after an immediate stop; suspending the PyTorchJob", waited
+            "budget: the trainer still runs %.0f s after an immediate stop; suspending the %s",
+            waited,
+            self.kube.kind,
         )
         if self.kube.suspend():
             if self.metrics:

@@ -253,6 +253,8 @@ def _wait(args: argparse.Namespace) -> int:
         raise UserError("wait-data: --poll must be > 0, --timeout and --missing-grace >= 0 (finite numbers)")
     if not args.dir or not args.fingerprint:
         raise UserError("wait-data: --dir and --fingerprint must not be empty")
+    if Path(args.dir).exists() and not Path(args.dir).is_dir():
+        raise UserError(f"wait-data: --dir {args.dir} is a file; pass the prepare output directory")
     namespace = args.namespace or os.environ.get("POD_NAMESPACE", "default")
     if args.check_args:
         print(

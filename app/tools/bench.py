@@ -50,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE.json",
         help="where to write the results as JSON (default: runs/bench/<preset>.json); also printed last",
     )
+    p.add_argument("--force", action="store_true", help="replace an existing --out FILE")
 
 
 class SyntheticBatches:
@@ -81,11 +82,14 @@ def _check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     _check(args)
     from app.config import load_config, vocab_for_estimates
+    from app.errors import UserError
     from app.files import check_writable_dir
 
     cfg = load_config(args.preset, args.config, args.overrides, {"metrics.gpu_type": args.gpu_type})
     cfg.model.vocab_size = vocab_for_estimates(cfg)
     out = Path(args.out or f"runs/bench/{cfg.preset}.json")
+    if args.out and out.exists() and not args.force:
+        raise UserError(f"--out {out} exists; choose a new file, or add --force to replace it")
     check_writable_dir(out.parent, "--out")
     result = measure(cfg, args.steps, args.warmup, args.breakdown_steps)
     if result is None:  # not global rank 0
@@ -106,13 +110,14 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
     from app.data.loader import Prefetcher
     from app.train import train_step
     from app.trainer.distributed import init_distributed, shutdown_distributed
-    from app.trainer.memory import plan as plan_parallel
+    from app.trainer.memory import plan_for_training as plan_parallel
     from app.trainer.metrics import device_peak, flops_per_token
     from app.trainer.model import count_parameters
     from app.trainer.optim import build_optimizer
     from app.trainer.parallelize import build_parallel_model, compile_enabled, unwrap
     from app.trainer.runtime import autocast_for, configure_device, grad_accum_steps, pick_device
     from app.trainer.steplog import StepLog
+    from app.trainer.stopping import auto_every
 
     cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
     env = init_distributed("cuda" if cuda else "cpu", cfg.train.collective_timeout_minutes)
@@ -153,6 +158,7 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
         for _ in range(breakdown_steps):
             _timed_step(parts, env, sync, phases)
         peak_bytes, how = _peak_memory(device, lambda: (train_step(step=n + 1, **parts), log.read()), parts)
+        agreement = _agreement_seconds()
         batches.close()
         tokens_per_step = accum * t.micro_batch_size * m.seq_len * env.world_size
         tps = steps * tokens_per_step / seconds
@@ -190,6 +196,8 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
             "compile_seconds": max(0.0, first_seconds - step_seconds) if compiled else 0.0,
             "breakdown_seconds": {k: v / max(breakdown_steps, 1) for k, v in phases.items()},
             "breakdown_share": {k: v / total for k, v in phases.items()} if total else {},
+            "stop_agreement_seconds": agreement,
+            "stop_check_every": auto_every(agreement, step_seconds),
             "torch": torch.__version__,
             "unix_time": time.time(),
         }
@@ -237,6 +245,18 @@ def _timed_step(parts: dict, env, sync, phases: dict[str, float]) -> None:
         phases[phase] = phases.get(phase, 0.0) + after - before
 
 
+def _agreement_seconds(calls: int = 20) -> float:
+    """The cost of the trainer's stop agreement (app/trainer/stopping.py): the cheapest of a few."""
+    from app.trainer.distributed import agree
+
+    costs = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        agree([0, 0, 0, 1])
+        costs.append(time.perf_counter() - t0)
+    return min(costs)
+
+
 def _peak_memory(device, one_step, parts: dict) -> tuple[int | None, str]:
     """Peak bytes of this rank's tensors: CUDA's allocator over every step run; on CPU one more step
     under torch's MemTracker (it follows every storage through the dispatcher; eager only)."""
@@ -279,6 +299,11 @@ def describe(r: dict) -> list[str]:
         if peak
         else f"  memory       estimate {gb(est)}; peak not measured: {how}",
     ]
+    k, cost = r["stop_check_every"], r["stop_agreement_seconds"]
+    lines.append(
+        f"  stops        agreement {cost * 1e3:.3f} ms = {cost / r['step_seconds']:.2%} of a step; auto k = {k} "
+        f"(overhead {cost / k / r['step_seconds']:.2%}, a stop waits up to {k * r['step_seconds']:.2f} s)"
+    )
     if r["compile"]:
         s, c = r["first_step_seconds"], r["compile_seconds"]
         lines.append(f"  compile      first step {s:.1f} s (~{c:.1f} s compiling)")

@@ -1,24 +1,6 @@
-"""CORE-style evaluation from a local bundle (`pretrain eval --tasks core --core-dir DIR`).
-
-CORE (from the DCLM paper) is the mean over in-context-learning tasks of the *centered* accuracy
-(acc - random) / (1 - random), so 0 is chance and 1 is perfect. The bundle cannot be downloaded here;
-the user provides it in this layout (the one the public eval bundle ships):
-
-    DIR/core.yaml             icl_tasks: a list of
-                                {label, dataset_uri, num_fewshot: [K] or K,
-                                 icl_task_type: multiple_choice | schema | language_modeling,
-                                 continuation_delimiter: " " (default)}
-    DIR/eval_data/<dataset_uri>      one JSON object per line:
-        multiple_choice    {"query", "choices": [...], "gold": index}
-        schema             {"context_options": [...], "continuation", "gold": index}
-        language_modeling  {"context", "continuation"}
-    DIR/eval_meta_data.csv    columns "Eval Task" (= label) and "Random baseline" (percent); optional,
-                              a task missing there gets 0 (multiple choice: 100 / number of choices)
-
-Scoring: K few-shot examples drawn with seed 1234 + item index (never the item itself), joined by blank
-lines. Multiple choice and schema pick the option with the highest mean log-probability per token of
-the continuation; language modeling counts an item right when greedy decoding reproduces it.
-"""
+"""CORE-style evaluation from a local bundle (`pretrain eval --tasks core --core-dir DIR`): the mean over
+in-context-learning tasks of the centered accuracy (acc - random) / (1 - random) (the DCLM paper's CORE).
+The bundle's layout and the scoring rules are in docs/evaluation.md (CORE)."""
 
 from __future__ import annotations
 
@@ -143,12 +125,6 @@ def evaluate_core(
         else:  # multiple choice: guessing among the choices
             random_acc = 1 / len(items[0]["choices"]) if kind == "multiple_choice" and items else 0.0
         centered = (acc - random_acc) / (1 - random_acc) if random_acc < 1 else 0.0
-        results[label] = {
-            "accuracy": acc,
-            "centered": centered,
-            "random": random_acc,
-            "n": len(items),
-            "shots": k,
-        }
+        results[label] = dict(accuracy=acc, centered=centered, random=random_acc, n=len(items), shots=k)
     core = sum(r["centered"] for r in results.values()) / max(len(results), 1)
     return {"core": core, "tasks": results}

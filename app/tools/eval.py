@@ -6,7 +6,8 @@ the Hugging Face Hub: point HF_DATASETS_CACHE at a copy when offline) and your o
 (--include-path DIR). `--tasks core` runs the CORE-style bundle in --core-dir (app/tools/core_eval.py).
 
 Results: RUN_DIR/eval/step_NNNNNN-<tasks>.json (the run dir of the checkpoint), which `pretrain export`
-copies into its output and lists in manifest.json.
+copies into its output and lists in manifest.json. lm-eval's keys ("results", "versions", ...) are at the
+top, as its own tools read them (`lm_eval.utils.make_table`); ours (step, checkpoint, CORE) under "pretrain".
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from app.files import atomic_write_json, check_writable_dir
 
 EXTRA_HINT = "pip install 'pretrain[eval]' (make setup installs it)"
 EVAL_DIR = "eval"
+KEEP = ("results", "groups", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better", "n-samples")  # fmt: skip
 
 
 def make_lm(scorer):
@@ -71,24 +73,30 @@ def run_lm_eval(scorer, tasks: list[str], include_path: str | None, limit, num_f
             else "; add --include-path DIR for your own"
         )
         raise UserError(f"unknown lm-eval task(s): {', '.join(unknown)} (not built in{where})")
-    res = lm_eval.simple_evaluate(
-        model=make_lm(scorer),
-        tasks=tasks,
-        task_manager=manager,
-        limit=limit,
-        num_fewshot=num_fewshot,
-        log_samples=False,
-        bootstrap_iters=0,  # no stderr resampling: exact, fast, deterministic
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
-    )
+    try:
+        res = lm_eval.simple_evaluate(
+            model=make_lm(scorer),
+            tasks=tasks,
+            task_manager=manager,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            log_samples=False,
+            bootstrap_iters=0,  # no stderr resampling: exact, fast, deterministic
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
+    except OSError as e:  # a task's dataset: not on the Hub's cache when offline, a missing data file, ...
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        raise UserError(
+            f"lm-eval could not load the data of {', '.join(tasks)} ({why}); offline, point HF_DATASETS_CACHE "
+            "at a copy of it"
+        ) from None
     from lm_eval.utils import handle_non_serializable, make_table
 
     print(make_table(res))
-    keep = ("results", "groups", "configs", "versions", "n-shot", "higher_is_better", "n-samples")
-    return json.loads(json.dumps({k: res[k] for k in keep if k in res}, default=handle_non_serializable))
+    return json.loads(json.dumps({k: res[k] for k in KEEP if k in res}, default=handle_non_serializable))
 
 
 def results_path(run_dir: Path, step: int, tasks: list[str]) -> Path:
@@ -138,7 +146,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         if made:  # written at the end; a failed evaluation must not leave an empty dir behind
             default.rmdir()
     scorer = Scorer(model, tok, args.batch_size)
-    out: dict[str, Any] = {
+    ours: dict[str, Any] = {
         "checkpoint": str(info.path),
         "step": info.step,
         "val_loss": info.val_loss,
@@ -146,10 +154,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "limit": args.limit,
         "unix": time.time(),
     }
+    out: dict[str, Any] = {"pretrain": ours}
     if harness:
-        out["lm_eval"] = run_lm_eval(
-            scorer, harness, args.include_path, args.limit, args.num_fewshot, args.seed
-        )
+        out |= run_lm_eval(scorer, harness, args.include_path, args.limit, args.num_fewshot, args.seed)
     if "core" in tasks:
         from tqdm import tqdm
 
@@ -163,11 +170,11 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
             bar.n = done
             bar.refresh()
 
-        out["core"] = evaluate_core(scorer, args.core_dir, args.limit, progress)
+        ours["core"] = core = evaluate_core(scorer, args.core_dir, args.limit, progress)
         bar.close()
-        for label, r in out["core"]["tasks"].items():
+        for label, r in core["tasks"].items():
             print(f"core {label}: accuracy {r['accuracy']:.4f} (centered {r['centered']:.4f}, n={r['n']})")
-        print(f"CORE: {out['core']['core']:.4f}")
+        print(f"CORE: {core['core']:.4f}")
     return out
 
 
@@ -215,8 +222,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out = evaluate(args)
-    run_dir = Path(out["checkpoint"]).parent.parent
-    path = Path(args.output) if args.output else results_path(run_dir, out["step"], out["tasks"])
+    ours = out["pretrain"]
+    run_dir = Path(ours["checkpoint"]).parent.parent
+    path = Path(args.output) if args.output else results_path(run_dir, ours["step"], ours["tasks"])
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, out)

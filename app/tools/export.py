@@ -278,12 +278,12 @@ def copy_evals(run_dir: Path, out: Path) -> dict[str, dict]:
             continue
         (out / "eval").mkdir(exist_ok=True)
         shutil.copyfile(src, out / "eval" / src.name)
-        harness = (data.get("lm_eval") or {}).get("results") or {}
+        harness, ours = data.get("results") or {}, data.get("pretrain") or {}
         summary[f"eval/{src.name}"] = {
-            "step": data.get("step"),
-            "tasks": data.get("tasks"),
+            "step": ours.get("step"),
+            "tasks": ours.get("tasks"),
             "lm_eval": {task: {k: v for k, v in m.items() if k != "alias"} for task, m in harness.items()},
-            "core": (data.get("core") or {}).get("core"),
+            "core": (ours.get("core") or {}).get("core"),
         }
     return summary
 
@@ -300,6 +300,11 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
     log_path = run_dir / "metrics.jsonl"
     if not log_path.is_file():
         raise UserError(f"{run_dir} has no metrics.jsonl; is it a run dir written by `pretrain train --out`?")
+    logged = effective_rows(read_rows(log_path))
+    if not logged and log_path.stat().st_size:
+        raise UserError(
+            f"{log_path} holds no metrics records (JSON lines with a step); is it the log of a run?"
+        )
     warn = functools.cache(ckpt.warn_stderr)  # once per message: latest and best may skip the same checkpoint
     info = ckpt.resolve_latest(run_dir, "sha256", warn)
     if info is None:
@@ -313,7 +318,6 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
         )
     check_writable_dir(out, "--output")  # also: a file in the way, one line
 
-    logged = effective_rows(read_rows(log_path))
     # Rows past the exported step (after the last checkpoint, or of checkpoints that failed verification)
     # are not the exported model's history: the CSV, plots and val losses stop at its step.
     rows = [r for r in logged if r["step"] <= info.step]

@@ -1,12 +1,14 @@
-"""The serving engine: one worker thread owns the model and runs requests one at a time, in arrival order.
+"""The serving engine: one worker thread owns the model and decodes the requests in flight together.
 
-Why serialised, not batched: requests differ in prompt length, sampling settings and stop strings, and
-a KV-cached decode of one sequence already keeps a CPU (or a small GPU model) busy; one owner of the
-model also means no two requests ever share a cache or a random generator. The HTTP handlers only queue
-jobs and read their events, so slow clients never hold the model.
+Continuous batching: a request joins the batch as soon as a slot is free (its prompt is encoded alone
+into its slot of the KV cache), then each step decodes one token for every request in the batch, and a
+request leaves the batch when it ends. Each request keeps its own sampling settings, stop strings and
+seeded generator, so its tokens are those it would get alone (greedy ones are checked in the tests).
+The HTTP handlers only queue jobs and read their events, so slow clients never hold the model.
 
-A job's events go back to the asyncio loop that asked for it: ("text", delta) as text becomes final,
-then ("done", finish_reason) or ("error", message).
+A job's events go back to the asyncio loop that asked for it: ("prompt", logprob entries) when the
+prompt's logprobs were asked for, ("text", delta, logprob entry or None) per token, then
+("done", finish_reason) or ("error", message).
 """
 
 from __future__ import annotations
@@ -20,12 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from app.data.tokenizer import Tokenizer
-from app.trainer.generate import generate_stream
+from app.tools.serve_api import RequestError
+from app.trainer.generate import SlotCache, sample_next
 from app.trainer.model import GPT
-
-
-class Busy(Exception):
-    """The queue is full: the client should retry later (HTTP 503)."""
 
 
 class TextStream:
@@ -69,7 +68,7 @@ class TextStream:
         return out
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     ids: list[int]
     max_tokens: int
@@ -79,6 +78,8 @@ class Job:
     stops: list[str]
     seed: int
     loop: asyncio.AbstractEventLoop
+    logprobs: int | None = None  # top-k logprobs per token (None: none)
+    prompt_logprobs: bool = False  # also those of the prompt's tokens (echo)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     completion_tokens: int = 0
@@ -96,93 +97,168 @@ class ServeMetrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = r = CollectorRegistry()
-        self.requests = Counter(
-            "pretrain_serve_requests", "Completion requests by HTTP status", ["status"], registry=r
-        )
-        self.prompt_tokens = Counter("pretrain_serve_prompt_tokens", "Prompt tokens read", registry=r)
-        self.completion_tokens = Counter(
-            "pretrain_serve_completion_tokens", "Completion tokens generated", registry=r
-        )
         buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+        status = "API requests by HTTP status (499: the client hung up before the end)"
+        self.requests = Counter("pretrain_serve_requests", status, ["status"], registry=r)
+        why = "Requests turned away with 503, by reason: queue_full, shutting_down"
+        self.rejected = Counter("pretrain_serve_rejected", why, ["reason"], registry=r)
+        self.prompt_tokens = Counter("pretrain_serve_prompt_tokens", "Prompt tokens read", registry=r)
+        self.completion_tokens = Counter("pretrain_serve_completion_tokens", "Tokens generated", registry=r)
+        hist = {"registry": r, "buckets": buckets}
         self.latency = Histogram(
-            "pretrain_serve_request_seconds",
-            "Completion request latency, queueing included",
-            registry=r,
-            buckets=buckets,
+            "pretrain_serve_request_seconds", "Request latency, queueing included", **hist
         )
         self.first_token = Histogram(
-            "pretrain_serve_time_to_first_token_seconds",
-            "Time from request to the first generated token",
-            registry=r,
-            buckets=buckets,
+            "pretrain_serve_time_to_first_token_seconds", "Request to first token", **hist
         )
-        self.queue = Gauge("pretrain_serve_queue_depth", "Requests waiting for the model", registry=r)
-        self.tps = Gauge(
-            "pretrain_serve_tokens_per_second", "Generation speed of the last finished request", registry=r
-        )
+        self.in_flight = Gauge("pretrain_serve_requests_in_flight", "API requests being answered", registry=r)
+        self.queue = Gauge("pretrain_serve_queue_depth", "Requests waiting for a batch slot", registry=r)
+        self.tps = Gauge("pretrain_serve_tokens_per_second", "Speed of the last finished request", registry=r)
+
+
+@dataclass(eq=False)
+class Running:
+    job: Job
+    text: TextStream
+    generator: torch.Generator
+    last: int = 0  # the token to decode next
 
 
 class Engine:
-    def __init__(self, model: GPT, tok: Tokenizer, metrics: ServeMetrics, max_queue: int = 64) -> None:
+    def __init__(
+        self, model: GPT, tok: Tokenizer, metrics: ServeMetrics, max_queue: int = 64, max_batch: int = 16
+    ) -> None:
         self.model, self.tok, self.metrics = model, tok, metrics
         self.device = model.tok_emb.weight.device
-        self.max_queue = max_queue
+        self.max_queue, self.max_batch = max_queue, max_batch
         self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.active: set[Job] = set()  # submitted and not done (for a graceful shutdown)
+        self.stopping = False  # the grace period is over: requests end as they come
+        self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._loop, name="generation", daemon=True)
         self.thread.start()
 
-    def submit(self, job: Job) -> None:
-        if self.jobs.qsize() >= self.max_queue:
-            raise Busy(f"{self.jobs.qsize()} requests are already waiting; retry later")
-        self.jobs.put(job)
+    def submit(self, jobs: list[Job]) -> None:
+        """Queue a request's jobs, all or none: with the queue full, a 503 the client retries."""
+        if self.jobs.qsize() + len(jobs) > self.max_queue:
+            self.metrics.rejected.labels(reason="queue_full").inc()
+            msg = f"{self.jobs.qsize()} requests are already waiting; retry later"
+            raise RequestError(None, msg, 503, "queue_full")
+        with self.lock:
+            self.active.update(jobs)
+            for job in jobs if self.stopping else []:
+                job.cancelled.set()
+        for job in jobs:
+            self.jobs.put(job)
         self.metrics.queue.set(self.jobs.qsize())
+
+    def cancel_all(self) -> None:
+        """End every request now (finish_reason "cancelled"): the shutdown's grace period is over."""
+        with self.lock:
+            self.stopping = True
+            for job in self.active:
+                job.cancelled.set()
 
     def close(self) -> None:
         self.jobs.put(None)
         self.thread.join(timeout=30)
 
-    def _loop(self) -> None:
-        while True:
-            job = self.jobs.get()
-            self.metrics.queue.set(self.jobs.qsize())
-            if job is None:
-                return
-            if job.cancelled.is_set():  # the client went away while waiting
-                continue
-            try:
-                job.put("done", self.generate(job))
-            except Exception as e:  # one bad request must not kill the worker
-                job.put("error", f"{type(e).__name__}: {e}")
+    def _end(self, job: Job, *event) -> None:
+        with self.lock:
+            self.active.discard(job)
+        job.put(*event)
 
     @torch.inference_mode()
-    def generate(self, job: Job) -> str:
-        """Run one job to the end; returns its finish reason (length | stop | cancelled)."""
+    def _loop(self) -> None:
+        cache = SlotCache(self.model, self.max_batch)
+        batch: dict[int, Running] = {}
+        while True:
+            while len(batch) < self.max_batch:  # fill free slots; wait only when there is nothing to do
+                try:
+                    job = self.jobs.get(block=not batch)
+                except queue.Empty:
+                    break
+                if job is None:
+                    return
+                if job.cancelled.is_set():  # the client went away while waiting, or shutdown
+                    self._end(job, "done", "cancelled")
+                    continue
+                slot = min(set(range(self.max_batch)) - batch.keys())
+                try:
+                    self._start(job, slot, cache, batch)
+                except Exception as e:  # one bad request must not kill the worker
+                    cache.free(slot)
+                    batch.pop(slot, None)
+                    self._end(job, "error", f"{type(e).__name__}: {e}")
+            self.metrics.queue.set(self.jobs.qsize())
+            if not batch:
+                continue
+            n = max(batch) + 1
+            tokens = torch.tensor([batch[s].last if s in batch else 0 for s in range(n)], device=self.device)
+            active = torch.tensor([s in batch for s in range(n)], device=self.device)
+            try:
+                logits = cache.step(tokens, active)
+            except Exception as e:
+                for slot in list(batch):
+                    self._end(batch.pop(slot).job, "error", f"{type(e).__name__}: {e}")
+                    cache.free(slot)
+                continue
+            for slot in list(batch):
+                self._advance(slot, logits[slot], cache, batch)
+
+    def _start(self, job: Job, slot: int, cache: SlotCache, batch: dict[int, Running]) -> None:
         job.started = time.monotonic()
-        text = TextStream(self.tok, job.stops)
+        logits = cache.prefill(slot, job.ids, every=job.prompt_logprobs)
+        if job.prompt_logprobs:  # the first token has no logprob (nothing before it)
+            lp = torch.log_softmax(logits[0, :-1].float(), dim=-1)
+            entries = [(self.piece(job.ids[0]), None, None)]
+            entries += [self.entry(row, tok, job.logprobs) for row, tok in zip(lp, job.ids[1:], strict=True)]
+            job.put("prompt", entries)
+            logits = logits[:, -1]
         g = torch.Generator(device=self.device).manual_seed(job.seed)
-        x = torch.tensor([job.ids], device=self.device)
-        stream = generate_stream(
-            self.model, x, job.max_tokens, job.temperature, job.top_k or None, job.top_p, generator=g
-        )
-        reason = "length"
-        for nxt in stream:
-            token = int(nxt[0, 0])
+        batch[slot] = Running(job, TextStream(self.tok, job.stops), g)
+        self._advance(slot, logits[0], cache, batch)
+
+    def _advance(self, slot: int, logits: torch.Tensor, cache: SlotCache, batch: dict[int, Running]) -> None:
+        """Sample the next token of the request in `slot` from its logits (vocab,), or end it."""
+        run, reason = batch[slot], None
+        job = run.job
+        if job.cancelled.is_set():
+            reason = "cancelled"
+        elif job.completion_tokens < job.max_tokens:
+            sampled = sample_next(logits[None], job.temperature, job.top_k or None, job.top_p, run.generator)
+            token = int(sampled)
             job.completion_tokens += 1
             job.first_token = job.first_token or time.monotonic()
-            if job.cancelled.is_set():
-                reason = "cancelled"
-                break
             if token == self.tok.eot_id:  # the model ended the document
                 reason = "stop"
-                break
-            if delta := text.add(token):
-                job.put("text", delta)
-            if text.stopped:
-                reason = "stop"
-                break
-        if rest := text.finish():
-            job.put("text", rest)
+            else:
+                delta, entry = run.text.add(token), None
+                if job.logprobs is not None:
+                    entry = self.entry(torch.log_softmax(logits.float(), dim=-1), token, job.logprobs)
+                if delta or entry:
+                    job.put("text", delta, entry)
+                reason = "stop" if run.text.stopped else None
+                run.last = token
+        if reason is None and job.completion_tokens >= job.max_tokens:
+            reason = "length"
+        if reason is None:
+            return
+        if rest := run.text.finish():
+            job.put("text", rest, None)
         seconds = time.monotonic() - job.started
-        if seconds > 0:
+        if job.completion_tokens and seconds > 0:
             self.metrics.tps.set(job.completion_tokens / seconds)
-        return reason
+        del batch[slot]
+        cache.free(slot)
+        self._end(job, "done", reason)
+
+    def piece(self, token: int) -> str:
+        return self.tok.decode([token])
+
+    def entry(self, logprobs: torch.Tensor, token: int, k: int) -> tuple[str, float, dict[str, float]]:
+        """OpenAI's logprobs of one token: (its text, its logprob, the top k and itself by text)."""
+        top = logprobs.topk(k)
+        best = {self.piece(int(i)): float(v) for v, i in zip(top.values, top.indices, strict=True)}
+        chosen = float(logprobs[token])
+        return self.piece(token), chosen, {**best, self.piece(token): chosen}

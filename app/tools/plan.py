@@ -18,15 +18,7 @@ from app.errors import UserError
 
 E, A, B, ALPHA, BETA = 1.69, 406.4, 410.7, 0.34, 0.28
 DEFAULT_MFU = 0.4
-
-# Fallback when the presets or the model cannot be loaded: approximate total parameters.
-APPROX_PRESET_PARAMS = {
-    "tiny": 3.7e6,
-    "x1-50m": 8.9e7,
-    "gpt2-124m": 1.24e8,
-    "looped-546m": 5.46e8,
-    "char-d64": 4.3e9,
-}
+MAX_BUDGET_USD = 1e12
 
 
 def chinchilla_loss(n_params: float, n_tokens: float) -> float:
@@ -69,8 +61,8 @@ def _rates(gpu: str, price: float | None, peak: float | None) -> tuple[str, floa
 
 def make_plan(budget_usd: float, gpu: str, gpus: int, price=None, mfu=DEFAULT_MFU, peak=None) -> Plan:
     """The Chinchilla plan; `price` and `peak` override the built-in tables (for an unlisted GPU too)."""
-    if not (budget_usd > 0 and math.isfinite(budget_usd)):
-        raise UserError(f"--budget-usd must be > 0, got {budget_usd}")
+    if not 0 < budget_usd <= MAX_BUDGET_USD:  # also NaN
+        raise UserError(f"--budget-usd must be > 0 and at most {MAX_BUDGET_USD:g}, got {budget_usd}")
     if gpus < 1:
         raise UserError(f"--gpus must be >= 1, got {gpus}")
     if not 0 < mfu <= 1:
@@ -81,6 +73,8 @@ def make_plan(budget_usd: float, gpu: str, gpus: int, price=None, mfu=DEFAULT_MF
         raise UserError(f"unknown GPU type '{gpu}': pass {missing} or use one of: {pricing.known_types()}")
     hours = budget_usd / (price * gpus)
     flops = gpus * hours * 3600 * peak * 1e12 * mfu
+    if not math.isfinite(flops):
+        raise UserError(f"${budget_usd:g} at ${price:g}/GPU-hour buys more compute than a plan can count")
     n, d = compute_optimal(flops)
     return Plan(budget_usd, key, gpus, price, peak, mfu, hours, flops, n, d, chinchilla_loss(n, d))
 
@@ -99,19 +93,10 @@ def _model_params(cfg) -> float:
 
 
 def preset_params() -> dict[str, float]:
-    """Parameters per preset in app/presets/; the approximate table when presets cannot be loaded."""
-    out: dict[str, float] = {}
-    try:
-        from app.config import load_config, preset_names
+    """Parameters per preset in app/presets/ (all of them load: tests/test_config.py)."""
+    from app.config import load_config, preset_names
 
-        for name in preset_names():
-            try:
-                out[name] = _model_params(load_config(preset=name))
-            except Exception:
-                continue
-    except Exception:
-        pass
-    return out or dict(APPROX_PRESET_PARAMS)
+    return {name: _model_params(load_config(preset=name)) for name in preset_names()}
 
 
 def nearest_preset(n_params: float, presets: dict[str, float]) -> tuple[str, float]:
@@ -151,6 +136,7 @@ def preset_row(cfg, gpu: str, gpus: int, steps: int, mfu: float, price=None, pea
 
 def preset_table(args: argparse.Namespace) -> list[str]:
     from app.config import load_config
+    from app.trainer.memory import volume_line
     from app.trainer.metrics import flops_per_token
 
     if not 0 < args.mfu <= 1:
@@ -185,6 +171,7 @@ def preset_table(args: argparse.Namespace) -> list[str]:
                 f"{f'{lay.gb_per_gpu:.0f}/{lay.device_gb:.0f}':>9} {_si(steps * r.tokens_per_step):>7} "
                 f"{r.hours:>7.2f} {r.price_per_gpu_hour:>8.2f} {r.cost_usd:>9,.0f}"
             )
+    lines.append(volume_line(cfg, "  "))
     lines.append(
         f"  train with one of these layouts: pretrain train --preset {cfg.preset} --gpu-type GPU --gpus N"
         + (" --resume PHASE1_RUN" if args.from_step else "")
@@ -256,6 +243,8 @@ def format_plan(plan: Plan, presets: dict[str, float]) -> list[str]:
         f"  predicted loss  {plan.loss:.3f} nats/token (Chinchilla fit: E + A/N^0.34 + B/D^0.28)",
         f"  nearest preset  {name} ({_si(n_preset)} params): {_si(d_preset)} tokens, "
         f"predicted loss {chinchilla_loss(n_preset, d_preset):.3f}",
+        f"  checkpoints     {12 * plan.params / 1e9:.2f} GB each (fp32 weights + AdamW state: 12 bytes/param); "
+        f"volume at least {5 * 12 * plan.params / 1e9:.2f} GB (checkpoint.keep_last=3 + best + 1 being written)",
         "",
         f"across GPU types (${plan.budget_usd:,.2f}, {plan.gpus} GPU(s), MFU {plan.mfu:.0%}; "
         "built-in prices, approximate):",
@@ -278,6 +267,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(
                 f"{flag} must be a number > 0, got {value}; leave it out to use the built-in table"
             )
+    if args.gpus is not None and args.gpus < 1:
+        raise UserError(f"--gpus must be >= 1, got {args.gpus}")
     if args.preset:
         print("\n".join(preset_table(args)))
         return 0
@@ -286,7 +277,12 @@ def run(args: argparse.Namespace) -> int:
             "pass --budget-usd X --gpu T (what a budget buys) or --preset NAME (time and cost of a preset)"
         )
     plan = make_plan(
-        args.budget_usd, args.gpu, args.gpus or 1, args.price_per_gpu_hour, args.mfu, args.peak_tflops
+        args.budget_usd,
+        args.gpu,
+        args.gpus if args.gpus is not None else 1,
+        args.price_per_gpu_hour,
+        args.mfu,
+        args.peak_tflops,
     )
     print("\n".join(format_plan(plan, preset_params())))
     return 0

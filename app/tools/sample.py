@@ -63,15 +63,20 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser, which: str, which_help:
     p.add_argument("--which", choices=(which, other), default=which, help=which_help)
 
 
-def consolidate(spec: str, path: Path, which: str = "latest") -> Path:
+MAX_NEW_TOKENS = 100_000  # a CPU samples a few hundred tokens a second: more would look like a hang
+
+
+def consolidate(spec: str, path: Path, which: str = "latest", force: bool = False) -> Path:
     """The checkpoint's weights as one safetensors file (the same file `pretrain export` writes as
     final.safetensors)."""
     from app.tools.export import write_final
 
-    info = resolve_checkpoint(spec, which)
     path = Path(path)
     if path.is_dir() or path.suffix != ".safetensors":
         path = path / "final.safetensors"
+    if path.exists() and not force:
+        raise UserError(f"--consolidate {path} exists; choose a new path, or add --force to replace it")
+    info = resolve_checkpoint(spec, which)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_final(path, info)
@@ -91,8 +96,8 @@ def sample(
     top_p: float = 1.0,
     which: str = "latest",
 ) -> list[str]:
-    if max_new_tokens <= 0:
-        raise UserError(f"--max-new-tokens must be > 0, got {max_new_tokens}")
+    if not 0 < max_new_tokens <= MAX_NEW_TOKENS:
+        raise UserError(f"--max-new-tokens must be in 1..{MAX_NEW_TOKENS:,}, got {max_new_tokens}")
     if not temperature >= 0:  # NaN too
         raise UserError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
     if top_k < 0:
@@ -142,11 +147,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also write the checkpoint's weights as one FILE.safetensors (any other path is a dir that gets "
         "final.safetensors), assembled from the shards of any world size, one tensor at a time",
     )
+    p.add_argument("--force", action="store_true", help="replace an existing --consolidate file")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.consolidate:
-        print(f"consolidated weights: {consolidate(args.checkpoint, Path(args.consolidate), args.which)}")
+        path = consolidate(args.checkpoint, Path(args.consolidate), args.which, args.force)
+        print(f"consolidated weights: {path}")
     for text in sample(
         args.checkpoint,
         args.prompt,

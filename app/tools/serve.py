@@ -1,27 +1,42 @@
-"""`pretrain serve`: an OpenAI-compatible completions server for a checkpoint (FastAPI + uvicorn).
+"""`pretrain serve`: an OpenAI-compatible server for a checkpoint (FastAPI + uvicorn).
 
-    GET  /health           {"status": "ok", "model", "checkpoint", "step", "context"}
-    GET  /v1/models        the one model served
-    POST /v1/completions   prompt, max_tokens, temperature, top_p, top_k, stop, seed, echo, stream (SSE)
-    GET  /metrics          Prometheus: requests by status, tokens, latency and time-to-first-token histograms
+    GET  /health                 {"status": "ok", "model", "checkpoint", "step", "context"}
+    GET  /v1/models[/{id}]       the one model served
+    POST /v1/completions         prompt (text or token ids), max_tokens, temperature, top_p, top_k, stop,
+                                 seed, echo, logprobs (top-k per token), stream (SSE)
+    POST /v1/chat/completions    messages through the chat template (serve_api.chat_prompt), stream (SSE)
+    GET  /metrics                Prometheus: requests by status, tokens, latency and time-to-first-token
 
-Bad requests get a 4xx with OpenAI's error shape, {"error": {"message", "type", "param", "code"}}: 400 for
-an invalid field (wrong type, out of range, unknown name), 404 for another model name, 413 for a body over
---max-body-bytes, 503 when --max-queue requests are already waiting. Requests run one at a time on one
-model (app/tools/generation.py), so concurrent clients are safe and are served in arrival order.
+Bad requests get a 4xx in OpenAI's error shape (app/tools/serve_api.py); 503 when --max-queue requests
+are already waiting, or once SIGTERM has arrived: the requests in flight then have --grace-seconds to
+finish, after which they end with finish_reason "cancelled" (streams still send `[DONE]`). Requests in
+flight are decoded together (app/tools/generation.py).
 """
 
-# No `from __future__ import annotations`: FastAPI reads the request model from the live annotation.
+# No `from __future__ import annotations`: FastAPI reads the handlers' parameter types at runtime.
 import argparse
 import asyncio
-import json
 import secrets
 import socket
 import sys
 import time
-from typing import Any
 
 from app.errors import UserError
+from app.tools.serve_api import (
+    MAX_LOGPROBS,
+    PLAIN_STOP,
+    Gate,
+    RequestError,
+    chat_prompt,
+    check_sampling,
+    draining_server,
+    error_body,
+    logprobs_body,
+    parse,
+    prompt_ids,
+    request_models,
+    sse_data,
+)
 
 EXTRA_HINT = "pip install 'pretrain[serve]' (make setup installs it)"
 
@@ -34,150 +49,41 @@ def _require_extra() -> None:
         raise UserError(f"pretrain serve needs the serve extra ({e.name} is missing): {EXTRA_HINT}") from None
 
 
-class RequestError(Exception):
-    """A bad request: OpenAI's error fields and the HTTP status."""
-
-    def __init__(self, param: str, message: str, status: int = 400, code: str = "invalid_value"):
-        super().__init__(message)
-        self.param, self.message, self.status, self.code = param, message, status, code
-
-
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def sse_data(body: dict) -> str:
-    return f"data: {json.dumps(body)}\n\n"
-
-
-def request_model():
-    """The body of POST /v1/completions. Strict types (no "5" for 5), unknown fields rejected so a typo
-    like `max_token` is an error rather than a silent default; OpenAI fields that this server does not
-    implement are accepted only at their neutral values."""
-    from pydantic import BaseModel, ConfigDict
-
-    class CompletionRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid", strict=True)
-
-        prompt: str | list[str]
-        model: str | None = None
-        max_tokens: int = 16
-        temperature: float = 1.0
-        top_p: float = 1.0
-        top_k: int = 0  # not in OpenAI's API (the openai client sends it with extra_body)
-        stop: str | list[str] | None = None
-        stream: bool = False
-        stream_options: dict[str, bool] | None = None
-        seed: int | None = None
-        echo: bool = False
-        n: int = 1
-        best_of: int | None = None
-        logprobs: int | None = None
-        presence_penalty: float = 0.0
-        frequency_penalty: float = 0.0
-        logit_bias: dict[str, float] | None = None
-        suffix: str | None = None
-        user: str | None = None
-
-    return CompletionRequest
-
-
-def check_request(req: Any, served: str, context: int, prompt_ids: list[int]) -> list[str]:
-    """Range checks with one clear message each (types were checked by the model); the stop strings."""
-    if req.model not in (None, served):
-        msg = f"model '{req.model}' is not served here; this server serves '{served}'"
-        raise RequestError("model", msg, 404, "model_not_found")
-    if not prompt_ids:
-        raise RequestError("prompt", "prompt is empty; send the text to continue")
-    if req.max_tokens < 1:
-        raise RequestError("max_tokens", f"max_tokens must be >= 1, got {req.max_tokens}")
-    if len(prompt_ids) + req.max_tokens > context:
-        raise RequestError(
-            "max_tokens",
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the model's context "
-            f"of {context} tokens; shorten the prompt or lower max_tokens",
-        )
-    if not 0 <= req.temperature <= 2:
-        raise RequestError("temperature", f"temperature must be in [0, 2], got {req.temperature}")
-    if not 0 < req.top_p <= 1:
-        raise RequestError("top_p", f"top_p must be in (0, 1], got {req.top_p}")
-    if req.top_k < 0:
-        raise RequestError("top_k", f"top_k must be >= 0 (0 = all tokens), got {req.top_k}")
-    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stops) > 4 or any(not s for s in stops):
-        raise RequestError("stop", "stop takes up to 4 non-empty strings")
-    unsupported = {
-        "n": req.n != 1,
-        "best_of": req.best_of not in (None, 1),
-        "logprobs": req.logprobs is not None,
-        "presence_penalty": req.presence_penalty != 0,
-        "frequency_penalty": req.frequency_penalty != 0,
-        "logit_bias": bool(req.logit_bias),
-        "suffix": req.suffix is not None,
-    }
-    for param, used in unsupported.items():
-        if used:
-            raise RequestError(param, f"{param} is not supported by this server; leave it at its default")
-    return stops
-
-
-# ---------------------------------------------------------------- the app
-
-
-def create_app(engine, tok, model_name: str, info: dict, max_body_bytes: int):
+def create_app(
+    engine, tok, model_name: str, info: dict, max_body_bytes: int, chat_template: str | None = None
+):
     """The FastAPI app around a running Engine. `info`: checkpoint path, step and context length."""
     from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
-    from app.tools.generation import Busy, Job
+    from app.tools.generation import Job
 
-    CompletionRequest = request_model()
+    CompletionRequest, ChatRequest = request_models()
     metrics = engine.metrics
     context = int(info["context"])
     created = int(time.time())
     app = FastAPI(title="pretrain serve", version="1", docs_url="/docs", redoc_url=None)
+    app.state.draining, app.state.in_flight = False, 0
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "pretrain"}
 
-    def fail(status: int, message: str, param=None, code=None, kind="invalid_request_error", headers=None):
-        if status >= 400:
-            metrics.requests.labels(status=str(status)).inc()
-        return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = exc.errors()[0]
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        param = loc[0] if loc else None  # the request field (deeper parts name union members)
-        if err.get("type") == "json_invalid":
-            param, msg = None, "the request body is not valid JSON"
-        elif err.get("type") == "extra_forbidden":
-            msg = f"unknown field '{param}'; see the OpenAI completions API for field names"
-        elif err.get("type") == "missing":
-            msg = f"'{param}' is required"
-        else:
-            got = json.dumps(err.get("input"))[:80] if "input" in err else "?"
-            msg = f"{param or 'body'}: {err.get('msg', 'invalid')} (got {got})"
-        return fail(400, msg, param, err.get("type"))
+    def fail(status: int, message: str, param=None, code=None, kind=None, headers=None):
+        body = error_body(message, kind or "invalid_request_error", param, code)
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:
         return fail(exc.status_code, str(exc.detail))
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        over = f"over the limit of {max_body_bytes} bytes"
-        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-            return fail(413, f"request body of {length} bytes is {over}", code="body_too_large")
-        if length is None and request.method == "POST":  # chunked: count what arrives
-            body = b""
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > max_body_bytes:
-                    return fail(413, f"request body is {over}", code="body_too_large")
-            request._body = body  # starlette reads the cached body later
-        return await call_next(request)
+    @app.exception_handler(RequestError)
+    async def bad_request(_request: Request, e: RequestError) -> JSONResponse:
+        if e.status == 503:  # the queue is full: come back soon
+            return fail(503, e.message, e.param, e.code, "server_busy", {"Retry-After": "1"})
+        return fail(e.status, e.message, e.param, e.code, "server_error" if e.status >= 500 else None)
+
+    @app.exception_handler(Exception)  # the last resort: still JSON in OpenAI's shape
+    async def crash(_request: Request, e: Exception) -> JSONResponse:
+        return fail(500, f"internal error ({type(e).__name__}); see the server's log", kind="server_error")
 
     @app.get("/health")
     async def health() -> dict:
@@ -185,8 +91,13 @@ def create_app(engine, tok, model_name: str, info: dict, max_body_bytes: int):
 
     @app.get("/v1/models")
     async def models() -> dict:
-        entry = {"id": model_name, "object": "model", "created": created, "owned_by": "pretrain"}
-        return {"object": "list", "data": [entry]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id != model_name:
+            raise RequestError("model", f"model '{model_id}' is not served here; this server serves '{model_name}'", 404, "model_not_found")  # fmt: skip
+        return card
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -194,84 +105,144 @@ def create_app(engine, tok, model_name: str, info: dict, max_body_bytes: int):
 
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):  # type: ignore[valid-type]
-        t0 = time.monotonic()
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        if len(prompts) != 1:
-            return fail(400, "send exactly one prompt per request", "prompt", "invalid_value")
-        prompt = prompts[0]
-        ids = tok.encode(prompt) if prompt else []
-        try:
-            stops = check_request(req, model_name, context, ids)
-        except RequestError as e:
-            return fail(e.status, e.message, e.param, e.code)
-        job = Job(
-            ids=ids,
-            max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_k=req.top_k,
-            top_p=req.top_p,
-            stops=stops,
-            seed=secrets.randbits(63) if req.seed is None else req.seed,
-            loop=asyncio.get_running_loop(),
-        )
-        try:
-            engine.submit(job)
-        except Busy as e:
-            return fail(503, str(e), code="queue_full", kind="server_busy", headers={"Retry-After": "1"})
-        metrics.prompt_tokens.inc(len(ids))
-        rid, now = f"cmpl-{secrets.token_hex(12)}", int(time.time())
+    async def read(request: Request, model: type):
+        """The body, up to --max-body-bytes (also when sent chunked), parsed as `model`."""
+        length, over = request.headers.get("content-length"), f"over the limit of {max_body_bytes} bytes"
+        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+            raise RequestError(None, f"request body of {length} bytes is {over}", 413, "body_too_large")
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_body_bytes:
+                raise RequestError(None, f"request body is {over}", 413, "body_too_large")
+        return parse(body, model)
 
-        def usage() -> dict:
-            n = job.completion_tokens
-            return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+    def submit(req, prompts: list[list[int]], max_tokens: int, stops: list[str], logprobs=None, echo=False):
+        seed = secrets.randbits(63) if req.seed is None else req.seed % 2**63
+        jobs = [
+            Job(ids=ids, max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                stops=stops, seed=seed, loop=asyncio.get_running_loop(), logprobs=logprobs,
+                prompt_logprobs=echo and logprobs is not None)
+            for ids in prompts
+        ]  # fmt: skip
+        engine.submit(jobs)
+        metrics.prompt_tokens.inc(sum(map(len, prompts)))
+        return jobs
 
-        def done() -> None:
-            metrics.completion_tokens.inc(job.completion_tokens)
-            metrics.latency.observe(time.monotonic() - t0)
-            if job.first_token:
-                metrics.first_token.observe(job.first_token - t0)
-            metrics.requests.labels(status="200").inc()
+    def account(jobs: list, t0: float) -> dict:
+        """Metrics of a request that ended; its usage object."""
+        used = sum(job.completion_tokens for job in jobs)
+        metrics.completion_tokens.inc(used)
+        metrics.latency.observe(time.monotonic() - t0)
+        if firsts := [job.first_token for job in jobs if job.first_token]:
+            metrics.first_token.observe(min(firsts) - t0)
+        prompt = sum(len(job.ids) for job in jobs)
+        return {"prompt_tokens": prompt, "completion_tokens": used, "total_tokens": prompt + used}
 
-        def chunk(text: str, finish: str | None) -> dict:
-            choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
-            return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
-                    "choices": [choice]}  # fmt: skip
+    async def collect(job) -> tuple[str, list, str]:
+        """(text, logprob entries: the prompt's then the completion's, finish reason) of a job."""
+        parts, entries = [], []
+        while (event := await job.events.get())[0] in ("prompt", "text"):
+            if event[0] == "prompt":
+                entries += event[1]
+            else:
+                parts.append(event[1])
+                entries += [event[2]] if event[2] else []
+        if event[0] == "error":
+            raise RequestError(None, event[1], 500, "generation_failed")
+        return "".join(parts), entries, event[1]
+
+    async def answer(request: Request, req, jobs: list, chat: bool, echoed: list[str], t0: float):
+        """The response: OpenAI's completion or chat completion object, or its server-sent events."""
+        rid, now = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", int(time.time())
+        kind = ("chat.completion.chunk" if req.stream else "chat.completion") if chat else "text_completion"
+
+        def envelope(choices: list, **extra) -> dict:
+            return {
+                "id": rid,
+                "object": kind,
+                "created": now,
+                "model": model_name,
+                "choices": choices,
+                **extra,
+            }
+
+        def choice(text, finish, index=0, logprobs=None) -> dict:
+            if not chat:
+                return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}
+            said = {"delta": {} if text is None else {"content": text}} if req.stream else {"message": {"role": "assistant", "content": text}}  # fmt: skip
+            return {"index": index, **said, "logprobs": None, "finish_reason": finish}
 
         if not req.stream:
-            parts = [prompt] if req.echo else []
-            try:
-                while (event := await job.events.get())[0] == "text":
-                    parts.append(event[1])
-            except asyncio.CancelledError:
-                job.cancelled.set()
-                raise
-            if event[0] == "error":
-                return fail(500, event[1], kind="server_error")
-            done()
-            return {**chunk("".join(parts), event[1]), "usage": usage()}
+            results = [await collect(job) for job in jobs]
+            choices = [
+                choice(pre + text, reason, i, None if chat or req.logprobs is None else logprobs_body(entries, 0))
+                for i, (pre, (text, entries, reason)) in enumerate(zip(echoed, results, strict=True))
+            ]  # fmt: skip
+            return envelope(choices, usage=account(jobs, t0))
 
-        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        (job,) = jobs
 
         async def sse():
+            offset = 0
             try:
-                if req.echo:
-                    yield sse_data(chunk(prompt, None))
-                while (event := await job.events.get())[0] == "text":
-                    yield sse_data(chunk(event[1], None))
+                if chat:
+                    yield sse_data(envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))  # fmt: skip
+                elif echoed[0] and not job.prompt_logprobs:
+                    yield sse_data(envelope([choice(echoed[0], None)]))
+                while (event := await job.events.get())[0] in ("prompt", "text"):
+                    entries = event[1] if event[0] == "prompt" else [event[2]] if event[2] else []
+                    text = echoed[0] if event[0] == "prompt" else event[1]
+                    logprobs = None if chat or req.logprobs is None else logprobs_body(entries, offset)
+                    offset += sum(len(e[0]) for e in entries)
+                    yield sse_data(envelope([choice(text, None, 0, logprobs)]))
                 if event[0] == "error":
+                    request.scope["pretrain.status"] = 500
                     yield sse_data(error_body(event[1], "server_error"))
                     return
-                done()
-                yield sse_data(chunk("", event[1]))
-                if include_usage:
-                    yield sse_data({**chunk("", None), "choices": [], "usage": usage()})
+                usage = account(jobs, t0)
+                yield sse_data(envelope([choice(None if chat else "", event[1])]))
+                if (req.stream_options or {}).get("include_usage"):
+                    yield sse_data(envelope([], usage=usage))
                 yield "data: [DONE]\n\n"
             finally:  # the client went away (or we are done): the worker stops at its next token
                 job.cancelled.set()
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        t0 = time.monotonic()
+        req = await read(request, CompletionRequest)
+        prompts = prompt_ids(req.prompt, tok)
+        if req.stream and len(prompts) > 1:
+            raise RequestError("prompt", "send one prompt per streamed request")
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        if max_tokens < (0 if req.echo else 1):
+            raise RequestError("max_tokens", f"max_tokens must be >= 1 (0 only with echo), got {max_tokens}")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise RequestError("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}")
+        for ids in prompts:
+            stops = check_sampling(req, model_name, context, len(ids), max_tokens)
+        jobs = submit(req, prompts, max_tokens, stops, req.logprobs, req.echo)
+        echoed = [tok.decode(ids) if req.echo else "" for ids in prompts]
+        return await answer(request, req, jobs, False, echoed, t0)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        t0 = time.monotonic()
+        req = await read(request, ChatRequest)
+        text = chat_prompt(req.messages, chat_template)
+        ids = tok.encode(text)
+        wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = max(1, context - len(ids)) if wanted is None else wanted  # default: the rest
+        if max_tokens < 1:
+            raise RequestError("max_tokens", f"max_tokens must be >= 1, got {max_tokens}")
+        stops = check_sampling(req, model_name, context, len(ids), max_tokens)
+        if req.logprobs:
+            raise RequestError("logprobs", "chat logprobs are not supported; /v1/completions has them")
+        jobs = submit(req, [ids], max_tokens, stops if chat_template else [*stops, PLAIN_STOP])
+        return await answer(request, req, jobs, True, [""], t0)
 
     return app
 
@@ -282,42 +253,20 @@ def create_app(engine, tok, model_name: str, info: dict, max_body_bytes: int):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from app.tools.sample import add_checkpoint_arguments
 
-    add_checkpoint_arguments(
-        p,
-        "best",
-        "for a run dir: the checkpoint with the lowest val loss (default; latest when none has one) "
-        "or the newest",
+    best = "for a run dir: the checkpoint with the lowest val loss (default; latest when none has one) or the newest"
+    add_checkpoint_arguments(p, "best", best)
+    add = p.add_argument
+    add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 in a pod)")
+    add("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    add("--model-name", default="", help="the id clients pass as `model` (default: the run dir's name)")
+    add("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA when available (bf16)")
+    add("--max-queue", type=int, default=64, metavar="N", help="requests that may wait; more get 503 (64)")
+    add(
+        "--max-batch", type=int, default=16, metavar="N", help="requests decoded together (1 = one at a time)"
     )
-    p.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 in a pod)"
-    )
-    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
-    p.add_argument(
-        "--model-name", default="", help="the id clients pass as `model` (default: the run dir's name)"
-    )
-    p.add_argument(
-        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA when available (bf16)"
-    )
-    p.add_argument(
-        "--max-queue",
-        type=int,
-        default=64,
-        metavar="N",
-        help="requests that may wait for the model; more get HTTP 503 (default 64)",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=1 << 20,
-        metavar="N",
-        help="largest request body accepted; larger gets HTTP 413 (default 1 MiB)",
-    )
-    p.add_argument(
-        "--log-level",
-        choices=("warning", "info", "debug"),
-        default="warning",
-        help="uvicorn's log level (default warning)",
-    )
+    add("--grace-seconds", type=float, default=20.0, metavar="S", help="SIGTERM: time left to requests (20)")
+    add("--max-body-bytes", type=int, default=1 << 20, metavar="N", help="larger bodies get 413 (1 MiB)")
+    add("--log-level", choices=("warning", "info", "debug"), default="warning", help="uvicorn's (warning)")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -342,8 +291,11 @@ def run(args: argparse.Namespace) -> int:
     _require_extra()
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be a TCP port (0-65535), got {args.port}")
-    if args.max_queue < 1:
-        raise UserError(f"--max-queue must be >= 1, got {args.max_queue}")
+    for flag, value in (("--max-queue", args.max_queue), ("--max-batch", args.max_batch)):
+        if value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    if not args.grace_seconds >= 0:
+        raise UserError(f"--grace-seconds must be >= 0, got {args.grace_seconds}")
     if args.max_body_bytes < 1024:
         raise UserError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
     import torch
@@ -361,12 +313,15 @@ def run(args: argparse.Namespace) -> int:
             model = model.to(torch.bfloat16)
         name = args.model_name or ckpt.path.parent.parent.name or "pretrain"
         info = {"checkpoint": str(ckpt.path), "step": ckpt.step, "context": model.cfg.seq_len}
-        engine = Engine(model, tok, ServeMetrics(), max_queue=args.max_queue)
-        app = create_app(engine, tok, name, info, args.max_body_bytes)
+        engine = Engine(model, tok, ServeMetrics(), max_queue=args.max_queue, max_batch=args.max_batch)
+        template = ckpt.path / "chat_template.jinja"  # HF's file name, beside tokenizer.json
+        chat_template = template.read_text() if template.is_file() else None
+        app = create_app(engine, tok, name, info, args.max_body_bytes, chat_template)
         host, port = sock.getsockname()[:2]
         print(f"serving {ckpt.path} (step {ckpt.step}) as '{name}' on http://{host}:{port}/v1", flush=True)
-        config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
-        uvicorn.Server(config).run(sockets=[sock])
+        gated = Gate(app, engine.metrics, app.state)
+        config = uvicorn.Config(gated, log_level=args.log_level, timeout_graceful_shutdown=5)
+        draining_server(uvicorn.Server, gated, engine, args.grace_seconds)(config).run(sockets=[sock])
     finally:
         if engine is not None:
             engine.close()

@@ -7,6 +7,7 @@ touches the budget's files itself.
 - at a checkpoint: what has been spent so far? (recorded in meta.json);
 - every few seconds on rank 0: should the WSD decay start now? (from the watcher's projection; the
   answer goes through the stop agreement so every rank starts the decay at the same step).
+It also posts the trainer's own Kubernetes Events (app/budget/kube.py holds the client).
 """
 
 from __future__ import annotations
@@ -74,6 +75,13 @@ class BudgetLink:
         return budget_decay_steps(
             step, float(state["seconds_to_stop"]), step_seconds, 0.0, cfg.budget.decay_fraction
         )
+
+    def event(self, reason: str, message: str, warn) -> bool:
+        """A Warning Event on the job (a stop the budget watcher does not post, e.g. LowMFU), in a cluster;
+        True when posted (else the watcher relays it from status.json)."""
+        from app.budget.kube import post_event
+
+        return post_event(self.cfg.budget, reason, message, warn)
 
     def close(self) -> None:
         if self.watcher is not None:

@@ -16,12 +16,16 @@ when `checkpoint.async_save` is on.
       every file) last, fsync, rename into place, fsync the parent; then retention
 
 A crash or SIGKILL anywhere before the rename leaves only a temp dir (removed at the next start) and the
-previous checkpoint is still the latest valid one. The loop calls `wait()` before the next save, at a
-stop and at exit; `abandon()` (an immediate stop, a crash) cancels a pending write without committing.
+previous checkpoint is still the latest valid one. A save that fails on some rank removes its temp dir; one
+that fails for space (ENOSPC, EDQUOT) raises OutOfSpace (exit 6, one line). Rank 0 warns while the volume
+lacks the room the next checkpoints need (an estimate before the first save, then the last one's size).
+The loop calls `wait()` before the next save, at a stop and at exit; `abandon()` (an immediate stop, a
+crash) cancels a pending write without committing.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -34,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from app.config import CheckpointConfig
+from app.errors import EXIT_OUT_OF_SPACE, UserError
 from app.files import fsync_dir, fsync_file, sha256_file
 from app.trainer import checkpoint as ckpt
 from app.trainer.checkpoint_format import (
@@ -55,8 +60,18 @@ class CheckpointError(RuntimeError):
     """A save failed on some rank; nothing was committed, the previous checkpoint stands."""
 
 
+class OutOfSpace(UserError):
+    """The checkpoint volume is full: permanent (space does not free itself), so not a retryable code."""
+
+    exit_code = EXIT_OUT_OF_SPACE
+
+
 class Cancelled(Exception):
     pass
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 @dataclass
@@ -84,6 +99,7 @@ class _Job:
     rng: dict
     reason: str
     started: float
+    final: bool = False
     background: bool = False
     blocking: float = 0.0  # set when staged for the background
 
@@ -99,9 +115,12 @@ class CheckpointWriter:
         world_size: int,
         config: CheckpointConfig | None = None,
         async_save: bool | None = None,
+        expect_bytes: int = 0,
+        warn=ckpt.warn_stderr,
     ) -> None:
         """`config` (checkpoint.*): async_save, and retention after each commit (rank 0); without it,
-        synchronous saves and no retention. `async_save` overrides the config."""
+        synchronous saves and no retention. `async_save` overrides the config. `expect_bytes`: the
+        estimated size of one checkpoint (app/trainer/memory.py), checked against free space at once."""
         self.run_dir, self.root = Path(run_dir), ckpt.checkpoints_root(run_dir)
         self.rank, self.world = rank, world_size
         self.config = config
@@ -114,6 +133,8 @@ class CheckpointWriter:
         self._cancel = threading.Event()
         self._result: SaveResult | None = None
         self._error: BaseException | None = None
+        self.expect_bytes, self.warn = expect_bytes, warn
+        self.check_space()
 
     # ------------------------------------------------------------ the loop's side
 
@@ -158,7 +179,10 @@ class CheckpointWriter:
             rng=rng_state(),
             reason=reason,
             started=started,
+            final=final,
         )
+        if not self.expect_bytes:  # no estimate: this rank's share of the state times the ranks
+            self.expect_bytes = self.world * sum(p.tensor.nbytes for p in mp + (op or []))
         self._cancel.clear()
         if not background:
             self._run(job)
@@ -186,10 +210,37 @@ class CheckpointWriter:
             self._thread.join()
             self._thread = None
         error, self._error = self._error, None
+        if isinstance(error, OutOfSpace):
+            raise error
         if error is not None:
             raise CheckpointError(f"checkpoint save failed: {error}") from error
         result, self._result = self._result, None
+        if result is not None:
+            self.expect_bytes = result.bytes if self.rank == 0 else self.expect_bytes
+            self.check_space()
         return result
+
+    def _space(self) -> tuple[int, int, list[Path], str]:
+        """(free bytes, checkpoints the volume holds at once: keep_last + best + the one being written,
+        the checkpoints there, the figures a message gives)."""
+        c, there = self.config, ckpt.list_checkpoints(self.run_dir)
+        slots = (c.keep_last + int(c.keep_best) if c else 1) + 1
+        free = shutil.disk_usage(self.root if self.root.is_dir() else self.run_dir).free
+        figures = (
+            f"a checkpoint needs about {_gb(self.expect_bytes)} in {self.root}, {_gb(free)} free; the volume "
+            f"needs {_gb(self.expect_bytes * slots)} (checkpoint.keep_last + best + the one being written)"
+        )
+        return free, slots, there, figures
+
+    def check_space(self) -> None:
+        """Rank 0: warn while the free space cannot hold the saves still to come (until retention has
+        its slots filled), so the user can act before a save fails."""
+        if self.rank == 0 and self.expect_bytes:
+            free, slots, there, figures = self._space()
+            if free < self.expect_bytes * max(1, slots - len(there)):
+                fits = free // self.expect_bytes
+                when = f"save {fits + 1} from now" if fits else "the next save"
+                self.warn(f"warning: {figures}: {when} will fail for space (exit 6); grow it or free space")
 
     def abandon(self) -> None:
         """Stop a pending background write without committing it (every rank does so at the same step)."""
@@ -210,17 +261,30 @@ class CheckpointWriter:
             part = self._write_own(job, files)
         except BaseException as e:  # noqa: BLE001 - reported to every rank, raised by wait()
             error = e
-        ok = self._agree(error is None)
+        ok, room = self._agree(error)
+        path, nbytes = self.root / ckpt.step_dir_name(job.step), sum(f.bytes for f in files.values())
+        if ok and self.rank == 0:
+            try:
+                path, nbytes = self._commit(job, part)
+            except BaseException as e:  # noqa: BLE001
+                error = e
+        if ok:  # the other ranks learn whether rank 0 committed
+            ok, room = self._agree(error)
         try:
             if not ok:
+                if self.rank == 0:
+                    shutil.rmtree(job.tmp, ignore_errors=True)
+                if not room:
+                    _, _, there, figures = self._space()
+                    kept = f"resumes from {there[0].name}, intact" if there else "starts afresh"
+                    stop = f" (the save for the stop: {job.reason})" if job.final else ""
+                    raise OutOfSpace(
+                        f"out of space on the checkpoint volume at step {job.step}{stop}: {figures}. Grow the "
+                        f"volume or free space there; the restart {kept}"
+                    )
                 raise error or CheckpointError("another rank failed to write its part")
-            path, nbytes = job.tmp, sum(f.bytes for f in files.values())
-            if self.rank == 0:
-                path, nbytes = self._commit(job, part)
-                if (c := self.config) is not None:
-                    ckpt.apply_retention(self.run_dir, c.keep_last, c.keep_best, c.drop_optimizer_older)
-            else:
-                path = self.root / ckpt.step_dir_name(job.step)
+            if self.rank == 0 and (c := self.config) is not None:
+                ckpt.apply_retention(self.run_dir, c.keep_last, c.keep_best, c.drop_optimizer_older)
             if job.background:
                 blocking, write = job.blocking, time.monotonic() - t0
             else:
@@ -242,6 +306,8 @@ class CheckpointWriter:
             name = shard_file(kind, self.rank)
             items = [(p.name, p.tensor) for p in pieces]
             files[name] = write_safetensors(job.tmp / name, items, cancel=self._check)
+            if job.step > int(os.environ.get("PRETRAIN_TEST_VOLUME_FULL_AFTER_STEP", 1 << 62)):  # tests
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(job.tmp / name))
             for p in pieces:
                 part[kind][p.name] = {
                     "dtype": dtype_name(p.tensor.dtype),
@@ -261,9 +327,13 @@ class CheckpointWriter:
         write_json_file(job.tmp / f"part-rank{self.rank:05d}.json", part)
         return part
 
-    def _agree(self, ok: bool) -> bool:
-        """Every rank learns whether every rank wrote its part (a barrier that carries a verdict)."""
-        return ok if self.group is None else bool(agree([int(ok)], dist.ReduceOp.MIN, self.group)[0])
+    def _agree(self, error: BaseException | None) -> tuple[bool, bool]:
+        """Every rank learns whether every rank succeeded, and whether one ran out of space (a barrier that
+        carries a verdict)."""
+        full = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+        mine = [int(error is None), int(not full)]
+        ok, room = mine if self.group is None else agree(mine, dist.ReduceOp.MIN, self.group)
+        return bool(ok), bool(room)
 
     def _commit(self, job: _Job, own: dict) -> tuple[Path, int]:
         """Rank 0: merge every rank's part into the indexes, write meta.json last, rename into place."""

@@ -5,18 +5,36 @@ a second process group (the control group), so a decision never waits for the GP
 The loop's decisions (stop, save now, the budget decay), the resume checks and the barriers use the
 control group; the checkpoint writer, which agrees from its own thread, uses a gloo group of its own
 (collectives on one group must not interleave between threads).
+
+A peer lost without a signal (OOM kill, spot reclaim, kernel panic) costs a retry, not the run: `PeerWatch`
+finds it in LOST_AFTER_SECONDS at any step time, apart from the (long) collective timeout, and every rank
+exits 144 with one line. A rank also dies with its launcher (PR_SET_PDEATHSIG): no orphans.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import ctypes
 import os
+import signal
+import socket
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from app.errors import EXIT_PEER_LOST
+
 _CONTROL_GROUP = None
+PULSE_SECONDS = 2.0
+LOST_AFTER_SECONDS = 30.0  # far above a live thread's longest pause; a peer not yet seen gets 3x
+SUSPECT_AFTER_SECONDS = 6.0
+_WATCH = None  # this rank's PeerWatch
 
 
 @dataclass
@@ -60,8 +78,10 @@ def init_distributed(device_type: str, timeout_minutes: float = 30.0) -> DistEnv
     """Read torchrun's environment; join the process group (gloo on CPU, NCCL on CUDA) and, under NCCL,
     the gloo control group. The timeout bounds every collective, so it must exceed the longest wait of
     one rank for another (a checkpoint commit, the step-0 eval): train.collective_timeout_minutes."""
-    global _CONTROL_GROUP
+    global _CONTROL_GROUP, _WATCH
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: never `pretrain train`, for one
+        end_with_launcher()
     env = DistEnv(
         rank=int(os.environ.get("RANK", "0")),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
@@ -69,6 +89,8 @@ def init_distributed(device_type: str, timeout_minutes: float = 30.0) -> DistEnv
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         node=os.environ.get("NODE_NAME") or os.environ.get("HOSTNAME") or "local",
     )
+    if world > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and _WATCH is None:
+        _WATCH = PeerWatch(env)  # before the process group: a loss during its rendezvous is found too
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
         timeout = timedelta(minutes=timeout_minutes)
@@ -89,3 +111,91 @@ def all_reduce_sum(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
     if env.distributed:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def end_with_launcher() -> None:
+    """Die with the launcher (SIGKILL when its process ends), also when it is gone already."""
+    launcher = int(os.environ.get("PRETRAIN_LAUNCHER_PID") or os.getppid())  # set by app.launch
+    with contextlib.suppress(AttributeError, OSError):  # prctl is Linux only
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != launcher and not os.path.exists(f"/proc/{launcher}"):  # gone, not a wrapper between
+        os._exit(EXIT_PEER_LOST)
+
+
+class PeerWatch:
+    """A thread that beats on torchrun's store (kept by node 0's launcher) and watches the next rank's beat (a
+    ring: a lost node's first rank is watched from outside), posting a loss for all; a dead store: node 0."""
+
+    def __init__(self, env: DistEnv) -> None:
+        self.rank, self.world, self.step, self.suspect = env.rank, env.world_size, 0, False
+        self.ended, self.peer_ended, self.answered = threading.Event(), threading.Event(), time.monotonic()
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self.store_name = f"node 0 (its launcher keeps the store {addr}:{port})"
+        try:  # up before any rank starts: refused means its launcher is gone (before PR_SET_PDEATHSIG was set)
+            socket.create_connection((addr, port), timeout=LOST_AFTER_SECONDS).close()
+        except OSError as e:
+            self._exit(self.store_name, str(e))
+        timeout = timedelta(seconds=LOST_AFTER_SECONDS)
+        store = dist.TCPStore(addr, port, is_master=False, timeout=timeout, wait_for_workers=False)
+        self.store = dist.PrefixStore(f"peers/{os.environ.get('TORCHELASTIC_RESTART_COUNT')}/", store)
+        host = os.environ.get("NODE_NAME") or socket.gethostname()
+        self.store.set(f"node/{self.rank}", f"node {os.environ.get('GROUP_RANK', '?')} ({host})")
+        self.store.add(f"beat/{self.rank}", 1)  # seen from now on, even if stopped at once
+        atexit.register(self.end)
+        threading.Thread(target=self._watch, name="peer-watch", daemon=True).start()
+        threading.Thread(target=self._deadman, name="peer-watch-store", daemon=True).start()
+
+    def end(self) -> None:  # at exit: this rank ended on purpose, it is not lost (a crash reports itself)
+        with contextlib.suppress(Exception):
+            self.store.set(f"done/{self.rank}", "1")
+        self.ended.set()
+
+    def _deadman(self) -> None:
+        while not self.ended.wait(PULSE_SECONDS):  # a store call never returns: node 0 vanished silently
+            if time.monotonic() - self.answered > LOST_AFTER_SECONDS:
+                self._exit(self.store_name, f"its store did not answer for {LOST_AFTER_SECONDS:.0f} s")
+
+    def _watch(self) -> None:
+        peer = (self.rank + 1) % self.world
+        seen, since = 0, time.monotonic()
+        while not self.ended.wait(PULSE_SECONDS):
+            try:
+                self.store.add(f"beat/{self.rank}", 1)
+                if self.store.check(["lost"]):
+                    self._exit(self.store.get("lost").decode(), "found by another rank")
+                beats = self.store.add(f"beat/{peer}", 0)
+                if self.store.check([f"done/{peer}"]):
+                    self.peer_ended.set()  # on purpose: done, or a crash its own exit code reports
+                self.answered = time.monotonic()
+            except Exception as e:  # noqa: BLE001 - the store's host is gone
+                self._exit(self.store_name, f"{type(e).__name__}: {str(e).strip()[:200]}")
+            now = time.monotonic()
+            if beats != seen or self.peer_ended.is_set():
+                seen, since = beats, now
+            limit = SUSPECT_AFTER_SECONDS if self.suspect else LOST_AFTER_SECONDS * (1 if seen else 3)
+            if now - since >= limit:
+                who = f"rank {peer}"
+                with contextlib.suppress(Exception):
+                    if self.store.check([f"node/{peer}"]):
+                        who += f" on {self.store.get(f'node/{peer}').decode()}"
+                    self.store.set("lost", who)
+                self._exit(who, f"no heartbeat for {now - since:.0f} s")
+
+    def _exit(self, lost: str, why: str) -> None:
+        why = f"{why} -> exit {EXIT_PEER_LOST} (retryable)"
+        print(f"rank {self.rank}: lost {lost} at step {self.step}: {why}", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER_LOST)
+
+
+def at_step(step: int) -> None:
+    if _WATCH is not None:
+        _WATCH.step = step
+
+
+def exit_if_peer_lost(error: BaseException) -> None:
+    """A collective failed: a lost peer is named and this rank exits 144; returns if every peer beats."""
+    chain = [error, error.__cause__, error.__context__]
+    if _WATCH is None or not any(isinstance(e, dist.DistError) or "/gloo/" in str(e) for e in chain):
+        return  # gloo's errors are RuntimeErrors that name its source file
+    _WATCH.suspect = True
+    _WATCH.peer_ended.wait(LOST_AFTER_SECONDS + 2 * PULSE_SECONDS)

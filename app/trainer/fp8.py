@@ -1,10 +1,9 @@
-"""FP8 training (train.fp8=true) with torchao's float8 linear layers. Untested here: no GPU in CI.
+"""FP8 training with torchao's float8 linear layers: train.fp8=true on H100-class GPUs, train.fp8=emulate
+anywhere (torchao's emulation: the same scaling and float8 rounding, the matmul in software; what CI runs).
 
 Why torchao and not TransformerEngine: torchao swaps nn.Linear for Float8Linear in place (same parameter
 names, same fp32 master weights, same checkpoints), composes with FSDP2 and torch.compile, and needs no
-change to the training step; TransformerEngine needs its own modules and an fp8_autocast context around
-every forward. The NGC PyTorch image is not checked here for torchao: when it is missing, the flag
-refuses with the fix (`pip install torchao`).
+change to the training step; TransformerEngine needs its own modules and an fp8_autocast around forwards.
 
 Dynamic tensorwise scaling (torchao's default recipe). The output head stays in bf16 (logits are
 sensitive and, for small vocabularies, too narrow), as does any layer whose sizes are not multiples of
@@ -13,20 +12,30 @@ sensitive and, for small vocabularies, too narrow), as does any layer whose size
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
+from app.config_checks import _switch
 from app.errors import ConfigError
 
 MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer have FP8 tensor cores
+
+
+def fp8_mode(value) -> str:
+    """train.fp8 as YAML may give it (a bool, or a string): false | true | emulate."""
+    mode = _switch(str(value))
+    if mode not in ("false", "true", "emulate"):
+        raise ConfigError(f"train.fp8='{value}' is not valid; choose one of: false, true, emulate")
+    return mode
 
 
 def check_fp8_device(device: torch.device) -> None:
     if device.type != "cuda":
         raise ConfigError(
             "train.fp8=true needs an FP8-capable GPU (H100-class, compute capability >= 8.9); "
-            "this run is on CPU: remove train.fp8"
+            "this run is on CPU: remove train.fp8 (or train.fp8=emulate to test the FP8 path)"
         )
     cap = torch.cuda.get_device_capability(device)
     if tuple(cap) < MIN_CAPABILITY:
@@ -45,17 +54,30 @@ def _fp8_ok(module: torch.nn.Module, fqn: str) -> bool:
     )
 
 
-def convert_to_fp8(model: torch.nn.Module, device: torch.device, log: Callable[[str], None] = print) -> int:
-    """Swap the eligible nn.Linear layers for torchao Float8Linear, in place; returns how many."""
-    check_fp8_device(device)
+def load_float8():
+    """torchao.float8, or None without torchao. On a CPU build of torch its import logs that its CUDA
+    kernels did not load (and torch a deprecation): nothing here needs those, so they are not shown."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        import torchao.float8
     except ImportError:
-        raise ConfigError(
-            "train.fp8=true needs torchao, which this image does not have: pip install torchao"
-        ) from None
+        return None
+    return torchao.float8
+
+
+def convert_to_fp8(
+    model: torch.nn.Module, device: torch.device, log: Callable[[str], None] = print, mode: str = "true"
+) -> int:
+    """Swap the eligible nn.Linear layers for torchao Float8Linear, in place; returns how many."""
+    if mode != "emulate":
+        check_fp8_device(device)
+    float8 = load_float8()
     before = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=_fp8_ok)
+    config = float8.Float8LinearConfig(emulate=mode == "emulate")
+    float8.convert_to_float8_training(model, config=config, module_filter_fn=_fp8_ok)
     converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
-    log(f"fp8: {converted} of {before} linear layers run in float8 (torchao)")
+    log(
+        f"fp8: {converted} of {before} linear layers run in float8 (torchao{', emulated' if mode == 'emulate' else ''})"
+    )
     return converted

@@ -44,15 +44,65 @@ def new_cache(model: GPT, batch: int) -> list[LayerKV]:
     return [LayerKV(batch, cfg.kv_heads, cfg.seq_len, hd, w.device, w.dtype) for _ in run_order(model)]
 
 
-def decode(model: GPT, idx: torch.Tensor, cache: list[LayerKV]) -> torch.Tensor:
+def decode(model: GPT, idx: torch.Tensor, cache: list[LayerKV], every: bool = False) -> torch.Tensor:
     """Logits (B, vocab) of the token after `idx`, given the positions already in `cache`: the same
-    read-out as model(idx, last_only=True) on the whole sequence, at the cost of `idx` alone."""
+    read-out as model(idx, last_only=True) on the whole sequence, at the cost of `idx` alone.
+    every=True: the logits after each position of `idx`, (B, T, vocab)."""
     pos, t = cache[0].n, idx.size(1)
     cos, sin = model.rope_cos[pos : pos + t], model.rope_sin[pos : pos + t]
     h = model.tok_emb(idx)
     for block, kv in zip(run_order(model), cache, strict=True):
         h = block(h, cos, sin, kv)
-    return model.head(model.norm(h[:, -1:]))[:, -1]
+    return model.head(model.norm(h)) if every else model.head(model.norm(h[:, -1:]))[:, -1]
+
+
+class SlotCache:
+    """The KV cache of up to `slots` sequences decoded together, each at its own length (the server's
+    continuous batch). A prompt is encoded alone into its slot (the same pass as generate_stream's);
+    then one step decodes one token for every slot below the highest in use, each row attending to its
+    own positions only (a padding mask), at its own RoPE position."""
+
+    def __init__(self, model: GPT, slots: int) -> None:
+        self.model, self.layers = model, new_cache(model, slots)
+        self.lengths = torch.zeros(slots, dtype=torch.long, device=model.tok_emb.weight.device)
+
+    def prefill(self, slot: int, ids: list[int], every: bool = False) -> torch.Tensor:
+        """Encode a prompt into `slot`; the logits after its last token (1, vocab), or after each."""
+        views = []
+        for layer in self.layers:  # a batch-1 cache whose tensors are this slot's rows
+            view = LayerKV.__new__(LayerKV)
+            view.k, view.v, view.n = layer.k[slot : slot + 1], layer.v[slot : slot + 1], 0
+            views.append(view)
+        self.lengths[slot] = len(ids)
+        return decode(self.model, torch.tensor([ids], device=self.lengths.device), views, every)
+
+    def free(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    def step(self, tokens: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """tokens (n,): the last token of slots 0..n-1; active (n,) bool. Logits (n, vocab)."""
+        model, n = self.model, tokens.size(0)
+        pos = self.lengths[:n]
+        cos, sin = model.rope_cos[pos][:, None, None], model.rope_sin[pos][:, None, None]
+        rows, window = torch.arange(n, device=pos.device), self.layers[0].k.size(2)
+        mask = (torch.arange(window, device=pos.device) <= pos[:, None])[:, None, None]
+        h = model.tok_emb(tokens[:, None])
+        for block, kv in zip(run_order(model), self.layers, strict=True):
+            a, x = block.attn, block.attn_norm(h)
+            q = rope(a.wq(x).view(n, a.n_head, 1, a.head_dim), cos, sin)
+            kv.k[rows, :, pos] = rope(a.wk(x).view(n, a.n_kv, 1, a.head_dim), cos, sin)[:, :, 0]
+            kv.v[rows, :, pos] = a.wv(x).view(n, a.n_kv, a.head_dim)
+            y = F.scaled_dot_product_attention(q, kv.k[:n], kv.v[:n], mask, enable_gqa=a.n_kv != a.n_head)
+            h = h + a.wo(y.reshape(n, 1, -1))
+            h = h + block.mlp(block.mlp_norm(h))
+        self.lengths[:n] += active
+        return model.head(model.norm(h))[:, -1]
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """model.apply_rope with a position per row (cos, sin: (B, 1, 1, head_dim / 2))."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
 @torch.no_grad()

@@ -17,6 +17,7 @@ class Heartbeat:
         self.path = Path(run_dir) / "status.json"
         self.enabled = enabled
         self.last = 0.0
+        self.event: dict | None = None  # {"reason", "message", "posted"}: an Event for the watcher to relay
 
     def due(self) -> bool:
         return self.enabled and time.monotonic() - self.last >= EVERY_SECONDS
@@ -48,6 +49,7 @@ class Heartbeat:
                 "checkpoint_write_seconds": c.write_seconds if c else 0.0,
                 "last_checkpoint_step": max(last_checkpoint_step, 0),
                 "state": state,
+                **({"event": self.event} if self.event else {}),
                 "pid": os.getpid(),
                 "updated_unix": time.time(),
             },

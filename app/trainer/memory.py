@@ -35,6 +35,7 @@ import os
 from dataclasses import dataclass, fields
 
 from app.config import Config, ModelConfig
+from app.errors import UserError
 
 GB = 1e9
 GIB = 1 << 30
@@ -124,6 +125,27 @@ def activation_bytes(m: ModelConfig, micro_batch: int, autocast: bool, checkpoin
     else:
         live = blocks_run * per_block + readout
     return micro_batch * m.seq_len * (live + 16)  # + the int64 inputs and targets
+
+
+def checkpoint_bytes(cfg: Config, optimizer: bool = True) -> int:
+    """One checkpoint on disk: the fp32 weights (a tied head once) and the optimizer state (the JSON files
+    are noise). model.vocab_size must be set."""
+    e = estimate(cfg.model, 1, "ddp", 1, cuda=False, optimizer=cfg.optim.name)
+    return e.weights + (e.optimizer if optimizer else 0)
+
+
+def volume_line(cfg: Config, prefix: str = "# ") -> str:
+    """The checkpoint size and the volume a run needs: keep_last, the best and the one being written can
+    be there at once (retention runs after a commit)."""
+    c, one = cfg.checkpoint, checkpoint_bytes(cfg)
+    slots = c.keep_last + int(c.keep_best) + 1
+    need = 2 * one + (slots - 2) * checkpoint_bytes(cfg, False) if c.drop_optimizer_older else slots * one
+    older = ", the older ones without optimizer state" if c.drop_optimizer_older else ""
+    return (
+        f"{prefix}checkpoint: {one / GB:.2f} GB each (fp32 weights + {cfg.optim.name} state); checkpoint "
+        f"volume: at least {need / GB:.2f} GB (checkpoint.keep_last={c.keep_last} + {int(c.keep_best)} best "
+        f"+ 1 being written{older})"
+    )
 
 
 def estimate(
@@ -233,6 +255,36 @@ def plan(cfg: Config, world_size: int, device=None, cuda: bool | None = None) ->
     return ParallelChoice(mode, reason, est["ddp"], est["fsdp"], dev, source)
 
 
+def host_memory_bytes() -> int:
+    """This machine's memory, or the container's cgroup limit when lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        return min(total, int(open("/sys/fs/cgroup/memory.max").read()))  # noqa: SIM115
+    except (OSError, ValueError):  # no cgroup v2 file, or "max"
+        return total
+
+
+def plan_for_training(cfg: Config, world_size: int, device) -> ParallelChoice:
+    """plan(), refusing in one line a config whose estimate exceeds the device's memory (on CPU: this
+    machine's, shared by its ranks): it would fail in its first step, or swap for hours."""
+    c = plan(cfg, world_size, device)
+    est = c.fsdp if c.mode == "fsdp" else c.ddp
+    if getattr(device, "type", device) == "cuda":
+        import torch
+
+        have, where, need = torch.cuda.mem_get_info(device)[1], "the GPU", est.total
+    else:
+        have, where = host_memory_bytes(), "this machine (all its ranks)"
+        need = est.total * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if need > have:
+        raise UserError(
+            f"this config does not fit: estimate {est.describe()}, {need / GB:,.1f} GB against "
+            f"{have / GB:,.1f} GB on {where}; lower train.micro_batch_size or model.seq_len, set "
+            "train.activation_checkpointing=true, or use more GPUs (see `pretrain train --print-config`)"
+        )
+    return c
+
+
 def planned_world_size(cfg: Config) -> int:
     """For --print-config: WORLD_SIZE when launched by torchrun, else --gpus (budget.gpus), else 1."""
     env = os.environ.get("WORLD_SIZE")
@@ -278,4 +330,4 @@ def print_lines(cfg: Config, world_size: int) -> list[str]:
         lines.append(
             "#   (pass --gpus N, or run under torchrun, to plan for N GPUs; FSDP needs more than one)"
         )
-    return lines
+    return [*lines, volume_line(cfg)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -84,12 +85,16 @@ class JsonlLog:
         self.f.close()
 
 
+def bind_address() -> str:
+    """Where /metrics listens by default: every interface in a pod (Prometheus scrapes the pod IP),
+    loopback elsewhere, so a laptop run does not expose its metrics to the network."""
+    return "0.0.0.0" if os.environ.get("KUBERNETES_SERVICE_HOST") else "127.0.0.1"
+
+
 class TrainerMetrics:
     """Prometheus gauges of one trainer process on its own registry and port."""
 
-    def __init__(
-        self, port: int, node: str, serve_global: bool, with_mfu: bool, addr: str = "0.0.0.0"
-    ) -> None:
+    def __init__(self, port: int, node: str, serve_global: bool, with_mfu: bool, addr: str = "") -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Info, start_http_server
 
         self.registry = r = CollectorRegistry()
@@ -156,7 +161,7 @@ class TrainerMetrics:
             self.tracker_errors = Counter(
                 "pretrain_tracker_errors", "Failed writes to experiment trackers", ["tracker"], registry=r
             )
-        self.server, self.thread = start_http_server(port, addr=addr, registry=r)
+        self.server, self.thread = start_http_server(port, addr=addr or bind_address(), registry=r)
 
     def close(self) -> None:
         self.server.shutdown()

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from app.config import ModelConfig
 from app.trainer.supervision import loop_weights, objective
 
+RESIDUAL_OUT = ("attn.wo", "mlp.w_down")  # each residual branch's output projection (init scaled down)
+
 
 class RMSNorm(nn.Module):
     """Scale-only normalization: cheaper than LayerNorm and as good for LMs."""
@@ -130,20 +132,15 @@ class GPT(nn.Module):
         cos, sin = rope_tables(cfg.seq_len, cfg.d_model // cfg.n_head, cfg.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        for block in self.blocks:
-            block.attn.wo._is_residual_out = True
-            block.mlp.w_down._is_residual_out = True
         if not self.tok_emb.weight.is_meta:
-            self.apply(self._init_weights)
+            self.reset_parameters()
 
-    def _init_weights(self, module: nn.Module) -> None:
+    def _init_weights(self, module: nn.Module, residual_out: bool) -> None:
         """GPT-2 init; output projections of residual branches scaled by 1/sqrt(2 * depth) so the
         residual stream's variance does not grow with (effective) depth."""
         std = self.cfg.init_std
         if isinstance(module, nn.Linear):
-            scale = 1.0
-            if getattr(module, "_is_residual_out", False):
-                scale = 1 / math.sqrt(2 * self.cfg.effective_depth)
+            scale = 1 / math.sqrt(2 * self.cfg.effective_depth) if residual_out else 1.0
             nn.init.normal_(module.weight, mean=0.0, std=std * scale)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=std)
@@ -151,8 +148,10 @@ class GPT(nn.Module):
             nn.init.ones_(module.weight)
 
     def reset_parameters(self) -> None:
-        """Re-run init, e.g. after materializing a meta-device model."""
-        self.apply(self._init_weights)
+        """The init, also after materializing a meta-device model. Residual outputs are found by name, which
+        survives a module swap (FP8's Float8Linear) where a marker attribute on the module would not."""
+        residual = {id(m) for name, m in self.named_modules() if name.endswith(RESIDUAL_OUT)}
+        self.apply(lambda module: self._init_weights(module, id(module) in residual))
         cos, sin = rope_tables(self.cfg.seq_len, self.cfg.d_model // self.cfg.n_head, self.cfg.rope_base)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)

@@ -33,7 +33,7 @@ import re
 import torch
 
 from app.config import OptimConfig
-from app.errors import ConfigError, UserError
+from app.errors import UserError
 
 GROUPS = ("matrix", "head", "embedding", "other")
 
@@ -87,20 +87,18 @@ def param_groups(gpt: torch.nn.Module, cfg: OptimConfig) -> list[dict]:
     return groups
 
 
+# The fallback base keeps this module importable on a torch without Muon, so that such a torch is refused
+# in one line at start-up (app/trainer/features.py) instead of failing at import.
 class ShardedMuon(torch.optim.Muon if hasattr(torch.optim, "Muon") else torch.optim.Optimizer):
     """torch.optim.Muon, plus the gather for FSDP2's DTensor shards (see the module docstring) and a skip
     decided on the device (`found_inf`, as GradScaler sets it): the lines of torch's _single_tensor_muon,
     one matrix at a time."""
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None):  # the closure, if any, is MuonAdamW.step's to evaluate
         from torch.distributed.tensor import DTensor, distribute_tensor
         from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         found_inf = getattr(self, "found_inf", None)
         skip = None if found_inf is None else found_inf.bool()
         for group in self.param_groups:
@@ -132,7 +130,6 @@ class ShardedMuon(torch.optim.Muon if hasattr(torch.optim, "Muon") else torch.op
                 if skip is not None:
                     local.copy_(torch.where(skip, kept[0], local))
                     local_buf.copy_(torch.where(skip, kept[1], local_buf))
-        return loss
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -169,10 +166,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
         found_inf = getattr(self, "found_inf", None)  # step_unless: both children skip on the device
         for child in (self._adamw, self._muon):
             if child is not None:
@@ -191,12 +186,7 @@ def fused_adamw(cfg: OptimConfig, device: torch.device) -> bool:
 def build_optimizer(gpt: torch.nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
     fused = fused_adamw(cfg, device)
     groups = param_groups(gpt, cfg)
-    if cfg.name == "muon":
-        if not hasattr(torch.optim, "Muon"):
-            raise ConfigError(
-                f"optim.name=muon needs torch.optim.Muon (torch >= 2.9); this is torch {torch.__version__}: "
-                "upgrade torch or use optim.name=adamw"
-            )
+    if cfg.name == "muon":  # torch.optim.Muon is there: features.require checked at start-up
         return MuonAdamW(groups, cfg, fused)
     return torch.optim.AdamW(
         groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None

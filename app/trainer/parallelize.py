@@ -16,7 +16,6 @@ import contextlib
 from collections.abc import Callable
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from app.trainer.distributed import DistEnv
@@ -44,11 +43,19 @@ def compile_enabled(cfg, device: torch.device) -> bool:
     return cfg.train.compile == "true" or (cfg.train.compile == "auto" and device.type == "cuda")
 
 
+def compile_mode_for(mode: str, fsdp: bool, log: Callable[[str], None] = print) -> str:
+    """max-autotune captures CUDA graphs, which FSDP2's per-block gathers and frees break: under FSDP the
+    same autotuning without graphs."""
+    if fsdp and mode == "max-autotune":
+        log("compile: max-autotune-no-cudagraphs, not max-autotune (its CUDA graphs break FSDP2's gathers)")
+        return "max-autotune-no-cudagraphs"
+    return mode
+
+
 def compile_blocks(model: torch.nn.Module, mode: str) -> int:
-    """Regional compilation: torch.compile each transformer block's forward in place (parameter names,
-    hence checkpoints, do not change). All blocks share one graph per input shape, so compile time is
-    that of one block; the looped model's shared blocks are the same modules and compile once. The
-    module's hooks (FSDP2's gathers, activation checkpointing) stay outside the graph."""
+    """Regional compilation: torch.compile each block's forward in place (names, hence checkpoints, do not
+    change). One graph per input shape for all blocks, so compile time is one block's; the module's hooks
+    (FSDP2's gathers, activation checkpointing) stay outside the graph."""
     kwargs = {} if mode == "default" else {"mode": mode}
     for block in model.blocks:
         block.forward = torch.compile(block.forward, fullgraph=True, **kwargs)
@@ -66,6 +73,8 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
 
 def shard_model(model: torch.nn.Module, device: torch.device, dtype: str = "auto") -> torch.nn.Module:
     """FSDP2: fully_shard every block, then the root (embedding, final norm, head). In place."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # torch >= 2.6 (features.py)
+
     bf16 = device.type == "cuda" and dtype in ("auto", "bf16")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     for block in model.blocks:
@@ -75,10 +84,9 @@ def shard_model(model: torch.nn.Module, device: torch.device, dtype: str = "auto
 
 
 def materialize(model: torch.nn.Module, device: torch.device, seed: int, rank: int) -> None:
-    """Allocate a model built on the meta device (after sharding: only this rank's shards) and run the
-    GPT init. On CUDA, DTensor's RNG tracker draws every shard from one global stream; on CPU it cannot,
-    so each rank draws its shards from its own seed (still i.i.d. N(0, std): a valid init, but not the
-    same numbers as an unsharded build)."""
+    """Allocate a meta-device model (after sharding: this rank's shards) and run the GPT init. On CUDA
+    DTensor's RNG tracker draws all shards from one stream; on CPU each rank draws from its own seed (a
+    valid i.i.d. init, not the numbers of an unsharded build)."""
     model.to_empty(device=device)
     if device.type == "cuda":
         with torch.no_grad():
@@ -97,32 +105,32 @@ def build_parallel_model(
     log: Callable[[str], None] = print,
     meta_init: bool | None = None,
 ) -> torch.nn.Module:
-    """The GPT for `mode` (ddp | fsdp, already resolved from auto); `unwrap()` gives the GPT back.
-
-    Deterministic: with the same torch seed, DDP and FSDP (built unsharded, then sharded) start from the
-    same weights. `meta_init` (default: FSDP on CUDA, or weights above 4 GiB) builds on the meta device,
-    shards, then materializes only the local shards."""
+    """The GPT for `mode` (ddp | fsdp, resolved from auto); `unwrap()` gives the GPT back. With the same
+    seed DDP and FSDP (built unsharded, then sharded) start from the same weights; `meta_init` (default:
+    FSDP on CUDA, or weights above 4 GiB) builds on the meta device and materializes only local shards."""
+    from app.trainer.features import require
+    from app.trainer.fp8 import convert_to_fp8, fp8_mode
     from app.trainer.memory import param_split
     from app.trainer.model import build_model
 
     fsdp = mode == "fsdp" and env.distributed
+    require(
+        cfg, fsdp, compile_enabled(cfg, device)
+    )  # a feature this torch lacks: one line now, not an error in the first step
     if mode == "fsdp" and not env.distributed:
         log("train.parallel=fsdp with one process: nothing to shard, training unsharded")
     if meta_init is None:
         meta_init = device.type == "cuda" or 4 * param_split(cfg.model).total > META_INIT_CPU_BYTES
     meta_init = meta_init and fsdp
     model = build_model(cfg.model, "meta" if meta_init else device)
-    if cfg.train.fp8:
-        from app.trainer.fp8 import convert_to_fp8
-
-        convert_to_fp8(model, device, log)
+    if fp8_mode(cfg.train.fp8) != "false":
+        convert_to_fp8(model, device, log, fp8_mode(cfg.train.fp8))
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile_enabled(cfg, device):
-        compile_blocks(model, cfg.train.compile_mode)
-        log(
-            f"compile: {len(model.blocks)} blocks, mode {cfg.train.compile_mode} (compiled at the first step)"
-        )
+        compile_mode = compile_mode_for(cfg.train.compile_mode, fsdp, log)
+        compile_blocks(model, compile_mode)
+        log(f"compile: {len(model.blocks)} blocks, mode {compile_mode} (compiled at the first step)")
     if fsdp:
         shard_model(model, device, cfg.train.dtype)
         if meta_init:

@@ -14,9 +14,10 @@ import torch
 
 from app.config import Config
 from app.errors import UserError
+from app.files import cut_torn_line
 from app.trainer import supervision
 from app.trainer.distributed import DistEnv
-from app.trainer.metrics import JsonlLog, TrainerMetrics
+from app.trainer.metrics import JsonlLog, TrainerMetrics, bind_address
 from app.trainer.steplog import StepRow
 
 
@@ -40,11 +41,12 @@ class Reporter:
                 )
             except OSError as e:
                 raise UserError(
-                    f"metrics port {cfg.metrics.addr}:{cfg.metrics.port} is not available ({e.strerror}); "
+                    f"metrics port {cfg.metrics.addr or bind_address()}:{cfg.metrics.port} is not available "
+                    f"({e.strerror}); "
                     "pick another --metrics-port, or 0 for none"
                 ) from None
         if self.rank0:
-            self.jsonl = JsonlLog(Path(run_dir) / "metrics.jsonl")
+            self.jsonl = JsonlLog(cut_torn_line(Path(run_dir) / "metrics.jsonl"))
         self.trackers = None
         if self.rank0 and cfg.metrics.trackers:
             from app.trainer.trackers import Trackers
@@ -90,6 +92,12 @@ class Reporter:
         tps, per_step = self.window_tokens / seconds, seconds / max(self.window_steps, 1)
         self.window_tokens, self.window_steps, self.window_start = 0, 0, now
         return tps, per_step
+
+    def mfu(self, tokens_per_second: float) -> float | None:
+        """Model FLOPs utilisation at this throughput of the whole job; None without a known peak."""
+        if not self.peak:
+            return None
+        return self.flops_per_token * tokens_per_second / (self.peak * self.env.world_size)
 
     def open_progress(self, total: int, initial: int) -> None:
         self.reset_window()
@@ -180,7 +188,7 @@ class Reporter:
         """A train record. Throughput, step time and data wait are the averages over the window since the
         last read of the step log; `seconds_to_planned_end`: seconds to the planned end at this pace."""
         tps = tokens_per_second
-        mfu = self.flops_per_token * tps / (self.peak * self.env.world_size) if self.peak else None
+        mfu = self.mfu(tps)
         loops = r.loop_losses
         row = {
             "loss": r.loss,

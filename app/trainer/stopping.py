@@ -1,15 +1,20 @@
 """Why a run stops, and how all ranks agree to stop at the same step.
 
-Every rank computes a local stop code each step; one agreement (app/trainer/distributed.py: MAX over
-three integers, on the host, over gloo) gives every rank the same decision: the most severe cause wins.
-The other two carry a proposal for the budget-driven LR decay (steps left) and a request to checkpoint
-now. It costs one small round trip of the host per step and never waits for the GPU.
+Every rank computes a local stop code; one agreement (app/trainer/distributed.py: MAX over four integers,
+on the host, over gloo) gives every rank the same decision: the most severe cause wins. The others carry a
+proposal for the budget-driven LR decay (steps left), a request to checkpoint now, and how often to agree.
+It is one small host round trip that never waits for the GPU, but its latency grows with the ring, so it
+runs every k steps (train.stop_check_every; 0 = auto: k keeps its cost under 1% of the step time and the
+extra stop latency under MAX_STOP_DELAY seconds). Between agreements a rank only looks at the causes
+every rank sees alike (max steps/tokens, early stop, divergence): when one fires, all ranks agree at
+that step. A signal, a stop file or a time limit therefore waits for the next multiple of k.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import time
@@ -20,7 +25,10 @@ from pathlib import Path
 from app.trainer.distributed import agree
 
 PROCESS_START = time.time()  # stop files older than this process are stale
+AGREEMENT_SHARE = 0.01  # auto k: the agreement may cost this share of a step
+MAX_STOP_DELAY = 2.0  # auto k: seconds a stop may wait for the next agreement
 EXIT_DIVERGED = 3  # permanent (1-127) under the PyTorchJob ExitCode policy: a restart would diverge again
+EXIT_LOW_MFU = 7  # permanent: a restart on the same node pool would burn the budget at the same pace
 STOP_FILE_MODES = ("graceful", "immediate")
 
 
@@ -32,6 +40,13 @@ class StopCause(IntEnum):
     PREEMPTED = 4  # SIGTERM / SIGINT
     IMMEDIATE = 5  # immediate stop file: exit now, no checkpoint
     DIVERGED = 6  # train.max_bad_steps non-finite steps in a row: save the last good weights, exit 3
+    LOW_MFU = 8  # train.mfu_floor: MFU stayed under the floor after warm-up; checkpoint, exit 7
+
+
+# Which cause wins when ranks disagree (the agreement takes the MAX of these positions): a low MFU is a
+# graceful stop, below a preemption, an immediate stop and divergence (values are the gauge's codes).
+SEVERITY = (StopCause.NONE, StopCause.PLANNED, StopCause.EARLY, StopCause.BUDGET, StopCause.LOW_MFU,
+            StopCause.PREEMPTED, StopCause.IMMEDIATE, StopCause.DIVERGED)  # fmt: skip
 
 
 @dataclass
@@ -77,10 +92,16 @@ class StopDecision:
             return 128 + self.detail
         if self.cause == StopCause.DIVERGED:
             return EXIT_DIVERGED
-        return 0
+        return EXIT_LOW_MFU if self.cause == StopCause.LOW_MFU else 0
+
+    @property
+    def event(self) -> str:
+        """The reason of the Kubernetes Event the trainer posts for this stop ("" for none: the budget
+        watcher and the launcher post the others)."""
+        return "LowMFU" if self.cause == StopCause.LOW_MFU else ""
 
     def encode(self) -> int:
-        return int(self.cause) * 1000 + self.detail
+        return SEVERITY.index(self.cause) * 1000 + self.detail
 
 
 class SignalFlag:
@@ -239,6 +260,48 @@ class BadSteps:
         return None
 
 
+class MfuFloor:
+    """train.mfu_floor: a run whose MFU stays under the floor for `minutes` after warm-up stops (checkpoint,
+    exit 7), so a mis-configured job or a degraded node pool does not spend the budget at half speed. The
+    first `warmup_windows` throughput windows of a process (compile, caches, the first eval) do not count."""
+
+    def __init__(self, floor: float, minutes: float, warmup_windows: int = 3) -> None:
+        self.floor, self.seconds, self.warmup = floor, minutes * 60, warmup_windows
+        self.low_since: float | None = None
+        self.last = 0.0
+
+    def update(self, mfu: float | None, now: float) -> None:
+        """One throughput window's MFU (None: unknown)."""
+        if not self.floor or mfu is None:
+            return
+        if self.warmup > 0:
+            self.warmup -= 1
+            return
+        self.last = mfu
+        if mfu >= self.floor:
+            self.low_since = None
+        elif self.low_since is None:
+            self.low_since = now
+
+    def check(self, now: float) -> StopDecision | None:
+        if self.low_since is None or now - self.low_since < self.seconds:
+            return None
+        minutes = (now - self.low_since) / 60
+        return StopDecision(
+            StopCause.LOW_MFU,
+            0,
+            f"MFU {self.last:.1%} under train.mfu_floor={self.floor:g} for {minutes:.1f} min after warm-up; "
+            "check micro-batch size, compile, data wait and the node (GPU dashboard), then resume",
+        )
+
+
+def auto_every(agreement_seconds: float, step_seconds: float) -> int:
+    """k for train.stop_check_every=0: the agreement under AGREEMENT_SHARE of the steps it covers, a stop
+    delayed by at most MAX_STOP_DELAY seconds (or one step, when a step is longer)."""
+    by_cost = math.ceil(agreement_seconds / (AGREEMENT_SHARE * step_seconds))
+    return max(1, min(by_cost, int(MAX_STOP_DELAY / step_seconds)))
+
+
 class StopAgreement:
     """Collects this rank's causes and agrees with the other ranks once per step."""
 
@@ -250,7 +313,10 @@ class StopAgreement:
         early: EarlyStopping,
         signals: SignalFlag,
         bad_steps: BadSteps,
+        mfu_floor: tuple[float, float] = (0.0, 0.0),  # train.mfu_floor, train.mfu_floor_minutes
+        every: int = 0,
         warn=print,
+        say=print,
     ) -> None:
         self.stop_file = stop_file  # None on ranks that do not watch it (in Kubernetes: not the master pod)
         self.planned, self.early, self.signals, self.bad_steps, self.warn = (
@@ -260,12 +326,19 @@ class StopAgreement:
             bad_steps,
             warn,
         )
+        self.mfu_floor = MfuFloor(*mfu_floor)
+        self.say = say
+        self.fixed_every = every  # 0: auto
+        self.every = max(every, 1)  # agreed by all ranks
+        self.costs: list[float] = []  # seconds of the recent agreements
+        self.agreed_once = False
 
     def local(self, step: int, tokens: int, elapsed: float) -> StopDecision:
         candidates = [
             self.planned.check(step, tokens, elapsed),
             self.early.check(),
             self.bad_steps.check(),
+            self.mfu_floor.check(time.monotonic()),
             read_stop_file(self.stop_file, PROCESS_START, self.warn) if self.stop_file else None,
         ]
         if self.signals.signum:
@@ -275,21 +348,47 @@ class StopAgreement:
         return max(found, key=lambda d: d.encode()) if found else StopDecision(StopCause.NONE)
 
     def agree(
-        self, step: int, tokens: int, elapsed: float, decay_proposal: int = 0, want_save: bool = False
+        self,
+        step: int,
+        tokens: int,
+        elapsed: float,
+        decay_proposal: int = 0,
+        want_save: bool = False,
+        step_seconds: float = 0.0,
     ) -> tuple[StopDecision, int, bool]:
         """(the decision every rank takes, the agreed budget-decay length or 0, save a checkpoint now).
         Time-based choices (checkpoint every M minutes, max hours) differ by a few ms between ranks'
-        clocks, so they go through the same agreement: any rank asking is enough."""
+        clocks, so they go through the same agreement: any rank asking is enough. Between agreements
+        (see the module docstring) only the causes every rank sees alike are looked at."""
+        alike = [self.planned.check(step, tokens, 0.0), self.early.check(), self.bad_steps.check()]
+        if self.agreed_once and step % self.every and not any(alike):
+            return StopDecision(StopCause.NONE), 0, False
+        self.agreed_once = True
         mine = self.local(step, tokens, elapsed)
-        code, decay, save = agree([mine.encode(), decay_proposal, int(want_save)])
+        start = time.perf_counter()
+        code, decay, save, every = agree(
+            [mine.encode(), decay_proposal, int(want_save), self._k(step_seconds)]
+        )
+        self.costs = [*self.costs[-15:], time.perf_counter() - start]
+        if every != self.every:
+            self.say(f"stop agreement: every {every} steps (cost {min(self.costs) * 1e3:.2f} ms, "
+                     f"step {step_seconds * 1e3:.1f} ms; a stop waits up to {every} steps)")  # fmt: skip
+        self.every = every
         if code == mine.encode():
             return mine, decay, bool(save)
-        cause, detail = StopCause(code // 1000), code % 1000
+        cause, detail = SEVERITY[code // 1000], code % 1000
         return (
             StopDecision(cause, detail, f"{cause.name.lower()} (agreed with another rank)"),
             decay,
             bool(save),
         )
+
+    def _k(self, step_seconds: float) -> int:
+        """This rank's proposal for k. The cheapest recent agreement is its cost: a longer one waited for
+        a slower rank, which a rarer agreement would not save (the gradient all-reduce waits instead)."""
+        if self.fixed_every or not self.costs or step_seconds <= 0:
+            return self.every
+        return auto_every(min(self.costs), step_seconds)
 
     def consume_stop_file(self) -> None:
         """Move a handled stop file aside so a later restart of the same run dir is not stopped by it."""

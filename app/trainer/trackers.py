@@ -3,13 +3,19 @@ records as metrics.jsonl by app/trainer/report.py, on global rank 0 only.
 
 - train / eval / checkpoint rows -> scalars named `<kind>/<field>` at the optimizer step;
 - the resolved config -> TensorBoard text, MLflow params (dotted keys), W&B config;
-- events (start, stop, ...) -> TensorBoard text, MLflow tags `event.<name>`, W&B summary `event/<name>`;
+- events (start, stop, ...) -> TensorBoard text, MLflow tags `event.<NNNN>.<name>` (a history across
+  restarts), W&B summary `event/<name>` (the latest);
 - the final checkpoint of a run that ended with exit 0 -> an artifact (MLflow, W&B; not TensorBoard).
 
 A tracker must never cost a step or fail the run: writes go through a bounded queue to one background
 thread; a tracker that raises is warned about once (console and metrics.jsonl), every error is counted
-(pretrain_tracker_errors_total{tracker}) and training goes on. A restart continues the same tracker run
-(ids kept in RUN_DIR/trackers.json).
+(pretrain_tracker_errors_total{tracker}) and training goes on.
+
+A restart continues the same tracker run (ids kept in RUN_DIR/trackers.json) and shows each step once:
+trackers start on the first record, the `start` event at the resumed step S. TensorBoard purges what a
+killed process wrote after S (purge_step); MLflow (which cannot delete) and W&B skip a step they already
+hold (an exact resume redoes it with the same values). Each checkpoint flushes TensorBoard's writer, so a
+kill loses nothing up to the checkpoint it resumes from.
 """
 
 from __future__ import annotations
@@ -83,10 +89,13 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 class TensorBoard:
-    def __init__(self, run_dir: Path, mcfg: Any, ids: dict) -> None:
+    def __init__(self, run_dir: Path, mcfg: Any, ids: dict, start: int | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=mcfg.tensorboard_dir or str(run_dir / "tensorboard"))
+        # purge_step: TensorBoard's readers hide what earlier files hold from that step on (redone now)
+        purge = None if start is None else start + (start > 0)
+        log_dir = mcfg.tensorboard_dir or str(run_dir / "tensorboard")
+        self.writer = SummaryWriter(log_dir=log_dir, purge_step=purge)
 
     def config(self, cfg: dict) -> None:
         self.writer.add_text("config", "    " + json.dumps(cfg, indent=2).replace("\n", "\n    "), 0)
@@ -94,6 +103,8 @@ class TensorBoard:
     def scalars(self, kind: str, step: int, values: dict[str, float]) -> None:
         for k, v in values.items():
             self.writer.add_scalar(f"{kind}/{k}", v, step)
+        if kind == "checkpoint":
+            self.writer.flush()
 
     def event(self, step: int, name: str, fields: dict) -> None:
         self.writer.add_text("events", f"{name}: {json.dumps(fields)}", step)
@@ -106,7 +117,7 @@ class TensorBoard:
 
 
 class MLflow:
-    def __init__(self, run_dir: Path, mcfg: Any, ids: dict) -> None:
+    def __init__(self, run_dir: Path, mcfg: Any, ids: dict, start: int | None) -> None:
         uri = (
             mcfg.mlflow_uri
             or os.environ.get("MLFLOW_TRACKING_URI")
@@ -119,9 +130,15 @@ class MLflow:
         self.client = MlflowClient(tracking_uri=uri)
         mine = ids.get("mlflow", {})
         self.resumed = mine.get("uri") == uri and bool(mine.get("run_id"))
+        self.held: dict[str, int] = {}  # metric -> the last step the run already has
+        self.events = 0
         if self.resumed:
             self.run_id = mine["run_id"]
             self.client.update_run(self.run_id, status="RUNNING")
+            data = self.client.get_run(self.run_id).data
+            for key in data.metrics:
+                self.held[key] = max(m.step for m in self.client.get_metric_history(self.run_id, key))
+            self.events = sum(k.startswith("event.") for k in data.tags)
         else:
             exp = self.client.get_experiment_by_name(mcfg.mlflow_experiment)
             exp_id = exp.experiment_id if exp else self.client.create_experiment(mcfg.mlflow_experiment)
@@ -142,11 +159,18 @@ class MLflow:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(f"{kind}/{k}", v, now, step) for k, v in values.items()]
-        self.client.log_batch(self.run_id, metrics=metrics)
+        metrics = [
+            Metric(f"{kind}/{k}", v, now, step)
+            for k, v in values.items()
+            if step > self.held.get(f"{kind}/{k}", -1)
+        ]
+        if metrics:
+            self.client.log_batch(self.run_id, metrics=metrics)
 
     def event(self, step: int, name: str, fields: dict) -> None:
-        self.client.set_tag(self.run_id, f"event.{name}", json.dumps({"step": step, **fields})[:5000])
+        self.events += 1
+        tag = f"event.{self.events:04d}.{name}"
+        self.client.set_tag(self.run_id, tag, json.dumps({"step": step, **fields})[:5000])
 
     def artifact(self, path: Path, step: int) -> None:
         self.client.log_artifacts(self.run_id, str(path), "checkpoint")
@@ -156,30 +180,32 @@ class MLflow:
 
 
 class WandB:
-    def __init__(self, run_dir: Path, mcfg: Any, ids: dict) -> None:
+    def __init__(self, run_dir: Path, mcfg: Any, ids: dict, start: int | None) -> None:
         import wandb
 
         mine = ids.setdefault("wandb", {})
-        mine.setdefault("id", secrets.token_hex(4))  # one W&B run across restarts
+        run_id = mine.setdefault("id", secrets.token_hex(4))  # one W&B run across restarts
+        # Offline, each process writes its own file (`wandb sync` uploads them in order): skip what they hold.
+        files = (run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
+        self.held = max(map(wandb_last_step, files), default=-1)
         self.wandb = wandb
         self.run = wandb.init(
             project=mcfg.wandb_project,
             entity=mcfg.wandb_entity or None,
             name=mcfg.tracker_run_name or run_dir.name,
-            id=mine["id"],
+            id=run_id,
             resume="allow",
             dir=str(run_dir),
             mode=mcfg.wandb_mode or None,  # None: $WANDB_MODE, else online (needs $WANDB_API_KEY)
         )
-        # Our step, not W&B's own counter: a resumed run logs some steps again, which W&B would drop.
-        self.run.define_metric("trainer/step")
-        self.run.define_metric("*", step_metric="trainer/step")
+        self.held = max(self.held, self.run.starting_step - 1)  # online: what the server has
 
     def config(self, cfg: dict) -> None:
         self.run.config.update(cfg, allow_val_change=True)
 
     def scalars(self, kind: str, step: int, values: dict[str, float]) -> None:
-        self.run.log({"trainer/step": step, **{f"{kind}/{k}": v for k, v in values.items()}})
+        if step > self.held:  # W&B's step is ours
+            self.run.log({f"{kind}/{k}": v for k, v in values.items()}, step=step)
 
     def event(self, step: int, name: str, fields: dict) -> None:
         self.run.summary[f"event/{name}"] = {"step": step, **fields}
@@ -194,6 +220,31 @@ class WandB:
 
 
 KINDS = {"tensorboard": TensorBoard, "mlflow": MLflow, "wandb": WandB}
+
+
+def wandb_last_step(path: Path) -> int:
+    """The last history step in a W&B run file (LevelDB log framing: 32 KiB blocks of 7-byte-headed
+    chunks, after W&B's 7-byte header, around its `Record` protobufs); read up to where a kill cut it."""
+    from google.protobuf.message import DecodeError
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data, pos, chunks, last = path.read_bytes(), 7, b"", -1
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail, too short for a header
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        if kind == 0 or pos + 7 + length > len(data):
+            break
+        chunks = (b"" if kind in (1, 2) else chunks) + data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST: a whole record
+            try:
+                record = Record.FromString(chunks)
+            except DecodeError:  # torn by the kill
+                break
+            last = max(last, record.history.step.num if record.HasField("history") else -1)
+    return last
 
 
 # ---------------------------------------------------------------- the hub
@@ -216,13 +267,16 @@ class Trackers:
         self.dropped = 0
         self.last_checkpoint: tuple[Path, int] | None = None
         self.jobs: queue.Queue = queue.Queue(maxsize=10_000)
+        self.started = False
         self.thread = threading.Thread(target=self._work, name="trackers", daemon=True)
         self.thread.start()
-        self._put("start")
 
     # -- called by the Reporter (any thread; never blocks)
 
     def record(self, kind: str, step: int, fields: dict[str, Any]) -> None:
+        if not self.started:  # the trainer's first record is its start event, at the step it resumed
+            self.started = True
+            self._put(("start", step if fields.get("event") == "start" else None))
         if kind == "event":
             name = str(fields.get("event", "event"))
             rest = {k: v for k, v in fields.items() if k != "event"}
@@ -247,7 +301,7 @@ class Trackers:
 
     # -- the writer thread
 
-    def _put(self, job: Callable | str) -> None:
+    def _put(self, job: Callable | tuple) -> None:
         try:
             self.jobs.put_nowait(job)
         except queue.Full:  # a stuck tracker: drop rather than stall training
@@ -255,7 +309,7 @@ class Trackers:
             if self.dropped == 1:
                 self.warn("all", "tracker queue full (a tracker is stuck?); dropping records", "queue_full")
 
-    def _start(self) -> None:
+    def _start(self, step: int | None) -> None:
         ids_path = self.run_dir / IDS_FILE
         try:
             ids = json.loads(ids_path.read_text())
@@ -263,7 +317,7 @@ class Trackers:
             ids = {}
         for name in self.cfg.metrics.trackers:
             try:
-                self.live.append((name, KINDS[name](self.run_dir, self.cfg.metrics, ids)))
+                self.live.append((name, KINDS[name](self.run_dir, self.cfg.metrics, ids, step)))
             except Exception as e:
                 self._failed(name, e, "could not start; it is off for this run")
         atomic_write_json(ids_path, ids)
@@ -288,7 +342,7 @@ class Trackers:
             job = self.jobs.get()
             if job is None:
                 return
-            if job == "start":
-                self._start()
+            if isinstance(job, tuple):
+                self._start(job[1])
             else:
                 self._each(job)

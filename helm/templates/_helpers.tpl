@@ -119,6 +119,12 @@ Topology: validates gpus / gpusPerNode and returns "<nodes> <nprocPerNode>".
 {{- index (splitList " " (include "pretrain.topology" .)) 1 }}
 {{- end }}
 
+{{/* Does the watcher act on the job through the API (Events, suspend)? Its actions speak PyTorchJob and
+TrainJob (app/budget/kube.py, told which by PRETRAIN_JOB_KIND). "true" or "". */}}
+{{- define "pretrain.watcherKube" -}}
+{{- if .Values.budget.watcher.kubernetesActions }}true{{ end -}}
+{{- end }}
+
 {{/* Is the budget-watcher sidecar on? Renders "true" or "". */}}
 {{- define "pretrain.watcherEnabled" -}}
 {{- if and .Values.budget.watcher.enabled (gt (float64 .Values.budget.capUSD) 0.0) }}true{{ end }}
@@ -372,7 +378,7 @@ trainer. */}}
 {{/* Is a Role needed: the watcher's Kubernetes actions, or the wait step reading the prepare Job. */}}
 {{- define "pretrain.rbacNeeded" -}}
 {{- if and .Values.job.enabled (include "pretrain.training" .) -}}
-{{- if and (include "pretrain.watcherEnabled" .) .Values.budget.watcher.kubernetesActions }}true{{ end -}}
+{{- if and (include "pretrain.watcherEnabled" .) (include "pretrain.watcherKube" .) }}true{{ end -}}
 {{- if and .Values.prepare.enabled .Values.prepare.wait.useKubernetesApi }}true{{ end -}}
 {{- end -}}
 {{- end }}
@@ -399,6 +405,23 @@ Master. Refused with the commands that apply it. (`lookup` is empty in `helm tem
 {{- end -}}
 {{- end -}}
 {{- end -}}
+{{- end }}
+
+{{/* The training job's kind: "trainjob" (Kubeflow Trainer v2: TrainJob + TrainingRuntime, run by JobSet) or
+"pytorchjob" (Training Operator v1). scheduler=auto picks TrainJob when the cluster serves
+trainer.kubeflow.org/v1alpha1 (`helm template`: --api-versions), else PyTorchJob. */}}
+{{- define "pretrain.scheduler" -}}
+{{- $s := .Values.scheduler | default "auto" -}}
+{{- if eq $s "auto" -}}
+{{- .Capabilities.APIVersions.Has "trainer.kubeflow.org/v1alpha1" | ternary "trainjob" "pytorchjob" -}}
+{{- else -}}
+{{- $s -}}
+{{- end -}}
+{{- end }}
+
+{{/* "true" when the training job is a TrainJob, else "". */}}
+{{- define "pretrain.trainJob" -}}
+{{- if eq (include "pretrain.scheduler" .) "trainjob" }}true{{ end -}}
 {{- end }}
 
 {{- define "pretrain.topologyLabel" -}}

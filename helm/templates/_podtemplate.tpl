@@ -1,6 +1,9 @@
 {{/*
 Pod template of a PyTorchJob replica. Called with (dict "ctx" $ "replica" "master"|"worker" "nodes" N "nproc" P),
-plus "bench" true for the benchmark job (bench.enabled).
+plus "bench" true for the benchmark job (bench.enabled). With "launcher" "trainjob" (and "replica" "node") it is
+the pod of the TrainingRuntime's `node` Job instead: one template for every node, the trainer container
+named `node` (where the torch plugin injects PET_*), restartPolicy Never (for the podFailurePolicy), and the
+budget watcher in every pod but watching in node 0's alone (JOB_COMPLETION_INDEX).
 Init containers, in order: volume-permissions (root, optional: hands /ckpt to uid 1000), budget-watcher
 (Master only; a native sidecar: an initContainer with restartPolicy: Always that starts first, shares
 /run/pretrain with the trainer and is stopped by the kubelet when the trainer exits, so the pod ends with
@@ -14,9 +17,11 @@ launcher) running `-m app.tools.bench` on synthetic tokens: no volumes but the c
 {{- $ := .ctx }}
 {{- $v := $.Values }}
 {{- $bench := .bench | default false }}
+{{- $tj := eq (.launcher | default "") "trainjob" }}
 {{- $master := eq .replica "master" }}
-{{- $watcher := and $master (not $bench) (include "pretrain.watcherEnabled" $) }}
-{{- $watcherApi := and $watcher $v.budget.watcher.kubernetesActions }}
+{{- $trainer := $tj | ternary "node" "pytorch" }}
+{{- $watcher := and (or $master $tj) (not $bench) (include "pretrain.watcherEnabled" $) }}
+{{- $watcherApi := and $watcher (include "pretrain.watcherKube" $) }}
 {{- $prepare := and $v.prepare.enabled (not $bench) }}
 {{- $waitApi := and $prepare $v.prepare.wait.useKubernetesApi }}
 {{- $run := include "pretrain.runName" $ }}
@@ -34,7 +39,7 @@ metadata:
     {{- end }}
   annotations:
     checksum/config: {{ include (print $.Template.BasePath "/configmap.yaml") $ | sha256sum }}
-    kubectl.kubernetes.io/default-container: pytorch
+    kubectl.kubernetes.io/default-container: {{ $trainer }}
     {{- if not $v.trainer.safeToEvict }}
     # A node scale-down would kill the whole gang: the autoscalers leave these pods alone.
     cluster-autoscaler.kubernetes.io/safe-to-evict: "false"
@@ -51,6 +56,10 @@ spec:
   # No API token for the trainer; the watcher and the wait step alone get one (kube-api-access below).
   automountServiceAccountToken: false
   enableServiceLinks: false
+  {{- if $tj }}
+  # The Job's podFailurePolicy needs it; the Job recreates a failed pod, or the JobSet the whole gang.
+  restartPolicy: Never
+  {{- end }}
   terminationGracePeriodSeconds: {{ $v.trainer.terminationGracePeriodSeconds }}
   {{- with $v.job.priorityClassName }}
   priorityClassName: {{ . | quote }}
@@ -88,7 +97,21 @@ spec:
       image: {{ include "pretrain.image" $ }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
       restartPolicy: Always
+      {{- if $tj }}
+      # Every node's pod has the sidecar (one template for all nodes): node 0's watches and keeps the
+      # ledger; the others idle until the kubelet stops them with the trainer.
+      command:
+        - sh
+        - -c
+        - |
+          if [ "${JOB_COMPLETION_INDEX:-0}" = 0 ]; then exec pretrain "$@"; fi
+          trap 'exit 0' TERM INT
+          echo "budget-watcher: node $JOB_COMPLETION_INDEX: the watcher runs in node 0's pod only"
+          while :; do sleep 3600 & wait $!; done
+        - budget-watcher
+      {{- else }}
       command: ["pretrain"]
+      {{- end }}
       args:
         {{- include "pretrain.watcherArgs" $ | nindent 8 }}
       env:
@@ -96,15 +119,36 @@ spec:
           valueFrom:
             fieldRef:
               fieldPath: metadata.namespace
+        - name: PRETRAIN_JOB_KIND  # which API its Events and last-resort suspend speak (app/budget/kube.py)
+          value: {{ $tj | ternary "TrainJob" "PyTorchJob" }}
+        {{- if $tj }}
+        # What the Job controller sets in Indexed mode, named here so the sidecar does not depend on it.
+        - name: JOB_COMPLETION_INDEX
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.annotations['batch.kubernetes.io/job-completion-index']
+        {{- end }}
       ports:
         - name: budget-metrics
           containerPort: 9401
           protocol: TCP
       # Training does not start until the guard serves its metrics: no unguarded spend.
       startupProbe:
+        {{- if $tj }}
+        exec:
+          command:
+            - python
+            - -c
+            - |
+              import os, urllib.request
+              if os.environ.get("JOB_COMPLETION_INDEX", "0") == "0":
+                  urllib.request.urlopen("http://127.0.0.1:9401/metrics", timeout=4)
+        timeoutSeconds: 5
+        {{- else }}
         httpGet:
           path: /metrics
           port: budget-metrics
+        {{- end }}
         periodSeconds: 2
         failureThreshold: 60
       resources:
@@ -161,7 +205,7 @@ spec:
     {{- end }}
   {{- end }}
   containers:
-    - name: pytorch
+    - name: {{ $trainer }}
       image: {{ include "pretrain.image" $ }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
       # torchrun, keeping the trainer's exit code for the ExitCode restart policy, behind the retry budget
@@ -229,15 +273,19 @@ spec:
       envFrom:
         {{- toYaml . | nindent 8 }}
       {{- end }}
+      {{- if not (and $tj $bench) }}
       ports:
+        {{- if not $tj }}
         - name: pytorchjob-port
           containerPort: 23456
           protocol: TCP
+        {{- end }}
         {{- if not $bench }}
         - name: metrics
           containerPort: 9400
           protocol: TCP
         {{- end }}
+      {{- end }}
       resources:
         {{- include "pretrain.trainerResources" (dict "ctx" $ "nproc" .nproc) | nindent 8 }}
       # The launcher writes why it ended (retry budget spent, a verdict) here; else the log's tail.
@@ -368,7 +416,7 @@ capabilities of trainer.extraCapabilities (and IPC_LOCK for an RDMA fabric: pinn
 {{- end }}
 {{- if eq $v.budget.source "opencost" }}
 - --opencost-selector
-- {{ default (printf "label:training.kubeflow.org/job-name:%s" (include "pretrain.fullname" .)) $v.budget.opencostSelector | quote }}
+- {{ default (printf "label:%s:%s" (ternary "jobset.sigs.k8s.io/jobset-name" "training.kubeflow.org/job-name" (include "pretrain.trainJob" . | empty | not)) (include "pretrain.fullname" .)) $v.budget.opencostSelector | quote }}
 {{- end }}
 - --idle-allowance-seconds
 - {{ $v.budget.idleAllowanceSeconds | int | quote }}
@@ -387,7 +435,7 @@ capabilities of trainer.extraCapabilities (and IPC_LOCK for an RDMA fabric: pinn
 - --verdict
 - /run/pretrain/watcher-verdict.json
 - --kube
-- {{ $v.budget.watcher.kubernetesActions | ternary "auto" "off" | quote }}
+- {{ include "pretrain.watcherKube" . | empty | ternary "off" "auto" | quote }}
 - --job-name
 - {{ include "pretrain.fullname" . | quote }}
 {{- range $v.budget.watcher.extraArgs }}

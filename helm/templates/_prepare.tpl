@@ -65,7 +65,7 @@ spec:
             matchLabels:
               {{- include "pretrain.selectorLabels" . | nindent 14 }}
               app.kubernetes.io/component: trainer
-              pretrain/replica-type: master
+              pretrain/replica-type: {{ include "pretrain.trainJob" . | empty | ternary "master" "node" }}
   {{- end }}
   {{- if include "pretrain.volumePermissions" . }}
   initContainers:

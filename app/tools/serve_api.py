@@ -1,0 +1,251 @@
+"""The HTTP side of `pretrain serve` around its endpoints: OpenAI's request bodies (parsing, checks, the
+chat template, logprobs' shape), the request gate (status counts, in-flight requests) and the drain.
+
+Everything a client can send wrong ends here as a RequestError (a 4xx in OpenAI's error shape), before
+any of it reaches the model: a body that is not JSON (a form post), a lone UTF-16 surrogate, a wrong
+type ("5" is not coerced), an unknown field (a typo is not ignored), a value out of range.
+"""
+
+# No `from __future__ import annotations`: pydantic reads the field types from the live annotations.
+import json
+import threading
+import time
+from itertools import accumulate
+from typing import Any
+
+MAX_LOGPROBS = 20
+# The plain chat template for a tokenizer without its own (a base model knows no chat format).
+ROLE_NAMES = dict(system="System", developer="System", user="User", assistant="Assistant", tool="Tool")
+PLAIN_STOP = "\nUser:"  # the model's attempt to write the user's next turn ends the reply
+
+
+class RequestError(Exception):
+    """A bad request: OpenAI's error fields and the HTTP status."""
+
+    def __init__(self, param: str | None, message: str, status: int = 400, code: str = "invalid_value"):
+        super().__init__(message)
+        self.param, self.message, self.status, self.code = param, message, status, code
+
+
+UNCOUNTED = ("/health", "/metrics")  # probes and scrapes are not API requests
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def sse_data(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def request_models() -> tuple[type, type]:
+    """(CompletionRequest, ChatRequest): strict types, unknown fields rejected; OpenAI fields this
+    server does not implement are accepted at their neutral values only (check_sampling)."""
+    from pydantic import BaseModel, ConfigDict
+
+    class Sampling(BaseModel):
+        model_config = ConfigDict(extra="forbid", strict=True)
+
+        model: str | None = None
+        max_tokens: int | None = None
+        temperature: float = 1.0
+        top_p: float = 1.0
+        top_k: int = 0  # not in OpenAI's API (the openai client sends it with extra_body)
+        stop: str | list[str] | None = None
+        stream: bool = False
+        stream_options: dict[str, bool] | None = None
+        seed: int | None = None
+        n: int = 1
+        presence_penalty: float = 0.0
+        frequency_penalty: float = 0.0
+        logit_bias: dict[str, float] | None = None
+        user: str | None = None
+
+    class CompletionRequest(Sampling):
+        prompt: str | list[str] | list[int] | list[list[int]]  # text, or token ids (lm-eval sends ids)
+        echo: bool = False
+        logprobs: int | None = None
+        best_of: int | None = None
+        suffix: str | None = None
+
+    class ChatRequest(Sampling):
+        messages: list[dict[str, Any]]
+        max_completion_tokens: int | None = None
+        logprobs: bool = False
+        top_logprobs: int | None = None
+
+    return CompletionRequest, ChatRequest
+
+
+def parse(raw: bytes, model: type) -> Any:
+    """The request body as `model`, or a RequestError that names the field."""
+    from pydantic import ValidationError
+
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8 (a form post), or nested absurdly deep
+        raise RequestError(None, "the body is not valid JSON; send a JSON object (Content-Type: application/json)", code="json_invalid") from None  # fmt: skip
+    if not isinstance(body, dict):
+        raise RequestError(None, "the body must be a JSON object", code="invalid_type")
+    for key, value in body.items():
+        try:
+            json.dumps([key, value], ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            name = json.dumps(key)[1:-1]
+            msg = f"'{name}' contains a lone UTF-16 surrogate (such as \\ud800 without its pair); send valid Unicode"
+            raise RequestError(name, msg, code="invalid_unicode") from None
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(p) for p in err.get("loc", ())]
+        param = loc[0] if loc else None  # the request field (deeper parts name union members)
+        if err.get("type") == "extra_forbidden":
+            msg = f"unknown field '{param}'; see OpenAI's API reference for the field names"
+        elif err.get("type") == "missing":
+            msg = f"'{param}' is required"
+        else:
+            got = json.dumps(err.get("input"))[:80] if "input" in err else "?"
+            msg = f"{param or 'body'}: {err.get('msg', 'invalid')} (got {got})"
+        raise RequestError(param, msg, code=err.get("type", "invalid_value")) from None
+
+
+def check_sampling(req: Any, served: str, context: int, n_prompt: int, max_tokens: int) -> list[str]:
+    """Range checks with one clear message each (types were checked by the model); the stop strings."""
+    if req.model not in (None, served):
+        msg = f"model '{req.model}' is not served here; this server serves '{served}'"
+        raise RequestError("model", msg, 404, "model_not_found")
+    if not n_prompt:
+        raise RequestError("prompt", "prompt is empty; send the text to continue")
+    if n_prompt + max_tokens > context:
+        msg = f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the model's context"
+        raise RequestError("max_tokens", f"{msg} of {context} tokens; shorten the prompt or lower max_tokens")
+    if not 0 <= req.temperature <= 2:
+        raise RequestError("temperature", f"temperature must be in [0, 2], got {req.temperature}")
+    if not 0 < req.top_p <= 1:
+        raise RequestError("top_p", f"top_p must be in (0, 1], got {req.top_p}")
+    if req.top_k < 0:
+        raise RequestError("top_k", f"top_k must be >= 0 (0 = all tokens), got {req.top_k}")
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > 4 or any(not s for s in stops):
+        raise RequestError("stop", "stop takes up to 4 non-empty strings")
+    neutral = dict(n=1, best_of=1, presence_penalty=0, frequency_penalty=0, logit_bias={}, suffix=None)
+    for param, value in neutral.items():
+        if getattr(req, param, None) not in (None, value):
+            raise RequestError(param, f"{param} is not supported by this server; leave it at its default")
+    return stops
+
+
+def prompt_ids(prompt: Any, tok: Any) -> list[list[int]]:
+    """The prompts of a completion request as token ids: one text, texts, one id list or id lists."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        prompt = [prompt]
+    ids = [tok.encode(p) if isinstance(p, str) and p else p for p in prompt]
+    if not ids:
+        raise RequestError("prompt", "prompt is empty; send the text to continue")
+    if any(not 0 <= t < tok.vocab_size for p in ids for t in p):
+        raise RequestError("prompt", f"token ids must be in [0, {tok.vocab_size}) (the model's vocabulary)")
+    return ids
+
+
+def chat_prompt(messages: list[dict], template: str | None) -> str:
+    """The prompt for a chat: the tokenizer's Jinja template (HF's variables) when it has one, else the
+    plain one: "System: ...", "User: ...", "Assistant: ..." turns a blank line apart, then "Assistant:"."""
+    turns = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            content = "".join(p for p in parts if isinstance(p, str))
+        if m.get("role") not in ROLE_NAMES or not isinstance(content, str):
+            roles = ", ".join(ROLE_NAMES)
+            raise RequestError("messages", f"messages[{i}] needs a role ({roles}) and a text content")
+        turns.append({"role": m["role"], "content": content})
+    if not turns:
+        raise RequestError("messages", "messages is empty; send at least one message")
+    if template:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(template).render(
+            messages=turns, add_generation_prompt=True, bos_token="", eos_token=""
+        )
+    return "".join(f"{ROLE_NAMES[t['role']]}: {t['content']}\n\n" for t in turns) + "Assistant:"
+
+
+def logprobs_body(entries: list, offset: int) -> dict:
+    """OpenAI's completions logprobs object; text_offset counts characters of the token texts."""
+    body = {k: [e[i] for e in entries] for i, k in enumerate(("tokens", "token_logprobs", "top_logprobs"))}
+    return {**body, "text_offset": list(accumulate((len(e[0]) for e in entries), initial=offset))[:-1]}
+
+
+class Gate:
+    """Pure ASGI, around the app: counts every API answer by its status (499 when the client hung up
+    before the end, 500 for a crash) and the requests in flight; once draining, answers 503."""
+
+    def __init__(self, app, metrics, state) -> None:
+        self.app, self.metrics, self.state = app, metrics, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        from fastapi.responses import JSONResponse
+        from starlette.requests import ClientDisconnect
+
+        if scope["type"] != "http" or scope["path"] == "/metrics":
+            return await self.app(scope, receive, send)
+        status, finished = 500, False
+
+        async def watch(message) -> None:
+            nonlocal status, finished
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                finished = True
+            await send(message)
+
+        self.state.in_flight += 1
+        self.metrics.in_flight.inc()
+        try:
+            if self.state.draining:
+                if scope["path"] not in UNCOUNTED:
+                    self.metrics.rejected.labels(reason="shutting_down").inc()
+                msg = "the server is shutting down; retry on another replica"
+                body = error_body(msg, "server_busy", None, "shutting_down")
+                await JSONResponse(body, 503, headers={"Retry-After": "1"})(scope, receive, watch)
+            else:
+                await self.app(scope, receive, watch)
+        except ClientDisconnect:
+            finished = False
+        except Exception:
+            status, finished = 500, True
+            raise
+        finally:
+            self.state.in_flight -= 1
+            self.metrics.in_flight.dec()
+            if scope["path"] not in UNCOUNTED:
+                status = scope.get("pretrain.status", status)  # an error inside a stream already sent
+                self.metrics.requests.labels(status=str(status if finished else 499)).inc()
+
+
+def draining_server(base: type, gate: Gate, engine, grace: float) -> type:
+    """uvicorn's Server, but the first SIGTERM/SIGINT drains: new requests get 503 while those in
+    flight have `grace` seconds to finish; then what is left is cancelled and uvicorn stops. A second
+    signal stops at once."""
+
+    class DrainingServer(base):
+        def handle_exit(self, sig, frame) -> None:
+            if gate.state.draining:
+                return super().handle_exit(sig, frame)
+            gate.state.draining = True
+            threading.Thread(target=self.drain, args=(sig, frame), daemon=True).start()
+
+        def drain(self, sig, frame) -> None:
+            for limit, then in ((grace, engine.cancel_all), (5.0, lambda: None)):
+                deadline = time.monotonic() + limit
+                while gate.state.in_flight > 0 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                then()
+            super().handle_exit(sig, frame)
+
+    return DrainingServer

@@ -1,0 +1,131 @@
+"""A lost node (#23): two launchers as two "nodes" on 127.0.0.1 (c10d rendezvous, one gloo process each).
+SIGKILL one node's whole process tree (no SIGTERM: an OOM-killed pod) at a step between checkpoints,
+during a checkpoint write and during start-up, or SIGSTOP it (a node that vanished silently: power,
+network, kernel panic): the other node exits 144 (retryable) within the bound (the time is printed),
+naming the lost rank or node and the step; both restart and finish on the weights of an uninterrupted
+2-node run, bit for bit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from app.launch import children
+from tests.conftest import FAST, REPO, cli_env
+from tests.test_budget_inprocess import free_port
+from tests.test_resume import assert_same_run
+
+STEPS = 20
+TRAIN = [*FAST, "--max-steps", str(STEPS), "--set", "checkpoint.every_steps=5"]
+
+
+def start_node(run: Path, node: int, port: int, pause: str = "", pause_dir: Path | None = None, static=False):
+    """One node's launcher. c10d: ranks follow the nodes' addresses (c10d sorts them), node 0 has
+    127.0.0.1 and keeps the stores. static: the shape and the Master from PET_* alone, as a Kubeflow
+    operator gives them (torchrun's c10d agent polls its rendezvous store, and hangs when that node
+    vanishes silently; the static one does not)."""
+    env = cli_env(PYTHONPATH=str(REPO))
+    if pause:
+        env.update(PRETRAIN_TEST_PAUSE=pause, PRETRAIN_TEST_PAUSE_DIR=str(pause_dir))
+    if static:
+        env.update(PET_NNODES="2", PET_NPROC_PER_NODE="1", PET_NODE_RANK=str(node), PET_MASTER_PORT=str(port))
+        env.update(PET_MASTER_ADDR="127.0.0.1")
+        shape = ["--max-restarts=0"]
+    else:
+        shape = ["--nnodes=2", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
+                 f"--rdzv-endpoint=127.0.0.1:{port}", f"--local-addr=127.0.0.{node + 1}"]  # fmt: skip
+    cmd = [sys.executable, "-m", "app.launch", *shape, "-m", "tests.pause_at", "app.train", "--out", str(run),
+           *TRAIN]  # fmt: skip
+    log = open(run.parent / f"{run.name}-node{node}-{port}.log", "w")  # noqa: SIM115 - the process keeps it
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def output(run: Path, node: int, port: int) -> str:
+    return (run.parent / f"{run.name}-node{node}-{port}.log").read_text()
+
+
+def listening(port: int) -> bool:
+    rows = [
+        row.split() for t in ("tcp", "tcp6") for row in Path(f"/proc/net/{t}").read_text().splitlines()[1:]
+    ]
+    return any(r[1].endswith(f":{port:04X}") and r[3] == "0A" for r in rows)  # 0A: LISTEN
+
+
+def start_nodes(run: Path, port: int, pause="", lost=0, pause_dir: Path | None = None, static=False) -> list:
+    """Node 0 first: once it keeps the rendezvous store (as the Master's pod does), node 1."""
+    first = start_node(run, 0, port, pause if lost == 0 else "", pause_dir, static)
+    deadline = time.monotonic() + 60
+    while not listening(port):
+        assert first.poll() is None and time.monotonic() < deadline, output(run, 0, port)
+        time.sleep(0.05)
+    return [first, start_node(run, 1, port, pause if lost == 1 else "", pause_dir, static)]
+
+
+def two_nodes(run: Path) -> None:
+    """Both nodes to the end, exit 0."""
+    port = free_port()
+    nodes = start_nodes(run, port)
+    for n, proc in enumerate(nodes):
+        assert proc.wait(300) == 0, output(run, n, port)
+
+
+def signal_tree(pid: int, signum: int) -> None:
+    """Signal a process and all its descendants: SIGKILL, a node whose kernel closes its sockets (a pod
+    OOM-killed, a crash); SIGSTOP, a node that vanished without a word (power, network, kernel panic)."""
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo.extend(children(tree[-1]))
+    for p in tree:
+        os.kill(p, signum)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("reference") / "run"
+    two_nodes(run)
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "lost,pause,how,static",
+    [
+        (1, "app.trainer.optim:step_unless:8", signal.SIGKILL, False),  # between the saves of steps 5, 10
+        (0, "app.trainer.checkpoint_writer:write_safetensors:3", signal.SIGKILL, False),  # saving step 10
+        (1, "torch.distributed:init_process_group", signal.SIGKILL, False),  # start-up: in the rendezvous
+        (0, "app.trainer.optim:step_unless:8", signal.SIGSTOP, True),  # silently, with the store: operators
+        (0, "app.trainer.optim:step_unless:8", signal.SIGSTOP, False),  # the same, c10d: torchrun hangs
+    ],
+    ids=["training", "checkpoint-write", "start-up", "silent", "silent-c10d"],
+)
+def test_a_lost_node_is_retried_and_the_run_ends_exact(tmp_path, reference, lost, pause, how, static):
+    run = tmp_path / "run"
+    port = free_port()
+    nodes = start_nodes(run, port, pause, lost, tmp_path, static)
+    deadline = time.monotonic() + 180
+    while not list(tmp_path.glob("paused-*")):
+        assert time.monotonic() < deadline and nodes[lost].poll() is None, output(run, lost, port)
+        time.sleep(0.05)
+    signal_tree(nodes[lost].pid, how)
+    lost_at = time.monotonic()
+    survivor = 1 - lost
+    code = nodes[survivor].wait(300)
+    found = time.monotonic() - lost_at
+    signal_tree(nodes[lost].pid, signal.SIGKILL)
+    nodes[lost].wait(30)
+    out = output(run, survivor, port)
+    print(f"\n{pause}: node {survivor} exited {code} {found:.1f} s after node {lost} got {how.name}")
+    assert code == 144, out
+    (line,) = [ln for ln in out.splitlines() if "-> exit 144 (retryable)" in ln]
+    assert (f"lost rank {lost} on node {lost}" if lost else "lost node 0") in line and "at step" in line, line
+    two_nodes(run)  # the pods restart
+    assert_same_run(reference, run, STEPS)

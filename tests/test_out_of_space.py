@@ -1,0 +1,103 @@
+"""A full checkpoint volume: the save that fails for space ends the run with one line and exit 6, removes
+its temp dir, leaves the earlier checkpoints as they were, and the run resumes exactly once there is room.
+
+The volume fills up for real where this user may mount a tmpfs (root); everywhere the failure is also
+injected at the writer's first file (PRETRAIN_TEST_VOLUME_FULL_AFTER_STEP: saves of later steps raise
+ENOSPC there, after a partial temp dir exists)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST, REPO, cli_env, pretrain
+from tests.test_resume import assert_same_run
+
+STEPS = 30
+EVERY = ["--set", "checkpoint.every_steps=10"]
+
+
+def assert_out_of_space(proc_code: int, stderr: str, run: Path, newest: int) -> None:
+    assert proc_code == 6, stderr
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if not line.startswith("warning:")]
+    assert len(errors) == 1 and errors[0].startswith("error: out of space on the checkpoint volume"), stderr
+    assert f"resumes from step_{newest:06d}, intact" in errors[0] and "free" in errors[0], errors[0]
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names[-1] == f"step_{newest:06d}" and not [n for n in names if n.startswith(".")], names
+    status = json.loads((run / "status.json").read_text())
+    assert status["last_checkpoint_step"] == newest and status["state"] == "failed", status
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("straight") / "run"
+    pretrain("train", "--out", str(run), "--max-steps", str(STEPS), *FAST, check=True)
+    return run
+
+
+def test_periodic_save_out_of_space_exits_6_and_resumes_exactly(tmp_path, straight):
+    run = tmp_path / "run"
+    full = cli_env(PRETRAIN_TEST_VOLUME_FULL_AFTER_STEP="10")
+    failed = pretrain("train", "--out", str(run), "--max-steps", str(STEPS), *FAST, *EVERY, env=full)
+    assert_out_of_space(failed.returncode, failed.stderr, run, newest=10)
+    assert "at step 20: a checkpoint needs about" in failed.stderr
+    resumed = pretrain("train", "--out", str(run), "--max-steps", str(STEPS), *FAST, *EVERY, check=True)
+    assert "resumed from" in resumed.stdout
+    assert_same_run(straight, run, STEPS)
+
+
+def test_sigterm_save_out_of_space_says_so_and_resumes_exactly(tmp_path, straight):
+    """SIGTERM at step 15 (the trainer stops itself before it, tests/pause_at.py): the stop's save fails."""
+    run, marks = tmp_path / "run", tmp_path / "marks"
+    marks.mkdir()
+    env = cli_env(
+        PRETRAIN_TEST_VOLUME_FULL_AFTER_STEP="10",
+        PRETRAIN_TEST_PAUSE="app.train:train_step:15",
+        PRETRAIN_TEST_PAUSE_DIR=str(marks),
+    )
+    cmd = [sys.executable, "-m", "tests.pause_at", "app.cli", "train", "--out", str(run)]
+    proc = subprocess.Popen(
+        [*cmd, "--max-steps", str(STEPS), *FAST, *EVERY], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while not list(marks.glob("paused-*")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    os.kill(proc.pid, signal.SIGCONT)
+    stderr = proc.stderr.read()
+    assert_out_of_space(proc.wait(60), stderr, run, newest=10)
+    assert "at step 15 (the save for the stop: preempted)" in stderr
+    pretrain("train", "--out", str(run), "--max-steps", str(STEPS), *FAST, *EVERY, check=True)
+    assert_same_run(straight, run, STEPS)
+
+
+@pytest.mark.slow  # mounts a tmpfs and fills it
+def test_a_real_full_tmpfs_warns_first_then_exits_6(tmp_path, straight):
+    """An 8 MB tmpfs holds two of these 2.9 MB checkpoints: the warning comes at start, the save of step
+    30 fails; after the volume grows, the run resumes exactly."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(volume)]
+    if subprocess.run(mount, capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs is not allowed here (the injected tests above cover the behaviour)")
+    try:
+        run = volume / "run"
+        failed = pretrain("train", "--out", str(run), "--max-steps", str(STEPS), *FAST, *EVERY)
+        assert_out_of_space(failed.returncode, failed.stderr, run, newest=20)
+        warnings = failed.stderr.splitlines()[:-1]  # at start (an estimate), after step 10, after step 20
+        assert all(w.startswith("warning: a checkpoint needs about") for w in warnings) and len(warnings) == 3
+        assert "save 2 from now will fail" in warnings[1] and "the next save will fail" in warnings[2]
+        subprocess.run(["mount", "-o", "remount,size=64m", str(volume)], check=True)
+        pretrain("train", "--out", str(run), "--max-steps", str(STEPS), *FAST, *EVERY, check=True)
+        assert_same_run(straight, run, STEPS)
+    finally:
+        subprocess.run(["umount", "-l", str(volume)], check=False)
