@@ -302,6 +302,7 @@ def test_a_heartbeat_that_moves_the_graceful_point_into_the_past_is_acted_on_bef
     w.close(T + 21)
 
 
+@pytest.mark.slow  # over 8 s: `make test-slow` (CI runs it); keeps `make test` near 10 min
 def test_every_affordable_job_ends_gracefully_on_a_checkpoint_over_random_timing():
     """200 jobs with random poll (1-120 s), margin (0-30 s), step (0.05-30 s, +-20%) and checkpoint (0.5-120 s,
     +-30%) times, start-up 1-60 s and caps from below one step plus one checkpoint to 4 h (the benchmark

@@ -42,6 +42,7 @@ def train(run, *args, check=True):
 # ---------------------------------------------------------------- data loss
 
 
+@pytest.mark.slow  # over 8 s: `make test-slow` (CI runs it); keeps `make test` near 10 min
 def test_fresh_start_in_a_used_run_dir_is_refused_or_moves_the_old_run_aside(tmp_path):
     run = tmp_path / "run"
     train(run, "--max-steps", "8", "--set", "checkpoint.every_steps=4")
@@ -81,6 +82,7 @@ def test_export_refuses_a_non_empty_output_unless_forced(tmp_path):
     assert forced.returncode == 0 and json.loads((out / "manifest.json").read_text())["step"] == 2
 
 
+@pytest.mark.slow  # over 8 s: `make test-slow` (CI runs it); keeps `make test` near 10 min
 def test_export_after_a_corrupt_newest_describes_the_checkpoint_it_exports(tmp_path):
     run, out = tmp_path / "run", tmp_path / "out"
     train(run, "--max-steps", "6", "--set", "checkpoint.every_steps=3", "--set", "train.eval_every=3")

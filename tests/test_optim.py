@@ -214,6 +214,7 @@ def test_muon_under_fsdp2_equals_the_single_process_update(tmp_path):
 # ---------------------------------------------------------------- exact resume and mode changes, real CLI
 
 
+@pytest.mark.slow  # over 8 s: `make test-slow` (CI runs it); keeps `make test` near 10 min
 def test_exact_resume_with_muon(tmp_path):
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     assert pretrain("train", "--out", str(straight), "--max-steps", "12", *FAST, *MUON).returncode == 0
@@ -223,6 +224,7 @@ def test_exact_resume_with_muon(tmp_path):
     assert_same_run(straight, halves, 12)
 
 
+@pytest.mark.slow  # over 8 s: `make test-slow` (CI runs it); keeps `make test` near 10 min
 def test_an_adamw_checkpoint_resumes_under_muon(tmp_path):
     run = tmp_path / "run"
     assert pretrain("train", "--out", str(run), "--max-steps", "3", *FAST).returncode == 0

@@ -54,6 +54,7 @@ def test_periodic_save_out_of_space_exits_6_and_resumes_exactly(tmp_path, straig
     assert_same_run(straight, run, STEPS)
 
 
+@pytest.mark.slow  # over 8 s: `make test-slow` (CI runs it); keeps `make test` near 10 min
 def test_sigterm_save_out_of_space_says_so_and_resumes_exactly(tmp_path, straight):
     """SIGTERM at step 15 (the trainer stops itself before it, tests/pause_at.py): the stop's save fails."""
     run, marks = tmp_path / "run", tmp_path / "marks"

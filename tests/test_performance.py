@@ -169,6 +169,7 @@ def test_a_reading_error_reaches_the_loop_at_its_batch():
     pre.close()
 
 
+@pytest.mark.slow  # over 8 s: `make test-slow` (CI runs it); keeps `make test` near 10 min
 def test_deferred_reads_keep_resume_exact(tmp_path):
     """log_every=5: numbers are read every 5 steps, saves and stops read what is pending; a stop at step 7
     (between reads) resumes to the straight run's weights and logged losses."""

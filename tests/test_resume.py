@@ -42,6 +42,7 @@ def test_half_stop_half_equals_straight(tmp_path, extra):
     assert_same_run(straight, halves, 16)
 
 
+@pytest.mark.slow  # over 8 s: `make test-slow` (CI runs it); keeps `make test` near 10 min
 def test_exact_resume_with_two_ddp_ranks(tmp_path):
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     extra = ["--set", f"train.batch_tokens={8 * 64 * 2 * 2}"]  # 2 ranks x 2 accumulation steps

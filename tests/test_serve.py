@@ -422,3 +422,17 @@ def test_a_full_queue_answers_503_with_retry_after(busy_server):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     again = client.completions.create(model=None, prompt="ROMEO:", max_tokens=48, temperature=0)
     assert again.choices[0].text in texts  # a 503 leaves nothing behind: the next request is served
+
+
+def test_the_serving_dashboard_and_alerts_read_what_a_live_server_serves(server, client):
+    """Every pretrain_serve_* series of helm/dashboards/pretrain-serve.json and of the alert rules is on a
+    running server's /metrics once it has answered a good and a bad request."""
+    from tests.prom_helpers import alert_rules, dashboard_targets, metric_names
+
+    client.completions.create(model="tiny", prompt="To be", max_tokens=2)
+    raw(server, "not json")
+    text = urllib.request.urlopen(f"{server}/metrics").read().decode()
+    served = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"}
+    used = {m for name, _, e in dashboard_targets() if name == "pretrain-serve.json" for m in metric_names(e)}
+    used |= {m for r in alert_rules() for m in metric_names(r["expr"]) if m.startswith("pretrain_serve_")}
+    assert used and not used - served, f"not served by pretrain serve: {sorted(used - served)}"

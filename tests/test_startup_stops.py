@@ -220,6 +220,7 @@ def interrupt_and_resume(tmp_path: Path, straight, phase: str, sig: signal.Signa
     assert sorted(losses_by_step(run)) == list(range(1, STEPS + 1))
 
 
+@pytest.mark.slow  # three phases of ~10 s: `make test-slow` (CI runs it)
 @pytest.mark.parametrize("phase", list(PHASES))
 def test_sigterm_during_startup_resumes_exactly(tmp_path, straight, phase):
     interrupt_and_resume(tmp_path, straight, phase, signal.SIGTERM, ranks=1)

@@ -102,6 +102,8 @@ class ServeMetrics:
         self.requests = Counter("pretrain_serve_requests", status, ["status"], registry=r)
         why = "Requests turned away with 503, by reason: queue_full, shutting_down"
         self.rejected = Counter("pretrain_serve_rejected", why, ["reason"], registry=r)
+        for reason in ("queue_full", "shutting_down"):  # series at 0 from the start, for panels and alerts
+            self.rejected.labels(reason=reason)
         self.prompt_tokens = Counter("pretrain_serve_prompt_tokens", "Prompt tokens read", registry=r)
         self.completion_tokens = Counter("pretrain_serve_completion_tokens", "Tokens generated", registry=r)
         hist = {"registry": r, "buckets": buckets}
