@@ -138,8 +138,8 @@ def own_logprob(model, tok, text: str) -> float:
     return total
 
 
-def test_lm_eval_tasks_give_the_known_accuracy(known, tmp_path, monkeypatch, capsys):
-    run, items = known
+def offline_mc_tasks(tmp_path, items, monkeypatch):
+    """Two local multiple-choice tasks (the greedy answer right, and a decoy), HF offline: their dir."""
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     tasks = tmp_path / "tasks"
@@ -147,6 +147,12 @@ def test_lm_eval_tasks_give_the_known_accuracy(known, tmp_path, monkeypatch, cap
     for name, decoy in (("greedy_mc", False), ("decoy_mc", True)):
         data = write_jsonl(tmp_path / f"{name}.jsonl", mc_docs(items, decoy))
         (tasks / f"{name}.yaml").write_text(MC_YAML.format(name=name, data=data))
+    return tasks
+
+
+def test_lm_eval_tasks_give_the_known_accuracy(known, tmp_path, monkeypatch, capsys):
+    run, items = known
+    tasks = offline_mc_tasks(tmp_path, items, monkeypatch)
     data = write_jsonl(tmp_path / "gen.jsonl", items)
     (tasks / "greedy_gen.yaml").write_text(GEN_YAML.format(data=data))
     data = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in DOCS])

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from tests.test_eval import MC_YAML, known, mc_docs, write_jsonl  # noqa: F401 (known: the fixture)
+from tests.test_eval import known, offline_mc_tasks  # noqa: F401 (known: the fixture)
 from tests.test_serve import start_server, stop_server
 
 pytest.importorskip("lm_eval", reason="the eval tests need the eval extra (make setup)")
@@ -33,13 +33,7 @@ def test_lm_eval_local_completions_through_pretrain_serve(known, tmp_path, monke
     from app.tools.scoring import Scorer
 
     run, items = known
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    for name, decoy in (("greedy_mc", False), ("decoy_mc", True)):
-        data = write_jsonl(tmp_path / f"{name}.jsonl", mc_docs(items, decoy))
-        (tasks / f"{name}.yaml").write_text(MC_YAML.format(name=name, data=data))
+    tasks = offline_mc_tasks(tmp_path, items, monkeypatch)
     model, tok, info = load_for_inference(str(run), which="best")
     hf_tokenizer = tmp_path / "tokenizer"  # our tokenizer.json, as transformers loads it
     hf_tokenizer.mkdir()
