@@ -1,9 +1,6 @@
 """`pretrain`: one CLI for the whole job. Each subcommand's flags live beside the code they drive
 (`add_arguments` and `run` in the module named below); only the chosen one is imported, so
-`pretrain watch` starts without loading torch.
-
-Exit codes: 0 done; 2 bad input, config or data (one line on stderr, no traceback);
-128 + signal number when preempted (SIGTERM -> 143), which Kubernetes' ExitCode policy retries.
+`pretrain watch` starts without loading torch. EPILOG lists the exit codes.
 """
 
 from __future__ import annotations
@@ -36,10 +33,7 @@ COMMANDS = {
     "train": ("app.train", "train a model (locally, or under torchrun / Kubernetes)"),
     "prepare": ("app.data.cli", "tokenize raw text (HF Hub or local files) into training shards"),
     "watch": ("app.budget.cli", "watch spend against a budget cap; stop the trainer before it is crossed"),
-    "wait-data": (
-        "app.data.wait",
-        "wait for the prepare Job's output; give up on a failed or missing prepare",
-    ),
+    "wait-data": ("app.data.wait", "wait for the prepare Job's output; give up if it failed or is missing"),
     "plan": ("app.tools.plan", "what model, tokens and hours a budget buys (Chinchilla)"),
     "sample": ("app.tools.sample", "generate text from a checkpoint"),
     "export": ("app.tools.export", "export a run: manifest, metrics CSV, plots, final weights, eval results"),

@@ -1,13 +1,9 @@
-"""TorchX components: the trainer (`train`) and data preparation (`prepare`).
+"""TorchX components: the trainer (`train`) and data preparation (`prepare`); usage and how this path
+differs from the Helm chart (Volcano, the in-process budget guard): docs/kubernetes.md ("With TorchX").
+On a laptop, without volumes:
 
-    torchx run -s kubernetes app/components.py:prepare --input hf://datasets/...   # CPU pod, fills the data PVC
-    torchx run -s kubernetes app/components.py:train --gpus 16 --budget_cap_usd 500
     torchx run -s local_cwd app/components.py:train --gpus 0 --nproc 2 --data_pvc "" --ckpt_pvc "" \
         --out runs/torchx -- --preset tiny --max-steps 20
-
-On Kubernetes TorchX submits a Volcano job (not a PyTorchJob): there is no budget-watcher sidecar, so
-`train` turns on the in-process budget guard (a thread on rank 0) whenever a cap is given. The volumes
-are the Helm chart's PVCs (`<release>-data`, `<release>-ckpt`). See docs/kubernetes.md.
 
 The signatures use typing.Optional/List/Dict on purpose: TorchX 0.7 builds the CLI of a component from
 its annotations and understands only those forms.
@@ -152,8 +148,7 @@ def prepare(
         data_pvc: PVC mounted at /data ("" = none, e.g. local runs)
         cpu: CPUs
         memMB: memory in MB
-        env: extra environment variables (a gated hub dataset needs HF_TOKEN: prefer the Helm
-            chart's prepare Job, which reads it from a Secret, to putting it in the job spec)
+        env: extra environment variables (HF_TOKEN of a gated dataset: prefer the chart's prepare Job)
         max_retries: scheduler retries (prepare resumes where it stopped)
         name: job name
     """

@@ -41,6 +41,7 @@ class LoopConfig:
 @dataclass
 class ModelConfig:
     vocab_size: int = 0  # 0 = take it from the tokenizer of the data
+    vocab_multiple: int = 128  # embedding/head rows padded to a multiple of this (fast head matmul); 1 = off
     seq_len: int = 256
     n_layer: int = 4
     d_model: int = 256
@@ -52,6 +53,10 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     loop: LoopConfig = field(default_factory=LoopConfig)
+
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     @property
     def kv_heads(self) -> int:
@@ -68,23 +73,20 @@ class ModelConfig:
     @property
     def n_blocks(self) -> int:
         """Distinct blocks with their own weights."""
-        if self.looped:
-            return self.loop.prelude + self.loop.recurrent + self.loop.coda
-        return self.n_layer
+        lp = self.loop
+        return lp.prelude + lp.recurrent + lp.coda if self.looped else self.n_layer
 
     @property
     def effective_depth(self) -> int:
         """Blocks run per forward pass (recurrent ones count once per recurrence)."""
-        if self.looped:
-            return self.loop.prelude + self.loop.recurrent * self.loop.recurrence + self.loop.coda
-        return self.n_layer
+        lp = self.loop
+        return lp.prelude + lp.recurrent * lp.recurrence + lp.coda if self.looped else self.n_layer
 
 
 @dataclass
 class DataConfig:
-    dataset: str = (
-        "embedded"  # "embedded" (Shakespeare, built on first use) or a `pretrain prepare` output dir
-    )
+    # "embedded" (Shakespeare, built on first use) or a `pretrain prepare` output dir
+    dataset: str = "embedded"
     tokenizer: str = "bpe"  # embedded only: bpe | char
     vocab_size: int = 2048  # embedded BPE vocabulary size
     cache_dir: str = ""  # embedded data cache; "" = $PRETRAIN_CACHE or ~/.cache/pretrain
@@ -94,7 +96,8 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     seed: int = 1337
-    micro_batch_size: int = 16  # sequences per rank per forward pass
+    # sequences per rank per forward pass; auto = the most that fits (keeps batch_tokens)
+    micro_batch_size: int | str = 16
     batch_tokens: int = 0  # tokens per optimizer step over all ranks; 0 = one micro-batch per rank
     max_steps: int = 1000
     max_tokens: int = 0  # planned end by tokens; 0 = off
@@ -115,6 +118,7 @@ class TrainConfig:
     activation_checkpointing: bool = False
     fp8: str = "false"  # false | true (H100-class GPUs) | emulate (float8 math in software, any device)
     device_memory_gb: float = 0.0  # per-GPU memory for parallel=auto; 0 = detect (CUDA) / assume DDP fits
+    inject_oom_above: int = 0  # drill: micro-batches above this many sequences fail as out of memory; 0 = off
     inject_spike_at_step: int = 0  # observability drill: feed high-loss batches from this step; 0 = off
     spike_batches: int = 3
     spike_factor: float = 3.0  # a loss above this multiple of its moving average is a spike
@@ -202,15 +206,11 @@ class Config:
 # ---------------------------------------------------------------- merging
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
     """Every dotted key a user may set."""
     keys = []
     for f in dataclasses.fields(cls):
-        t = _hints(cls)[f.name]
+        t = typing.get_type_hints(cls)[f.name]
         if dataclasses.is_dataclass(t):
             keys += all_keys(t, f"{prefix}{f.name}.")
         else:
@@ -219,9 +219,7 @@ def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
 
 
 def suggest_key(key: str) -> str | None:
-    """The valid key a user most likely meant: the same last segment in another section first
-    (`train.lr` -> `optim.lr`), then a close spelling of the last segment within the named section, then
-    a close spelling anywhere; None when nothing is close."""
+    """The valid key a user most likely meant (`train.lr` -> `optim.lr`, `model.n_layers` -> `model.n_layer`)."""
     keys = all_keys()
     section, _, last = key.rpartition(".")
     same_last = [k for k in keys if k.rsplit(".", 1)[-1] == last]
@@ -236,14 +234,7 @@ def suggest_key(key: str) -> str | None:
     return None
 
 
-def _unknown_key(key: str, where: str) -> ConfigError:
-    close = suggest_key(key)
-    hint = f"; did you mean '{close}'?" if close else "; see `pretrain train --print-config` for valid keys"
-    return ConfigError(f"unknown config key '{key}' in {where}{hint}")
-
-
 def _coerce(value: Any, typ: Any, key: str, where: str) -> Any:
-    origin = typing.get_origin(typ)
     bad = ConfigError(f"{key} in {where}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
     if typ is bool:
         if isinstance(value, bool):
@@ -251,9 +242,9 @@ def _coerce(value: Any, typ: Any, key: str, where: str) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
             return value.lower() in ("true", "yes", "1")
         raise bad
+    if typ in (int, float) and isinstance(value, bool):
+        raise bad
     if typ is int:
-        if isinstance(value, bool):
-            raise bad
         if isinstance(value, int):
             return value
         if isinstance(value, float) and value.is_integer():
@@ -265,8 +256,6 @@ def _coerce(value: Any, typ: Any, key: str, where: str) -> Any:
                 raise bad from None
         raise bad
     if typ is float:
-        if isinstance(value, bool):
-            raise bad
         try:
             number = float(value)
         except (TypeError, ValueError):
@@ -276,7 +265,14 @@ def _coerce(value: Any, typ: Any, key: str, where: str) -> Any:
         return number
     if typ is str:
         return "" if value is None else str(value)
-    if origin is list:
+    if typing.get_args(typ) == (int, str):  # a number or "auto"
+        if str(value).lower() == "auto":
+            return "auto"
+        try:
+            return _coerce(value, int, key, where)
+        except ConfigError:
+            raise ConfigError(f"{key} in {where}: expected a whole number or auto, got {value!r}") from None
+    if typing.get_origin(typ) is list:
         (item,) = typing.get_args(typ)
         if isinstance(value, str):
             value = [v for v in value.split(",") if v.strip()]
@@ -286,36 +282,38 @@ def _coerce(value: Any, typ: Any, key: str, where: str) -> Any:
     raise bad
 
 
-def _merge(obj: Any, data: dict[str, Any], where: str, prefix: str = "") -> None:
+def merge_into(obj: Any, data: dict[str, Any], where: str, prefix: str = "") -> None:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping at '{prefix.rstrip('.') or 'top level'}'")
-    hints = _hints(type(obj))
+    hints = typing.get_type_hints(type(obj))
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if key not in hints:
-            raise _unknown_key(dotted, where)
+            close = suggest_key(dotted)
+            hint = (
+                f"; did you mean '{close}'?"
+                if close
+                else "; see `pretrain train --print-config` for valid keys"
+            )
+            raise ConfigError(f"unknown config key '{dotted}' in {where}{hint}")
         typ = hints[key]
         if dataclasses.is_dataclass(typ):
-            _merge(getattr(obj, key), value, where, f"{dotted}.")
+            merge_into(getattr(obj, key), value, where, f"{dotted}.")
         else:
             setattr(obj, key, _coerce(value, typ, dotted, where))
 
 
 def _dotted_to_nested(key: str, value: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    cur = out
-    parts = key.split(".")
-    for p in parts[:-1]:
-        cur = cur.setdefault(p, {})
-    cur[parts[-1]] = value
-    return out
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
 
 
 def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
-def _load_yaml(path: Path, what: str) -> dict[str, Any]:
+def load_yaml(path: Path, what: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
     except OSError as e:
@@ -343,9 +341,9 @@ def load_config(
     cfg = Config()
     file_data: dict[str, Any] = {}
     if config_file:
-        file_data = _load_yaml(Path(config_file), "config file")
-    name = preset or file_data.pop("preset", None) or DEFAULT_PRESET
-    file_data.pop("preset", None)
+        file_data = load_yaml(Path(config_file), "config file")
+    file_preset = file_data.pop("preset", None)
+    name = preset or file_preset or DEFAULT_PRESET
     path = PRESET_DIR / f"{name}.yaml"
     if not path.exists():
         close = [n for n in preset_names() if n.startswith(name)][:1] or difflib.get_close_matches(
@@ -354,9 +352,9 @@ def load_config(
         hint = f"did you mean '{close[0]}'? " if close else ""
         raise ConfigError(f"unknown preset '{name}'; {hint}choose one of: {', '.join(preset_names())}")
     cfg.preset = name
-    _merge(cfg, _load_yaml(path, "preset"), f"preset {name}")
+    merge_into(cfg, load_yaml(path, "preset"), f"preset {name}")
     if file_data:
-        _merge(cfg, file_data, f"config file {config_file}")
+        merge_into(cfg, file_data, f"config file {config_file}")
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value (e.g. --set model.n_layer=8), got '{item}'")
@@ -365,10 +363,10 @@ def load_config(
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
-        _merge(cfg, _dotted_to_nested(key.strip(), value), "--set")
+        merge_into(cfg, _dotted_to_nested(key.strip(), value), "--set")
     for key, value in (extra or {}).items():
         if value is not None:
-            _merge(cfg, _dotted_to_nested(key, value), "command line")
+            merge_into(cfg, _dotted_to_nested(key, value), "command line")
     validate(cfg)
     return cfg
 
@@ -386,5 +384,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     cfg = Config()
     data = dict(data)
     cfg.preset = data.pop("preset", DEFAULT_PRESET)
-    _merge(cfg, data, "checkpoint meta.json")
+    merge_into(cfg, data, "checkpoint meta.json")
+    if "vocab_multiple" not in data.get("model", {}):
+        cfg.model.vocab_multiple = 1  # written before vocabulary padding: its rows are the true vocab
     return cfg

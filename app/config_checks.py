@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from app.budget.config import check_shared_keys
 from app.errors import ConfigError
 
 Config = Any  # app.config.Config, which imports this module (so not imported back)
@@ -31,9 +32,10 @@ def _switch(value: str) -> str:
 
 # Every number is >= 0 and below 2**53 (so JSON, numpy seeds and int64 tensors hold it);
 # these must be > 0. Sizes that would not fit the machine are refused at start (memory.plan_for_training).
-POSITIVE = ["model.d_model", "model.n_head", "model.seq_len", "train.micro_batch_size", "train.max_steps",
+POSITIVE = ["model.d_model", "model.n_head", "model.seq_len", "train.max_steps",
             "checkpoint.lease_stale_seconds", "train.collective_timeout_minutes", "train.log_every",
-            "train.eval_batches", "model.norm_eps", "model.rope_base", "budget.poll_seconds"]  # fmt: skip
+            "train.eval_batches", "model.norm_eps", "model.rope_base", "budget.poll_seconds",
+            "model.vocab_multiple", "train.mfu_floor_minutes"]  # fmt: skip
 CHOICES = {
     "optim.name": ("adamw", "muon"),
     "optim.muon_lr_adjust": ("match_rms_adamw", "original"),
@@ -41,14 +43,12 @@ CHOICES = {
     "train.device": ("auto", "cpu", "cuda"),
     "train.dtype": ("auto", "fp32", "bf16"),
     "train.parallel": ("ddp", "fsdp", "auto"),
-    "budget.kube": ("auto", "on", "off"),
     "train.compile": ("auto", "true", "false"),
     "train.fp8": ("false", "true", "emulate"),
     "train.compile_mode": ("default", "max-autotune", "max-autotune-no-cudagraphs"),
     "optim.fused": ("auto", "true", "false"),
     "checkpoint.verify": ("sha256", "size"),
     "data.tokenizer": ("bpe", "char"),
-    "budget.source": ("static", "file", "opencost"),
     "metrics.wandb_mode": ("", "online", "offline", "disabled"),
 }
 
@@ -78,6 +78,13 @@ def validate(cfg: Config) -> None:
         _check(_get(cfg, key) > 0, f"{key} must be > 0, got {_get(cfg, key)}")
     for key, value in _numbers(cfg):
         _check(0 <= value < 2**53, f"{key} must be >= 0 and below 2**53, got {value}")
+    if t.micro_batch_size == "auto":
+        _check(t.batch_tokens > 0, "train.micro_batch_size=auto keeps the global batch: set train.batch_tokens "
+                                   "(tokens per optimizer step), or give train.micro_batch_size a number")  # fmt: skip
+    else:
+        _check(
+            t.micro_batch_size > 0, f"train.micro_batch_size must be > 0 or auto, got {t.micro_batch_size}"
+        )
     for key, choices in CHOICES.items():
         _one_of(_get(cfg, key), key, choices)
     if m.looped:
@@ -116,8 +123,7 @@ def validate(cfg: Config) -> None:
     )
     _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
     _check(0 < s.decay_fraction <= 1, f"schedule.decay_fraction must be in (0, 1], got {s.decay_fraction}")
-    _check(0 < b.decay_fraction < 1, f"budget.decay_fraction must be in (0, 1), got {b.decay_fraction}")
-    _check(0 < b.alert_fraction <= 1, f"budget.alert_fraction must be in (0, 1], got {b.alert_fraction}")
+    check_shared_keys(b)
     for name in cfg.metrics.trackers:
         _one_of(name, "metrics.trackers", ("tensorboard", "mlflow", "wandb"))
     _check(
@@ -133,7 +139,6 @@ def validate(cfg: Config) -> None:
     _check(t.collective_timeout_minutes <= 525600, "train.collective_timeout_minutes must be at most a year")
     _check(t.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {t.max_bad_steps}")
     _check(t.mfu_floor < 1, f"train.mfu_floor is a fraction of peak (e.g. 0.3), got {t.mfu_floor}")
-    _check(t.mfu_floor_minutes > 0, f"train.mfu_floor_minutes must be > 0, got {t.mfu_floor_minutes}")
     _check(
         cfg.metrics.port < 65536,
         f"metrics.port must be a TCP port (1-65535) or 0 for off, got {cfg.metrics.port}",

@@ -57,14 +57,6 @@ def atomic_write_json(path: Path, data: Any, durable: bool = True, indent: int |
         fsync_dir(path.parent)
 
 
-def write_json_durable(path: Path, data: Any) -> None:
-    """Write and fsync in place: for files inside a temp dir that is renamed into place as a whole."""
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def cut_torn_line(path: Path) -> Path:
     """Drop a last line that a kill cut short, so the next append starts a line of its own instead of
     being glued to it (JSONL logs; read once at start); returns `path`."""

@@ -2,29 +2,12 @@
 
     python -m app.launch <torchrun arguments> -m app.train <trainer arguments>
 
-(or any other module: the chart's benchmark job runs `-m app.tools.bench`; the exit code is its own).
-Flags not given come from PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT
-(torchrun reads PET_<FLAG>), which Kubeflow's training-operator v1 and Trainer v2 both set.
+Why: plain torchrun breaks the stop protocol and the PyTorchJob `ExitCode` policy in a pod: it SIGKILLs
+its workers 30 s after a SIGTERM (cutting a checkpoint short) and exits 1 for any failure. This runs
+torchrun's own `run()` in-process, passes signals to the workers, returns the trainer's exit code, and
+covers what a container lacks (one-node rendezvous on 127.0.0.1, a SIGTERM during a C++ wait, a hung agent).
 
-It runs torchrun's own `run()` in-process and changes what breaks the stop protocol and the PyTorchJob
-`ExitCode` restart policy (128 + signal retried, 1-127 permanent):
-- SIGTERM/SIGINT go to the workers and are recorded; torchrun keeps monitoring them, so the workers save
-  and exit in their own time (plain torchrun SIGKILLs them 30 s later). A signal before the workers exist
-  aborts the launch as torchrun would.
-- The exit code (plain torchrun: 1 for any failure): 0 when every worker exited 0; 128 + signal when
-  this launcher was signalled and a worker did not exit 0; else the first failed worker's code, the cause
-  (143 a peer preempted, 144 a peer lost, 2 bad config, 1 crash, 128 + S killed by signal S; torchrun
-  lists the cause first), or 144 when the node that kept the c10d rendezvous store is gone.
-- The workers learn this pid and end with this process, however it ends (app/trainer/distributed.py).
-- A worker left unreaped for 10 s (torchrun's c10d agent blocked on the store of a node that vanished)
-  ends the launcher with that worker's code.
-
-And two things a container needs:
-- One node rendezvous on 127.0.0.1, not this machine's FQDN (c10d) or the Master's Service name (static),
-  which may not resolve (`docker run --network none`, a Service without DNS yet: workers retry 300 s, the
-  agent 900 s). Pass --local-addr to choose otherwise.
-- A SIGTERM while the launcher waits in C++ (a TCPStore connect to a Master not up yet) exits 128 + 15 at
-  once; Python's handler would run only after the connect times out (900 s), past the grace period.
+Detail: docs/kubernetes.md, "What runs in the pods", "Running the image" (Hostnames) and "A lost node".
 """
 
 import argparse
@@ -41,28 +24,18 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.run import parse_args, parse_min_max_nnodes, run
 
 from app.errors import EXIT_OUT_OF_SPACE, EXIT_PEER_LOST
+from app.errors import print_stderr as _log
+from app.trainer.lease import proc_stat
 
 LOOPBACK = "127.0.0.1"
 received: list = []
 handled = [0]  # signals the Python handler has run for (the watchdog compares)
 
 
-def _log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 def children(pid: int, state: str = "") -> list:
     """Direct children of `pid` (Linux /proc): torchrun's worker processes; with `state`, those in it."""
-    out = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and state in ("", fields[0]):
-            out.append(int(entry))
-    return out
+    stats = {int(entry): proc_stat(entry) for entry in filter(str.isdigit, os.listdir("/proc"))}
+    return [child for child, f in stats.items() if f and int(f[1]) == pid and state in ("", f[0])]
 
 
 def forward(signum, _frame) -> None:
@@ -95,6 +68,11 @@ def rendezvous_locally(args: argparse.Namespace) -> None:
         args.master_addr = LOOPBACK
 
 
+def shell_code(code: int) -> int:
+    """A process's exit code as a shell reports it: 128 + N when killed by signal N (Python says -N)."""
+    return 128 - code if code < 0 else code
+
+
 hard_exit_hooks: list = []  # run, in order, before an os._exit (a signal caught in rendezvous, a hang)
 
 
@@ -115,8 +93,7 @@ def exit_if_torchrun_hangs(after: float = 10.0) -> None:
             for pid in children(os.getpid(), "Z"):
                 if time.monotonic() - dead_since.setdefault(pid, time.monotonic()) >= after:
                     with contextlib.suppress(ChildProcessError):  # torchrun reaped it after all
-                        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-                        code = 128 - code if code < 0 else code  # killed by a signal: as a shell says
+                        code = shell_code(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
                         hard_exit(code, f"torchrun hung {after:.0f} s after a worker ended (a node lost?)")
 
     threading.Thread(target=loop, name="launch-reaper", daemon=True).start()
@@ -150,13 +127,6 @@ def watch_signals_in_c(grace: float = 1.0) -> None:
     threading.Thread(target=loop, name="launch-signals", daemon=True).start()
 
 
-def failure_exit_code(codes: list) -> int:
-    """The first failed worker's code (torchrun lists the cause first) as a shell reports it (negative =
-    killed by that signal); 1 when none is listed."""
-    code = next((c for c in codes if c != 0), 1)
-    return 128 - code if code < 0 else code
-
-
 def main(argv: list) -> int:
     # torchrun installs `_terminate_process_handler` (looked up at call time) when it starts workers.
     elastic_api._terminate_process_handler = forward
@@ -172,8 +142,11 @@ def main(argv: list) -> int:
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]
         # a signal asked for a stop, unless the stop's own save failed for space: that must not be retried
-        signalled = received and EXIT_OUT_OF_SPACE not in codes
-        code = 128 + received[0] if signalled else failure_exit_code(codes)
+        code = (
+            128 + received[0]
+            if received and EXIT_OUT_OF_SPACE not in codes
+            else shell_code(next((c for c in codes if c), 1))
+        )
         _log(f"launch: worker exit codes {codes} -> exit {code}")
         return code
     except RendezvousConnectionError as e:  # c10d: the node that kept the rendezvous store is gone

@@ -1,40 +1,12 @@
-"""The launcher's gate: a retry budget kept in the run dir, and the data verdict of the wait step.
+"""The launcher's gate: a retry budget kept in the run dir, and the verdicts of the pod's init steps.
 
-Why: under the PyTorchJob `ExitCode` restart policy the training-operator (v1) retries every code >= 128
-by recreating the pod, so `runPolicy.backoffLimit` (container restarts) never trips (kubeflow/trainer#2045).
-A crash that repeats with a code >= 128 (OOM kill 137, segfault 139, NCCL abort 134, a lost node 144)
-would loop until the budget cap, or forever. The chart counts for itself, on the checkpoint volume:
+Why: under the PyTorchJob `ExitCode` policy the training-operator (v1) recreates the pod for every code
+>= 128, so `runPolicy.backoffLimit` never trips (kubeflow/trainer#2045) and a repeating crash would loop
+forever; the launcher counts failures without progress itself. And the init steps cannot fail the job
+(the operator reads only the `pytorch` container's code), so they leave a verdict that the launcher
+turns into the pod's exit code before torchrun starts.
 
-    RUN_DIR/restarts/node-<R>.json      one file per node rank (no two pods write the same file)
-
-- An attempt is one run of the launcher. It is recorded when it starts and when it ends.
-- A *failure* is an end with a code >= 128 other than 143 (SIGTERM), 130 (SIGINT) and 142 (the run
-  dir's lease is held by another trainer), or no recorded end: the pod vanished (node loss), or the
-  container was OOM-killed whole (cgroup v2 memory.oom.group, the kubelet's default since 1.28).
-  SIGTERM/SIGINT ask to stop (preemption, drain, delete, eviction) and never count; 1-127 are permanent.
-- *Progress* is a newer checkpoint (checkpoints/step_N) than the attempt started with; a failure that
-  made progress does not count, and any progress resets the count.
-- When the count exceeds `max_restarts` (`trainer.maxRestarts`), the launcher ends with EXIT_RETRIES_SPENT
-  (5, permanent), one line why on stderr and in the pod's termination message: the job is Failed.
-- A new Helm release revision (`helm upgrade`, env PRETRAIN_RESTARTS_EPOCH) starts a new count: the
-  documented way to retry after fixing the cause. Without Helm, delete RUN_DIR/restarts/.
-
-Two launchers can share one node-<R>.json (a recreated pod starts while the terminating one saves), so
-every update is a read-modify-write under a lock file beside it (O_CREAT|O_EXCL: atomic on local
-filesystems and NFSv3+, where flock is not), and each launcher finds its own attempt by id. A lock whose
-holder is gone (dead in this pid namespace, or unchanged for LOCK_STALE_SECONDS) is taken over. The
-newcomer may count the other's open attempt as "no record"; if that one ends after all, its code wins.
-
-The pod's init steps cannot fail the job: the operator reads the `pytorch` container's code only (one that
-never ran reads 0xbeef, "retryable": an uncounted loop). They leave a verdict {"code": N, "reason": ...}
-on the pod's emptyDir, and the launcher ends with that code (permanent) and reason before torchrun starts:
-- the wait-for-data step (app/data/wait.py): 4 when it gave up on the data, 2 bad arguments, 1 a crash;
-- the budget-watcher sidecar (app/budget/cli.py, `--verdict`): 2 when it cannot run (an unwritable
-  checkpoint volume, a budget without a price), 1 a crash. It stays up, serving /metrics, so that its
-  startupProbe passes and the pod reaches this launcher instead of hanging in Init.
-
-Environment (set by the chart; no PRETRAIN_RUN_DIR, no retry budget): PRETRAIN_RUN_DIR, _MAX_RESTARTS,
-_RESTARTS_EPOCH, _DATA_VERDICT, _WATCHER_VERDICT, _TERMINATION_LOG (/dev/termination-log); PET_NODE_RANK.
+Detail: docs/kubernetes.md, "What runs in the pods" and "Restarts, retries, cleanup"; docs/contracts.md.
 """
 
 from __future__ import annotations
@@ -42,53 +14,40 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import socket
-import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from app.data.wait import EXIT_DATA_NOT_READY
+from app.errors import EXIT_BAD_INPUT as EXIT_NOT_WRITABLE
+from app.errors import EXIT_DATA_NOT_READY, EXIT_RETRIES_SPENT
+from app.errors import print_stderr as _log
 from app.files import atomic_write_json, create_exclusive, read_lock_file
-from app.trainer.lease import holder_is_dead, identity
+from app.trainer.checkpoint import META, list_checkpoints, step_of
+from app.trainer.lease import Staleness, identity, move_aside
 
-EXIT_RETRIES_SPENT = 5  # 3 is the trainer's "diverged"
-EXIT_NOT_WRITABLE = 2
 # Asked to stop, not failures: SIGINT, SIGTERM, 142 (the run dir's lease held by another trainer too long).
 STOP_CODES = (130, 142, 143)
 KEEP_ATTEMPTS = 50
 LOCK_STALE_SECONDS = 30.0  # the lock is held for one read and one write of a small file
-STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def latest_checkpoint_step(run_dir: Path) -> int:
     """The newest complete checkpoint's step, 0 when there is none. A checkpoint dir appears by an atomic
-    rename of a finished temp dir (app/trainer/checkpoint.py), so its name alone is proof enough here."""
-    try:
-        entries = list((Path(run_dir) / "checkpoints").iterdir())
-    except OSError:
-        return 0
-    steps = [int(m.group(1)) for p in entries if (m := STEP_DIR.match(p.name)) and (p / "meta.json").exists()]
-    return max(steps, default=0)
-
-
-def termination_message(text: str) -> None:
-    """The pod's termination message (`kubectl describe pod`, the pod status) where the kubelet gave one."""
-    path = Path(os.environ.get("PRETRAIN_TERMINATION_LOG", "/dev/termination-log"))
+    rename of a finished temp dir (app/trainer/checkpoint_writer.py), so its meta.json is proof enough."""
     with contextlib.suppress(OSError):
-        if path.is_file():
-            path.write_text(text[:4000] + "\n")
-
-
-def _log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+        return next((step_of(p) for p in list_checkpoints(run_dir) if (p / META).exists()), 0)
+    return 0
 
 
 def _say(line: str) -> None:
+    """On stderr and as the pod's termination message (`kubectl describe pod`) where the kubelet gave one."""
     _log(line)
-    termination_message(line)
+    path = Path(os.environ.get("PRETRAIN_TERMINATION_LOG", "/dev/termination-log"))
+    with contextlib.suppress(OSError):
+        if path.is_file():
+            path.write_text(line[:4000] + "\n")
 
 
 def is_failure(code: int | None) -> bool:
@@ -103,44 +62,20 @@ class StateLock:
         self.stale_seconds, self.poll = stale_seconds, poll_seconds
         self.me = {**identity(), "token": uuid.uuid4().hex}
 
-    def _take_over(self, stale: dict) -> bool:
-        """Move the stale lock aside (one taker's rename finds it); if what moved is not the lock judged
-        stale (a new holder's, created in between), put it back."""
-        aside = self.path.with_name(f"{self.path.name}.stale-{self.me['token']}")
-        try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return False
-        moved = read_lock_file(aside) or {}
-        if stale and moved.get("token") != stale.get("token"):
-            with contextlib.suppress(OSError):
-                os.link(aside, self.path)  # fails if yet another holder exists: then it is theirs
-        with contextlib.suppress(OSError):
-            aside.unlink()
-        return True
-
     def __enter__(self) -> StateLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        seen: dict | None = None
-        since = time.monotonic()
+        staleness = Staleness(self.me, self.stale_seconds)
         while not create_exclusive(self.path, json.dumps({**self.me, "unix": time.time()})):
             held = read_lock_file(self.path)
             if held is None:
                 continue  # released between our create and read: try again at once
-            now = time.monotonic()
-            if held != seen:
-                seen, since = held, now
-            why = ""
-            if held and holder_is_dead(held, self.me):
-                why = f"its process (pid {held.get('pid')} on this machine) is gone"
-            elif now - since >= self.stale_seconds:
-                why = f"it has not changed for {now - since:.0f} s"
-            if why and self._take_over(held):
+            why = staleness.why(held)
+            if why and move_aside(self.path, held, self.me["token"]):
                 _log(
                     f"launch: took over the lock {self.path} of pid {held.get('pid')} on "
                     f"{held.get('host', '?')}: {why}"
                 )
-                seen, since = None, time.monotonic()
+                staleness = Staleness(self.me, self.stale_seconds)
                 continue
             time.sleep(self.poll)
         return self

@@ -13,7 +13,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -25,9 +25,10 @@ from app.data.manifest import Manifest
 from app.errors import UserError
 from app.trainer import checkpoint as ckpt
 from app.trainer import distributed as peers
-from app.trainer.args import DESCRIPTION, add_arguments, config_from_args, print_config
+from app.trainer import layout
+from app.trainer.args import DESCRIPTION, RunArgs, add_arguments, config_from_args, print_config
 from app.trainer.budget_link import BudgetLink
-from app.trainer.checkpoint_state import find_checkpoint, restore_weights, schedule_note
+from app.trainer.checkpoint_state import TrainerState, find_checkpoint, restore_weights, schedule_note
 from app.trainer.checkpoint_writer import CheckpointWriter, SaveResult
 from app.trainer.distributed import DistEnv, init_distributed, shutdown_distributed
 from app.trainer.evaluate import sample_text, validation_loss
@@ -81,31 +82,7 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
 
 
-@dataclass
-class RunArgs:
-    """Runtime choices that are not part of the model/training config."""
-
-    out: Path
-    resume: str = "auto"  # auto | never | PATH
-    stop_file: Path | None = None
-    overwrite: bool = False  # a fresh start in a used run dir moves the old run aside
-
-
-@dataclass
-class TrainerState:
-    """Everything besides weights and optimizer that exact resume needs."""
-
-    step: int = 0
-    tokens: int = 0
-    elapsed_seconds: float = 0.0  # training wall time over all restarts
-    loader: dict = field(default_factory=dict)
-    best_val_loss: float | None = None
-    last_val_loss: float | None = None
-    early_stopping: dict = field(default_factory=dict)
-    spikes: dict = field(default_factory=dict)
-    bad_steps: dict = field(default_factory=dict)
-    budget_decay: dict | None = None  # DecayPlan once the budget started the decay
-    spent_usd: float | None = None
+OOM_RETRY_STEPS = 10  # an out-of-memory error later than this is not the layout's: it is raised
 
 
 class Trainer:
@@ -136,6 +113,8 @@ class Trainer:
         self.data_dir = resolve_data_dir(cfg.data, self.log)
         self.manifest = Manifest.load(self.data_dir)
         fit_vocab(cfg.model, self.manifest, self.data_dir)
+        info = find_checkpoint(self.run_dir, self.args.resume, cfg.checkpoint.verify, env, self.warn)
+        self.auto_micro_batch = layout.for_run(cfg, env.world_size, self.device, info, self.run_dir, self.log)
         self.accum = grad_accum_steps(cfg, env.world_size)
         self.tokens_per_step = self.accum * t.micro_batch_size * cfg.model.seq_len * env.world_size
 
@@ -149,22 +128,15 @@ class Trainer:
         self.model = build_parallel_model(cfg, env, self.device, self.parallel.mode, self.log)
         self.counts = count_parameters(unwrap(self.model))
         self.optimizer = build_optimizer(unwrap(self.model), cfg.optim, self.device)
-        self.loader = TrainLoader(data_dir=self.data_dir, seq_len=cfg.model.seq_len, micro_batch_size=t.micro_batch_size,
-                                  rank=env.rank, world_size=env.world_size, seed=t.seed,
-                                  vocab_size=cfg.model.vocab_size)  # fmt: skip
+        self.loader = self.new_loader()
         self.early = EarlyStopping(patience=t.early_stop_patience, min_delta=t.early_stop_min_delta)
         self.spikes = SpikeDetector(factor=t.spike_factor)
         self.bad_steps = BadSteps(max_bad=t.max_bad_steps)
-        resumed_unix = self._resume()
+        resumed_unix = self._resume(info)
         self.writer = CheckpointWriter(self.run_dir, env.rank, env.world_size, cfg.checkpoint,
                                        expect_bytes=checkpoint_bytes(cfg), warn=self.warn)  # fmt: skip
         self.autocast = autocast_for(cfg, self.device)
-        source, self.drill = self.loader, None
-        if t.inject_spike_at_step:
-            source = self.drill = SpikeDrill(
-                source, t.inject_spike_at_step, t.spike_batches, self.accum, cfg.model.vocab_size
-            )
-        self.batches = Prefetcher(source, self.device, t.prefetch)  # after resume: from its position
+        self.batches = self.new_batches()  # after resume: from its position
         self.stop_file = self.args.stop_file or self.run_dir / "stop.json"
         self.planned = PlannedEnd(t.max_steps, t.max_tokens, t.max_hours * 3600)
         self.stopper = StopAgreement(stop_file=self.stop_file if env.is_rank0 else None,  # only the master pod's
@@ -184,11 +156,43 @@ class Trainer:
                           parameters=self.counts.total, non_embedding=self.counts.non_embedding,
                           world_size=env.world_size, tokens_per_step=self.tokens_per_step)  # fmt: skip
 
-    def _resume(self) -> float:
-        """Restore the newest usable checkpoint (per --resume); returns its save time (0: none)."""
-        info = find_checkpoint(
-            self.run_dir, self.args.resume, self.cfg.checkpoint.verify, self.env, self.warn, self.log
+    def new_loader(self) -> TrainLoader:
+        t, m, env = self.cfg.train, self.cfg.model, self.env
+        return TrainLoader(data_dir=self.data_dir, seq_len=m.seq_len, micro_batch_size=t.micro_batch_size,
+                           rank=env.rank, world_size=env.world_size, seed=t.seed, vocab_size=m.vocab_size)  # fmt: skip
+
+    def new_batches(self) -> Prefetcher:
+        """The loader's micro-batches on the device, through the spike drill when it is on."""
+        t, source, self.drill = self.cfg.train, self.loader, None
+        if t.inject_spike_at_step:
+            source = self.drill = SpikeDrill(
+                source, t.inject_spike_at_step, t.spike_batches, self.accum, self.cfg.model.vocab_size
+            )
+        return Prefetcher(source, self.device, t.prefetch)
+
+    def retry_smaller(self, error: torch.OutOfMemoryError, step: int, first_micro: int) -> None:
+        """train.micro_batch_size=auto: out of memory in this process's first steps halves the micro-batch
+        (recorded in the run dir for the next start) and retries the step on the same samples in the same
+        order; with several ranks, whose collectives cannot be unwound, the retry is the restart."""
+        t, old = self.cfg.train, self.cfg.train.micro_batch_size
+        early = self.auto_micro_batch and step < self.first_step + OOM_RETRY_STEPS
+        smaller = (
+            layout.halve_after_oom(self.cfg, self.env.world_size, self.run_dir, self.warn) if early else 0
         )
+        if not smaller or self.env.world_size > 1:
+            raise error
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steplog.discard(step + 1)
+        self.batches.close()
+        t.micro_batch_size, self.accum = smaller, old * self.accum // smaller
+        self.loader = self.new_loader()
+        self.loader.state.micro_steps = first_micro * old // smaller  # the same samples next
+        self.batches = self.new_batches()
+        self.log(f"out of memory at micro-batch {old} (step {step + 1}): retrying it at micro-batch {smaller} "
+                 f"x accumulation {self.accum}, same data")  # fmt: skip
+
+    def _resume(self, info) -> float:
+        """Restore the newest usable checkpoint (per --resume); returns its save time (0: none)."""
         if info is None:
             return 0.0
         restore_weights(unwrap(self.model), self.optimizer, info, self.env, self.warn, self.log)
@@ -210,7 +214,7 @@ class Trainer:
         skip_spikes = self.skip_if_spike if cfg.train.skip_spike_updates else None
         self.report.open_progress(cfg.train.max_steps, st.step)
         self.write_heartbeat("running")
-        start, elapsed_before = time.monotonic(), st.elapsed_seconds
+        start, elapsed_before, self.first_step = time.monotonic(), st.elapsed_seconds, st.step
         while True:
             now = time.monotonic()
             st.elapsed_seconds = elapsed_before + (now - start)
@@ -232,9 +236,14 @@ class Trainer:
                 self.save("every_minutes")
             decay_plan = DecayPlan(**st.budget_decay) if st.budget_decay else None
             lr = lr_at(st.step, cfg.schedule, cfg.optim, cfg.train.max_steps, decay_plan)
-            train_step(model=self.model, optimizer=self.optimizer, batches=self.batches, accum=self.accum,
-                       autocast=self.autocast, grad_clip=cfg.optim.grad_clip, step=st.step + 1, lr=lr,
-                       log=self.steplog, skip_update=skip_spikes)  # fmt: skip
+            first_micro = self.loader.state.micro_steps
+            try:
+                train_step(model=self.model, optimizer=self.optimizer, batches=self.batches, accum=self.accum,
+                           autocast=self.autocast, grad_clip=cfg.optim.grad_clip, step=st.step + 1, lr=lr,
+                           log=self.steplog, skip_update=skip_spikes)  # fmt: skip
+            except torch.OutOfMemoryError as error:
+                self.retry_smaller(error, st.step, first_micro)
+                continue
             st.step += 1
             peers.at_step(st.step)  # named if a peer is lost
             st.tokens += self.tokens_per_step

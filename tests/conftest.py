@@ -128,3 +128,20 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
             raise AssertionError(f"trainer exited {proc.returncode} before step {step}: {proc.stdout.read()}")
         time.sleep(0.02)
     raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+def full_optimizer_state(info) -> dict | None:
+    """A checkpoint's whole optimizer state keyed by parameter name: {"state": {name: {state: value}},
+    "param_groups": [...]} (training loads its own shards instead)."""
+    from app.trainer import checkpoint as ckpt
+
+    if not info.has_optimizer:
+        return None
+    with ckpt.open_reader(info, "optimizer") as r:
+        state: dict = {}
+        for name in r.names():
+            pname, key = name.split("/", 1)
+            state.setdefault(pname, {})[key] = r.full(name)
+        for pname, entry in r.scalars.items():
+            state.setdefault(pname, {}).update(entry)
+        return {"state": state, "param_groups": r.param_groups}

@@ -27,7 +27,6 @@ import pytest
 import yaml
 
 from app import restarts
-from app.errors import ConfigError
 
 CI = sorted((h.CHART / "ci").glob("*-values.yaml"))
 TRAINER_ENV = (
@@ -459,15 +458,18 @@ def test_6_gpus_the_preset_cannot_split_are_refused_before_scheduling():
     """Checked against the trainer's own rule (app/trainer/runtime.py grad_accum_steps) for the two
     presets that fix a global batch, over GPU counts that divide and that do not."""
     from app.config import load_config
+    from app.errors import UserError
+    from app.trainer.layout import fit_memory
     from app.trainer.runtime import grad_accum_steps
 
     for preset in ("x1-50m", "gpt2-124m"):
         cfg = load_config(preset=preset)
         for gpus in (3, 5, 8, 12, 24, 32, 40):
-            try:
-                grad_accum_steps(cfg, gpus)
+            try:  # micro_batch_size auto: the batch layout's rule (app/trainer/layout.py)
+                auto = cfg.train.micro_batch_size == "auto"
+                fit_memory(cfg, gpus, int(80e9), True, "GPU") if auto else grad_accum_steps(cfg, gpus)
                 trainer_ok = True
-            except ConfigError:
+            except UserError:
                 trainer_ok = False
             values = {"gpus": gpus, "gpusPerNode": 1 if gpus > 8 and gpus % 8 else 8, "config.preset": preset}
             proc = h.helm("template", "pretrain", str(h.CHART), *h._set_args(values), check=False)

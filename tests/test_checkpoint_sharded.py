@@ -17,7 +17,7 @@ from app.errors import UserError
 from app.trainer import checkpoint as ckpt
 from app.trainer.checkpoint_writer import CheckpointWriter
 from app.trainer.model import build_model
-from tests.conftest import REPO, cli_env, pretrain
+from tests.conftest import REPO, cli_env, full_optimizer_state, pretrain
 
 # Run under torchrun: build a small GPT (FSDP over the ranks, or DDP/plain), then either train two steps
 # and save (async), or load a checkpoint from any world size and save it again at once (sync).
@@ -93,7 +93,7 @@ def assert_same_state(a, b):
     assert wa.keys() == wb.keys()
     for k in wa:
         assert wa[k].dtype == wb[k].dtype and torch.equal(wa[k], wb[k]), k
-    oa, ob = ckpt.load_optimizer_state(a), ckpt.load_optimizer_state(b)
+    oa, ob = full_optimizer_state(a), full_optimizer_state(b)
     assert oa["state"].keys() == ob["state"].keys() == set(wa) - {"head.weight"}  # every parameter
     for name, entry in oa["state"].items():
         assert entry.keys() == ob["state"][name].keys() == {"step", "exp_avg", "exp_avg_sq"}
@@ -254,9 +254,9 @@ def test_a_checkpoint_of_the_old_full_weight_format_is_refused_in_one_line(tmp_p
     assert sorted(p.name for p in ckpt.checkpoints_root(tmp_path).iterdir()) == ["step_000003"]  # untouched
 
 
-def test_the_reader_reads_rows_in_place_and_any_other_box_through_safetensors(tmp_path, monkeypatch):
+def test_the_reader_reads_rows_in_place_and_any_other_box_through_a_buffer(tmp_path, monkeypatch):
     """Whole rows of a stored chunk (what every shard and whole tensor is) go straight from the file into
-    the destination; a box of columns, another dtype or a 0-d tensor take the safetensors path. Both give
+    the destination; a box of columns, another dtype or a 0-d tensor take the buffered path. Both give
     the stored values exactly."""
     from app.trainer import checkpoint_format as fmt
 

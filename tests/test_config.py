@@ -66,7 +66,8 @@ def test_print_config_shows_resolved_config_and_counts():
     proc = pretrain("train", "--preset", "x1-50m", "--set", "train.max_steps=5", "--print-config")
     assert proc.returncode == 0, proc.stderr
     assert "max_steps: 5" in proc.stdout and "n_kv_head: 4" in proc.stdout
-    assert "# parameters: 88,942,080 total, 50,344,704 non-embedding" in proc.stdout
+    # 50,344,704 in the blocks and the final norm + 50,304 x 768 tied embedding/head (50,257 padded to 128s)
+    assert "# parameters: 88,978,176 total, 50,344,704 non-embedding" in proc.stdout
     # 12 bytes a parameter (fp32 weights + AdamW's two moments), 5 of them on the volume at once
     assert (
         "# checkpoint: 1.07 GB each (fp32 weights + adamw state); checkpoint volume: at least 5.34 GB"
@@ -106,5 +107,5 @@ def test_print_config_says_what_the_loop_does_on_the_device():
         "train", "--preset", "x1-50m", "--gpu-type", "h100-sxm", "--gpus", "8", "--print-config"
     ).stdout
     assert "# runtime (cuda): bf16 autocast over fp32 master weights; TF32" in gpu
-    assert "# compile: each transformer block, mode default" in gpu
+    assert "# compile: each transformer block and the loss, mode default" in gpu
     assert "into pinned memory" in gpu and "GQA without repeating K/V" in gpu

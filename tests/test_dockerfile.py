@@ -126,10 +126,10 @@ def test_the_image_has_the_experiment_trackers(tmp_path):
     """`metrics.trackers: [mlflow]` in the chart (docs/observability.md) needs the tracker in the image:
     every tracker extra of pyproject is installed, at its pin; one the base image already pins in its pip
     constraint file (NGC ships tensorboard) is kept at the image's version instead of conflicting."""
-    from app.trainer.trackers import TRACKERS  # every tracker the trainer knows, with its extra
+    from app.trainer.trackers import KINDS  # every tracker the trainer knows; its extra bears its name
 
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    needed = sorted({extra for _module, extra in TRACKERS.values()})
+    needed = sorted(KINDS)
     assert {"tensorboard", "mlflow", "wandb"} <= set(needed)
     trackers = [r for e in needed for r in extras[e]]
     reqs = _requirements()

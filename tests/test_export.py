@@ -139,6 +139,11 @@ def test_final_safetensors_round_trips(exported):
     for name in raw:
         assert raw[name].numpy().tobytes() == reference[name].numpy().tobytes(), name
     assert manifest["checkpoint"]["model_sha256"] == sha256_file(out / "final.safetensors")
+    # the padded rows are kept and said so: a consumer slices [:vocab_size]
+    m = model.cfg
+    rows = {"vocab_size": m.vocab_size, "padded_vocab": m.padded_vocab}
+    assert {k: manifest["weights"][k] for k in rows} == rows == {k: int(meta[k]) for k in rows}
+    assert raw["tok_emb.weight"].shape[0] == m.padded_vocab
 
 
 def test_tokenizer_is_copied(exported):

@@ -17,7 +17,7 @@ from app.trainer import checkpoint as ckpt
 from app.trainer.checkpoint_state import model_pieces, optimizer_pieces
 from app.trainer.model import build_model
 from app.trainer.optim import build_optimizer
-from tests.conftest import FAST, REPO, cli_env, losses_by_step, pretrain, torchrun
+from tests.conftest import FAST, REPO, cli_env, full_optimizer_state, losses_by_step, pretrain, torchrun
 
 MICRO = 8 * 64  # FAST: micro-batch 8 x seq 64 tokens
 
@@ -33,7 +33,7 @@ def weights(run, step):
 def optimizer_by_name(run, step) -> dict[str, dict[str, torch.Tensor]]:
     """{param name: {state name: tensor}} of a checkpoint, whatever order the keys were written in."""
     info = ckpt.verify(step_dir(run, step))[0]
-    state = ckpt.load_optimizer_state(info)
+    state = full_optimizer_state(info)
     return state["state"]
 
 

@@ -7,7 +7,13 @@ import pytest
 
 from app.data.loader import TokenWindows, TrainLoader, val_batches
 from app.data.manifest import Manifest
-from app.data.shards import ShardInfo, write_shard
+from app.data.shards import ShardInfo, ShardWriter
+
+
+def write_shard(path, tokens: np.ndarray) -> None:
+    w = ShardWriter(path, tokens.dtype)
+    w.write(tokens)
+    w.finish()
 
 
 @pytest.fixture

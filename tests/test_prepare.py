@@ -15,9 +15,8 @@ import pytest
 
 from app.data.corpus import documents as embedded_documents
 from app.data.corpus import embedded_dataset
-from app.data.manifest import Manifest, is_val_document
+from app.data.manifest import STATE, Manifest, is_val_document
 from app.data.prepare import prepare
-from app.data.resume import STATE
 from app.data.settings import PrepareConfig
 from app.data.shards import HEADER_BYTES, open_shard, read_header
 from app.data.tokenizer import load_tokenizer, train_bpe
@@ -384,15 +383,6 @@ def test_embedded_corpus_goes_through_the_pipeline(embedded_data: Path) -> None:
 def test_embedded_char_corpus(tmp_path: Path) -> None:
     out = embedded_dataset("char", val_fraction=0.02, cache_dir=str(tmp_path), log=lambda s: None)
     check_embedded(out, "char")
-
-
-def test_build_dataset_compat(tmp_path: Path, corpus: dict) -> None:
-    from app.data.prepare import build_dataset
-
-    docs = make_docs(4, 60)
-    m = build_dataset(lambda: iter(docs), tmp_path / "out", corpus["tok"], val_fraction=0.1, shard_tokens=500)
-    assert stream(tmp_path / "out", "train").tolist() == expected_streams(docs, corpus["tok"], 0.1)["train"]
-    assert m.documents == 60
 
 
 def test_progress_log_lines(corpus: dict, tmp_path: Path) -> None:

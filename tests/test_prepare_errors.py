@@ -19,9 +19,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from app.data.manifest import Manifest
+from app.data.manifest import STATE, Manifest
 from app.data.prepare import LOCK, prepare
-from app.data.resume import STATE
 from app.data.settings import PrepareConfig
 from app.data.shards import read_header
 from app.data.tokenizer import CharTokenizer, train_bpe
@@ -304,3 +303,20 @@ def test_error_line_is_exactly_one_line(bad: dict[str, Path], tmp_path: Path) ->
     assert r.stderr.splitlines() == [
         f"error: {bad['no_column']} has no column 'text'; its columns are: id, body, url (choose one with --text-column)"
     ]
+
+
+@pytest.mark.parametrize(
+    ("text", "tokens"),
+    [("256MB", 256 * 10**6), ("256M", 256 * 10**6), ("256mb", 256 * 10**6), ("268435456", 268435456)],
+)
+def test_sizes_take_a_decimal_suffix_with_or_without_b(text: str, tokens: int) -> None:
+    import argparse
+
+    from app.data.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        ["--input", "x", "--out", "o", "--shard-tokens", text, "--tokenizer-sample-bytes", text]
+    )
+    assert args.shard_tokens == args.tokenizer_sample_bytes == tokens

@@ -14,9 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from app.data.manifest import MANIFEST
+from app.data.manifest import MANIFEST, STATE
 from app.data.prepare import prepare
-from app.data.resume import STATE
 from app.data.settings import PrepareConfig
 from app.data.shards import read_header
 from app.data.tokenizer import train_bpe

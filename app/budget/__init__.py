@@ -1,12 +1,7 @@
-"""Budget guard: a run never spends more than its cap and ends on a finished checkpoint.
+"""Budget guard: a run never spends more than its cap and ends on a finished checkpoint (docs/budget.md).
 
-The trainer's entry points:
-  - `start_in_process(cfg, run_dir, stop_file, world_size)` when budget.in_process is true: refuses a run whose
-    budget is already spent (BudgetExhausted), else runs the watcher loop in a daemon thread; call
-    `.close()` on exit.
-  - `check_not_exhausted(cfg, run_dir)` when a sidecar (`pretrain watch`) does the watching.
-  - `check_price_at_launch(cfg, run_dir, world_size, is_rank0)`: the launch price guard (PriceAboveMax).
-  - `read_budget_state(run_dir)`: the watcher's latest view (budget/state.json) for the budget-aware LR decay.
+The trainer reaches it through app/trainer/budget_link.py: the launch checks (`check_not_exhausted`,
+`check_price_at_launch`), the in-process watcher thread (`start_in_process`) and `read_budget_state`.
 """
 
 from __future__ import annotations
@@ -15,13 +10,14 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from app.budget.config import BudgetConfig, check_budget_config
 from app.budget.kube import KubeActions
 from app.budget.ledger import load_ledger
 from app.budget.metrics import BudgetMetrics
 from app.budget.price_guard import PriceAboveMax, PriceGuard, PriceWatcher, check_price_at_launch
-from app.budget.pricing import detect_cuda_gpu_type, no_price_error, resolve_gpus, static_rate
+from app.budget.pricing import local_price, no_price_error, resolve_gpus
 from app.budget.view import View, ledger_path_for, read_budget_state
 from app.budget.watcher import Watcher
 from app.errors import UserError
@@ -50,7 +46,7 @@ def check_not_exhausted(cfg: BudgetConfig, run_dir: Path) -> None:
     this cap (a restart after a graceful budget stop must not train on). No cap: nothing to check."""
     if cfg.cap_usd <= 0:
         return
-    path = ledger_path_for(Path(run_dir))
+    path = ledger_path_for(run_dir)
     led = load_ledger(path)
     spent, cap = led.effective_spent(), cfg.cap_usd
     if spent >= cap:
@@ -99,67 +95,63 @@ def start_in_process(cfg: BudgetConfig, run_dir: Path, stop_file: Path, world_si
     if cfg.cap_usd <= 0 and cfg.max_price_per_gpu_hour <= 0:
         return WatcherHandle(None)
     check_budget_config(cfg)
-    gpu_type = cfg.gpu_type or detect_cuda_gpu_type()
-    gpus = resolve_gpus(cfg, world_size)
-    rate, price = static_rate(gpu_type, cfg.price_per_gpu_hour, gpus, cfg.price_table)
-    run_dir, stop_file = Path(run_dir), Path(stop_file)
-    watcher: Watcher | PriceWatcher
-    if cfg.cap_usd > 0:
-        if rate <= 0 and cfg.source == "static":
-            raise no_price_error(gpu_type)
-        check_not_exhausted(cfg, run_dir)
-        watcher = open_watcher(cfg, run_dir, stop_file, rate, price, gpus, "in-process")
-    else:  # a price ceiling without a cap: poll the source for the price alone
-        watcher = PriceWatcher(cfg, run_dir, stop_file, gpus, price)
-    watcher.tick(time.time())  # the first view (or price) and any stop right away, before training starts
-    if cfg.metrics_port:
-        try:
-            watcher.metrics.serve(cfg.metrics_port)
-        except OSError as e:
-            watcher.close()
-            msg = f"budget metrics port {cfg.metrics_port} is not available ({e.strerror})"
-            raise UserError(f"{msg}; set budget.metrics_port") from None
-    if isinstance(watcher, Watcher):
-        log.info(
-            "budget: watching in-process: cap $%.4f, %s at $%.2f/h, ledger %s",
-            cfg.cap_usd,
-            cfg.source,
-            watcher.view.rate_usd_per_hour if watcher.view else rate,
-            watcher.ledger_path,
-        )
-    else:
+    gpu_type, gpus, price = local_price(cfg, world_size)
+    if cfg.cap_usd <= 0:  # a price ceiling without a cap: poll the source for the price alone
+        price_watcher = PriceWatcher(cfg, run_dir, stop_file, gpus, price)
+        start_watching(price_watcher, cfg.metrics_port)
         log.info(
             "budget: no cap; checking the price against max_price_per_gpu_hour $%.4f every %g s (%s source)",
             cfg.max_price_per_gpu_hour,
             cfg.poll_seconds,
             cfg.source,
         )
+        return WatcherHandle(price_watcher)
+    if price <= 0 and cfg.source == "static":
+        raise no_price_error(gpu_type)
+    check_not_exhausted(cfg, run_dir)
+    watcher = open_watcher(
+        cfg,
+        gpus,
+        price,
+        run_dir=run_dir,
+        stop_file=stop_file,
+        static_rate_usd_per_hour=price * gpus,
+        host="in-process",
+    )
+    start_watching(watcher, cfg.metrics_port)
+    log.info(
+        "budget: watching in-process: cap $%.4f, %s at $%.2f/h, ledger %s",
+        cfg.cap_usd,
+        cfg.source,
+        watcher.view.rate_usd_per_hour,
+        watcher.ledger_path,
+    )
     return WatcherHandle(watcher)
 
 
-def open_watcher(
-    cfg: BudgetConfig,
-    run_dir: Path,
-    stop_file: Path,
-    rate: float,
-    price: float,
-    gpus: int,
-    host: str,
-    ledger_path: Path | None = None,
-) -> Watcher:
-    """A Watcher with its metrics, Kubernetes actions and, with budget.max_price_per_gpu_hour, the price
-    guard; not ticked yet (`pretrain watch` and start_in_process)."""
-    kube = KubeActions.from_config(cfg)
-    watcher = Watcher(
-        cfg,
-        run_dir=run_dir,
-        stop_file=stop_file,
-        static_rate_usd_per_hour=rate,
-        ledger_path=ledger_path,
-        host=host,
-        metrics=BudgetMetrics(),
-        kube=kube,
-    )
+def open_watcher(cfg: BudgetConfig, gpus: int, price: float, **where: Any) -> Watcher:
+    """A Watcher (`where`: Watcher's run_dir, stop_file, static rate, host...) with its metrics, Kubernetes
+    actions and, with budget.max_price_per_gpu_hour, the price guard; not ticked yet."""
+    watcher = Watcher(cfg, metrics=BudgetMetrics(), kube=KubeActions.from_config(cfg), **where)
     if cfg.max_price_per_gpu_hour > 0:
         watcher.price_guard = PriceGuard(cfg, gpus, price)
     return watcher
+
+
+def start_watching(watcher: Watcher | PriceWatcher, port: int, addr: str = "") -> None:
+    """The first tick (real figures, and any stop, before training and the first scrape), then /metrics
+    on `port` (0 = off); the watcher is closed again when either fails."""
+    try:
+        watcher.tick(time.time())
+        if port:
+            try:
+                port = watcher.metrics.serve(port, addr)
+            except OSError as e:
+                raise UserError(
+                    f"budget metrics port {port} is not available ({e.strerror}); "
+                    "set budget.metrics_port (--metrics-port)"
+                ) from None
+            log.info("budget: metrics on :%d/metrics", port)
+    except BaseException:
+        watcher.close()
+        raise

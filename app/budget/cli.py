@@ -1,13 +1,9 @@
 """`pretrain watch`: the budget watcher as its own process (the Kubernetes sidecar), and `--dry-run-budget`.
 
-Settings come from BudgetConfig defaults < the `budget:` section of --config FILE.yaml < flags.
-
-As a native sidecar (`--verdict FILE`, the chart's budget-watcher) a watcher that cannot start (a run dir
-it cannot write, a budget without a price, a crash) must not just exit: the kubelet would restart it in a
-loop, its startupProbe would never pass and the pod would stay in Init holding its GPUs, with no exit
-code reaching the training-operator. It writes {"code": N, "reason": ...} to FILE (the emptyDir it
-shares with the trainer), serves an empty /metrics so that the probe passes, and waits for the kubelet's
-SIGTERM; the launcher finds the verdict and ends the pod with N, permanent (app/restarts.py).
+Settings come from BudgetConfig defaults < the `budget:` section of --config FILE.yaml < flags. As a native
+sidecar (`--verdict FILE`) a watcher that cannot start must not exit (the kubelet would restart it in a loop
+and the pod would hold its GPUs in Init): it leaves {"code", "reason"} in FILE for the launcher, serves an
+empty /metrics for the startupProbe and waits for SIGTERM (docs/kubernetes.md).
 """
 
 from __future__ import annotations
@@ -25,9 +21,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from app.budget import BudgetExhausted, check_not_exhausted, open_watcher
+from app.budget import BudgetExhausted, check_not_exhausted, open_watcher, start_watching
 from app.budget.config import CHOICES, BudgetConfig, check_budget_config
 from app.budget.files import read_status
 from app.budget.ledger import load_ledger
@@ -37,6 +31,7 @@ from app.budget.pricing import no_price_error, static_rate
 from app.budget.sources import make_source
 from app.budget.view import ledger_path_for, state_path_for
 from app.budget.watcher import Watcher
+from app.config import load_yaml, merge_into
 from app.errors import UserError
 from app.files import atomic_write_json, check_writable_dir
 
@@ -54,9 +49,7 @@ FIELD_HELP = {
     "source": "where spend comes from: static (price x GPUs x time), file, opencost",
     "source_path": "JSON spend file kept current by a billing poller (--source file)",
     "opencost_url": "OpenCost API base URL, e.g. http://opencost.opencost:9003",
-    "opencost_selector": (
-        "the job's allocation: <aggregate>:<value>, e.g. label:training.kubeflow.org/job-name:NAME"
-    ),
+    "opencost_selector": "the job's allocation: <aggregate>:<value>, e.g. label:training.kubeflow.org/job-name:NAME",
     "poll_seconds": "seconds between polls of the source",
     "stale_seconds": "a source figure older than this falls back to the static rate",
     "alert_fraction": "alert when spent >= this fraction of the cap",
@@ -67,17 +60,13 @@ FIELD_HELP = {
     "job_name": "the job's name for Events/suspend (default $PRETRAIN_JOB_NAME)",
     "job_kind": "the job's kind: PyTorchJob or TrainJob (default $PRETRAIN_JOB_KIND, else PyTorchJob)",
     "namespace": "the job's namespace (default $POD_NAMESPACE or the service account's)",
-    "max_price_per_gpu_hour": (
-        "launch price guard: stop gracefully while the source's price per GPU-hour is above this (0 = off)"
-    ),
-    "suspend_grace_seconds": (
-        "suspend the PyTorchJob when the trainer still runs this long after an immediate stop"
-    ),
-    "idle_allowance_seconds": (
-        "time charged to the cap before the trainer first reports training (a data wait, a crash loop); "
-        "the rest is recorded as unbilled in the ledger"
-    ),
-}
+    "max_price_per_gpu_hour": "launch price guard: stop gracefully while the source's price per GPU-hour is above "
+    "this (0 = off)",
+    "suspend_grace_seconds": "suspend the PyTorchJob when the trainer still runs this long after an immediate stop",
+    "metrics_port": f"Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0 = off)",
+    "idle_allowance_seconds": "time charged to the cap before the trainer first reports training (a data wait, "
+    "a crash loop); the rest is recorded as unbilled in the ledger",
+}  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,28 +80,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_argument(
             flag, dest=dest, type=types[dest], default=None, choices=CHOICES.get(dest), help=help_ + shown
         )
-    parser.add_argument("--config", help="run config YAML; its `budget:` section sets the defaults")
-    parser.add_argument("--run-dir", help="the trainer's run dir (--out): ledger, status.json, stop.json")
-    parser.add_argument("--ledger", help="ledger path (default RUN_DIR/budget/ledger.json)")
-    parser.add_argument("--stop-file", help="stop file the trainer polls (default RUN_DIR/stop.json)")
-    parser.add_argument(
-        "--metrics-port", type=int, help=f"Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0 = off)"
-    )
-    parser.add_argument(
-        "--metrics-addr", default="", help="address /metrics binds to (0.0.0.0 in a pod, else 127.0.0.1)"
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    add("--config", help="run config YAML; its `budget:` section sets the defaults")
+    add("--run-dir", help="the trainer's run dir (--out): ledger, status.json, stop.json")
+    add("--ledger", help="ledger path (default RUN_DIR/budget/ledger.json)")
+    add("--stop-file", help="stop file the trainer polls (default RUN_DIR/stop.json)")
+    add("--metrics-addr", default="", help="address /metrics binds to (0.0.0.0 in a pod, else 127.0.0.1)")
+    add(
         "--exit-when-done",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="exit 0 when the trainer reports done in status.json (a classic sidecar must, or the pod never ends)",
     )
-    parser.add_argument(
+    add(
         "--verdict",
         help="sidecar mode: when the watcher cannot start, write {code, reason} here, serve an empty "
         "/metrics and wait for SIGTERM instead of exiting (the launcher then ends the pod with the code)",
     )
-    parser.add_argument(
+    add(
         "--dry-run-budget",
         action="store_true",
         help="read the source and the ledger once, print the thresholds and when each would fire, then exit "
@@ -120,58 +105,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _coerce(value: Any, typ: type, key: str, where: str) -> Any:
-    bad = UserError(f"budget.{key} in {where}: expected {typ.__name__}, got {value!r}")
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        raise bad
-    if typ in (int, float):
-        if isinstance(value, bool):
-            raise bad
-        try:
-            out = typ(value)
-        except (TypeError, ValueError):
-            raise bad from None
-        if typ is int and float(value) != out:
-            raise bad
-        return out
-    return "" if value is None else str(value)
-
-
 def config_from_file(path: str) -> BudgetConfig:
-    """BudgetConfig from the `budget:` section of a run config YAML (the chart's /etc/pretrain/config.yaml)."""
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as e:
-        raise UserError(f"cannot read config file {path}: {e.strerror}") from None
-    except yaml.YAMLError:
-        raise UserError(f"config file {path} is not valid YAML; fix the syntax") from None
-    section = data.get("budget", {}) if isinstance(data, dict) else None
+    """BudgetConfig from the `budget:` section of a run config YAML (the chart's /etc/pretrain/config.yaml),
+    read and typed as `pretrain train --config` reads it."""
+    section = load_yaml(Path(path), "config file").get("budget", {})
     if not isinstance(section, dict):
         raise UserError(f"config file {path}: `budget:` must be a mapping of budget keys")
+    names = [f.name for f in dataclasses.fields(BudgetConfig)]
+    if unknown := [key for key in section if key not in names]:
+        raise UserError(f"unknown key budget.{unknown[0]} in {path}; valid keys: {', '.join(names)}")
     cfg = BudgetConfig()
-    hints = typing.get_type_hints(BudgetConfig)
-    for key, value in section.items():
-        if key not in hints:
-            names = ", ".join(f.name for f in dataclasses.fields(BudgetConfig))
-            raise UserError(f"unknown key budget.{key} in {path}; valid keys: {names}")
-        setattr(cfg, key, _coerce(value, hints[key], key, path))
+    merge_into(cfg, section, path, "budget.")
     return cfg
 
 
 def build_config(args: argparse.Namespace) -> BudgetConfig:
     cfg = config_from_file(args.config) if args.config else BudgetConfig()
+    cfg.metrics_port = cfg.metrics_port or DEFAULT_METRICS_PORT  # the file's 0: 9401; --metrics-port 0: off
     for dest in FIELD_HELP:
         value = getattr(args, dest, None)
         if value is not None:
             setattr(cfg, dest, value)
-    if args.metrics_port is not None:
-        cfg.metrics_port = args.metrics_port
-    elif not cfg.metrics_port:
-        cfg.metrics_port = DEFAULT_METRICS_PORT
     check_budget_config(cfg)
     if cfg.cap_usd <= 0:
         raise UserError("pretrain watch needs a budget: --cap-usd X with X > 0")
@@ -186,10 +140,6 @@ def _settings(args: argparse.Namespace) -> tuple[BudgetConfig, Path, Path, Path,
     run_dir = Path(args.run_dir) if args.run_dir else Path(args.ledger).resolve().parent.parent
     ledger = Path(args.ledger) if args.ledger else ledger_path_for(run_dir)
     stop_file = Path(args.stop_file) if args.stop_file else run_dir / "stop.json"
-    return cfg, run_dir, ledger, stop_file, *_rate(cfg)
-
-
-def _rate(cfg: BudgetConfig) -> tuple[float, float]:
     rate, price = static_rate(cfg.gpu_type, cfg.price_per_gpu_hour, max(cfg.gpus, 1), cfg.price_table)
     if price > 0 and cfg.gpus <= 0:
         raise UserError(
@@ -201,7 +151,7 @@ def _rate(cfg: BudgetConfig) -> tuple[float, float]:
         log.warning(
             "budget: no static price; if the %s source fails the watcher uses its last good rate", cfg.source
         )
-    return rate, price
+    return cfg, run_dir, ledger, stop_file, rate, price
 
 
 def _dur(seconds: float | None) -> str:
@@ -267,11 +217,8 @@ def dry_run(
         "(0 = not measured yet)"
     )
     dec = decide(inp)
-    per_s = r / 3600
-    cap = cfg.cap_usd
-    alert_at = cfg.alert_fraction * cap
-    if cfg.alert_usd > 0:
-        alert_at = min(alert_at, cfg.alert_usd)
+    per_s, cap = r / 3600, cfg.cap_usd
+    alert_at = min(cfg.alert_fraction * cap, cfg.alert_usd or math.inf)  # alert_usd 0 = off
     graceful_at = cap - per_s * dec.horizon_seconds
     decay_at = graceful_at - cfg.decay_fraction * cap
 
@@ -297,13 +244,6 @@ def dry_run(
     except BudgetExhausted as e:
         out.append(f"  trainer   would refuse to start: {e}")
     return out, problems
-
-
-def _setup_logging() -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr
-        )
 
 
 def _stop_on_signals(then: str = "") -> threading.Event:
@@ -338,9 +278,8 @@ def hold(args: argparse.Namespace, code: int, reason: str) -> int:
             print(f"error: cannot serve metrics on port {port}: {e.strerror}", file=sys.stderr, flush=True)
             return code
     log.info(
-        "budget: not watching; verdict in %s (the trainer's launcher exits %d with it); waiting for SIGTERM",
-        args.verdict,
-        code,
+        f"budget: not watching; verdict in {args.verdict} (the trainer's launcher exits {code} with it); "
+        "waiting for SIGTERM"
     )
     stop = _stop_on_signals()
     while not stop.wait(1.0):
@@ -354,28 +293,23 @@ def start(args: argparse.Namespace) -> Watcher:
     problems = write_problems(run_dir, ledger_path, stop_file)
     if problems:
         raise UserError(problems[0])
-    watcher = open_watcher(cfg, run_dir, stop_file, rate, price, max(cfg.gpus, 1), "sidecar", ledger_path)
-    try:
-        watcher.tick(time.time())  # real figures before the first scrape
-        if cfg.metrics_port:
-            try:
-                port = watcher.metrics.serve(cfg.metrics_port, args.metrics_addr)
-            except OSError as e:
-                raise UserError(
-                    f"cannot serve metrics on port {cfg.metrics_port} ({e.strerror}); pass --metrics-port"
-                ) from None
-            log.info("budget: metrics on :%d/metrics", port)
-    except BaseException:
-        watcher.close()
-        raise
+    watcher = open_watcher(
+        cfg,
+        max(cfg.gpus, 1),
+        price,
+        run_dir=run_dir,
+        stop_file=stop_file,
+        static_rate_usd_per_hour=rate,
+        ledger_path=ledger_path,
+    )
+    start_watching(watcher, cfg.metrics_port, args.metrics_addr)
     return watcher
 
 
 def run(args: argparse.Namespace) -> int:
-    _setup_logging()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")  # no-op if set
     if args.dry_run_budget:
-        cfg, run_dir, ledger_path, stop_file, rate, price = _settings(args)
-        lines, problems = dry_run(cfg, run_dir, ledger_path, stop_file, rate, price)
+        lines, problems = dry_run(*_settings(args))
         print("\n".join(lines), flush=True)
         if problems:
             raise UserError(problems[0])
@@ -394,13 +328,8 @@ def run(args: argparse.Namespace) -> int:
     stop = _stop_on_signals("; closing the ledger")
     cfg = watcher.cfg
     log.info(
-        "budget: watching %s: cap $%.4f, source %s, static $%.2f/h, poll %g s, stop file %s",
-        watcher.run_dir,
-        cfg.cap_usd,
-        cfg.source,
-        watcher.static_rate,
-        cfg.poll_seconds,
-        watcher.stop_file,
+        f"budget: watching {watcher.run_dir}: cap ${cfg.cap_usd:.4f}, source {cfg.source}, static "
+        f"${watcher.static_rate:.2f}/h, poll {cfg.poll_seconds:g} s, stop file {watcher.stop_file}"
     )
     try:
         why = watcher.run(stop, exit_when_done=args.exit_when_done)

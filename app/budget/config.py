@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from app.errors import UserError
+from app.errors import ConfigError
 
 CHOICES = {  # valid values
     "source": ("static", "file", "opencost"),
@@ -50,13 +50,22 @@ def is_amount(val: object) -> bool:
     return isinstance(val, int | float) and not isinstance(val, bool) and math.isfinite(val) and val >= 0
 
 
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)  # a UserError: one line, exit 2
+
+
+def check_shared_keys(cfg: BudgetConfig) -> None:
+    """The budget checks `pretrain train` runs when it loads its config (app.config_checks.validate)."""
+    _need(0 < cfg.alert_fraction <= 1, f"budget.alert_fraction must be in (0, 1], got {cfg.alert_fraction}")
+    _need(0 < cfg.decay_fraction < 1, f"budget.decay_fraction must be in (0, 1), got {cfg.decay_fraction}")
+    for key, choices in CHOICES.items():
+        val = getattr(cfg, key)
+        _need(val in choices, f"budget.{key}='{val}' is not valid; choose one of: {', '.join(choices)}")
+
+
 def check_budget_config(cfg: BudgetConfig) -> None:
-    """Validate what the watcher needs, in one line per mistake (app.config checks the shared keys too)."""
-
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            raise UserError(msg)
-
+    """Validate what the watcher needs, in one line per mistake."""
     for key in (
         "cap_usd",
         "price_per_gpu_hour",
@@ -67,26 +76,22 @@ def check_budget_config(cfg: BudgetConfig) -> None:
         "max_price_per_gpu_hour",
     ):
         val = getattr(cfg, key)
-        need(math.isfinite(val) and val >= 0, f"budget.{key} must be a finite number >= 0, got {val}")
-    need(cfg.gpus >= 0, f"budget.gpus must be >= 0, got {cfg.gpus}")
-    need(cfg.poll_seconds > 0, f"budget.poll_seconds must be > 0, got {cfg.poll_seconds}")
-    need(
+        _need(math.isfinite(val) and val >= 0, f"budget.{key} must be a finite number >= 0, got {val}")
+    _need(cfg.gpus >= 0, f"budget.gpus must be >= 0, got {cfg.gpus}")
+    _need(cfg.poll_seconds > 0, f"budget.poll_seconds must be > 0, got {cfg.poll_seconds}")
+    _need(
         cfg.stale_seconds > cfg.poll_seconds,
         f"budget.stale_seconds={cfg.stale_seconds} must exceed budget.poll_seconds={cfg.poll_seconds}",
     )
-    need(0 < cfg.alert_fraction <= 1, f"budget.alert_fraction must be in (0, 1], got {cfg.alert_fraction}")
-    need(0 < cfg.decay_fraction < 1, f"budget.decay_fraction must be in (0, 1), got {cfg.decay_fraction}")
-    need(
+    _need(
         0 <= cfg.metrics_port < 65536, f"budget.metrics_port must be a TCP port or 0, got {cfg.metrics_port}"
     )
-    for key, choices in CHOICES.items():
-        val = getattr(cfg, key)
-        need(val in choices, f"budget.{key}='{val}' is not valid; choose one of: {', '.join(choices)}")
+    check_shared_keys(cfg)
     if cfg.source == "file":
-        need(bool(cfg.source_path), "budget.source=file needs budget.source_path (--source-path FILE.json)")
+        _need(bool(cfg.source_path), "budget.source=file needs budget.source_path (--source-path FILE.json)")
     if cfg.source == "opencost":
-        need(bool(cfg.opencost_url), "budget.source=opencost needs budget.opencost_url (--opencost-url URL)")
-        need(
+        _need(bool(cfg.opencost_url), "budget.source=opencost needs budget.opencost_url (--opencost-url URL)")
+        _need(
             cfg.opencost_selector.count(":") >= 1,
             "budget.source=opencost needs budget.opencost_selector like "
             "label:training.kubeflow.org/job-name:NAME or namespace:NS (--opencost-selector)",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -53,26 +53,19 @@ def read_status(path: Path) -> TrainerStatus | None:
     return TrainerStatus(step=step, state=str(data.get("state", "")), event=event, **seconds)
 
 
-def write_stop_file(path: Path, mode: str, reason: str, now: float | None = None) -> bool:
+def write_stop_file(path: Path, mode: str, reason: str, now: float) -> None:
     """Ask the trainer to stop (contract shape). Never downgrades an immediate stop someone already asked
-    for, and leaves an existing graceful request alone unless escalating; True when written."""
+    for, and leaves an existing graceful request alone unless escalating."""
     current = (read_stop_file(path) or {}).get("mode")
     if current == "immediate" or current == mode == "graceful":
-        return False
-    now = time.time() if now is None else now
+        return
     data = {"mode": mode, "cause": "budget", "reason": reason, "written_unix": now}
     atomic_write_json(Path(path), data, durable=True)
-    return True
 
 
-def clear_stale_budget_stop(path: Path) -> bool:
+def clear_stale_budget_stop(path: Path) -> None:
     """Remove a budget stop file left by an earlier run (local runs keep RUN_DIR/stop.json), so a raised
     cap can train again. Stop files from users or other causes are never touched."""
-    current = read_stop_file(path)
-    if current is None or current.get("cause") != "budget":
-        return False
-    try:
-        Path(path).unlink()
-    except OSError:
-        return False
-    return True
+    if (read_stop_file(path) or {}).get("cause") == "budget":
+        with contextlib.suppress(OSError):
+            Path(path).unlink()

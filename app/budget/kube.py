@@ -1,20 +1,11 @@
 """Optional Kubernetes actions: Events on the job (a PyTorchJob, or a Kubeflow Trainer v2 TrainJob) for
-alerts and stops, and, as the last resort when the trainer ignores an immediate stop, suspending it
-(PyTorchJob spec.runPolicy.suspend: true; TrainJob spec.suspend: true).
+alerts and stops, and, as the last resort when the trainer ignores an immediate stop, suspending it.
 
-Under Kueue (the job carries the label kueue.x-k8s.io/queue-name) a suspend would not hold: Kueue owns
-`suspend` of the jobs it manages and unsuspends a job whose Workload is still admitted. There the last
-resort deactivates the job's Workload instead (spec.active: false): Kueue evicts it, suspends the job and
-keeps it so until someone reactivates it.
+Under Kueue (the job carries the label kueue.x-k8s.io/queue-name) a suspend would not hold, so the last
+resort deactivates the job's Workload instead (why: docs/kubernetes.md, "Kueue").
 
-Only inside a cluster (KUBERNETES_SERVICE_HOST set) or with budget.kube=on. A failed API call is logged and
-never stops the watcher: the stop file is the primary path, these are extras.
-
-RBAC (namespaced Role for the pod's service account):
-  - apiGroups [""], resources [events], verbs [create]
-  - apiGroups [kubeflow.org], resources [pytorchjobs], verbs [get, patch] (or [trainer.kubeflow.org],
-    [trainjobs] for a TrainJob)
-  - under Kueue: apiGroups [kueue.x-k8s.io], resources [workloads], verbs [list, patch]
+A failed API call is logged and never stops the watcher: the stop file is the primary path. RBAC:
+docs/budget.md, "Kubernetes actions and RBAC" (under Kueue also workloads: list, patch).
 """
 
 from __future__ import annotations
@@ -40,8 +31,8 @@ QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 COMPONENT = "pretrain-budget-watcher"
-TIMEOUT = 5.0
-MERGE_PATCH = {"_request_timeout": TIMEOUT, "_content_type": "application/merge-patch+json"}
+TIMED = {"_request_timeout": 5.0}  # every API call
+MERGE_PATCH = {**TIMED, "_content_type": "application/merge-patch+json"}
 
 
 def _namespace(cfg: BudgetConfig) -> str:
@@ -65,19 +56,18 @@ class KubeActions:
     ):
         from kubernetes import client
 
-        self.kind = kind
+        self.namespace, self.job_name, self.kind = namespace, job_name, kind
+        self.ref = f"{kind} {namespace}/{job_name}"  # for log lines
         self.group, self.version, self.plural, self.suspend_patch = JOB_KINDS[kind]
-        self.namespace = namespace
-        self.job_name = job_name
-        self.component = component
-        self.prefix = prefix  # Events are named <job>-<prefix>-<random>
+        self.component, self.prefix = component, prefix  # Events are named <job>-<prefix>-<random>
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self._job: dict | None = None
 
     @classmethod
-    def from_config(cls, cfg: BudgetConfig) -> KubeActions | None:
-        """None when actions are off or there is no cluster; UserError when asked for (kube=on) but impossible."""
+    def from_config(cls, cfg: BudgetConfig, **names: str) -> KubeActions | None:
+        """None when actions are off or there is no cluster; UserError when asked for (kube=on) but impossible.
+        `names`: the Events' component and prefix, when not the budget watcher's."""
         in_cluster = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
         if cfg.kube == "off" or (cfg.kube == "auto" and not in_cluster):
             return None
@@ -99,7 +89,7 @@ class KubeActions:
                 raise UserError(f"budget.kube=on but no Kubernetes credentials: {e}") from None
             log.warning("budget: cannot load Kubernetes credentials (%s); Kubernetes actions off", e)
             return None
-        return cls(_namespace(cfg), job, client.ApiClient(), kind=kind)
+        return cls(_namespace(cfg), job, client.ApiClient(), kind=kind, **names)
 
     def _job_meta(self) -> dict:
         """The job's metadata (fetched once), or {} when it cannot be read: a failed read is logged
@@ -107,18 +97,11 @@ class KubeActions:
         if self._job is None:
             try:
                 job = self.custom.get_namespaced_custom_object(
-                    self.group,
-                    self.version,
-                    self.namespace,
-                    self.plural,
-                    self.job_name,
-                    _request_timeout=TIMEOUT,
+                    self.group, self.version, self.namespace, self.plural, self.job_name, **TIMED
                 )
                 self._job = dict(job.get("metadata", {}))
             except Exception as e:  # no 'get' permission or job gone
-                log.warning(
-                    "budget: cannot read %s %s/%s: %s", self.kind, self.namespace, self.job_name, _short(e)
-                )
+                log.warning("budget: cannot read %s: %s", self.ref, _short(e))
                 return {}
         return self._job
 
@@ -127,8 +110,8 @@ class KubeActions:
             group, version, self.namespace, plural, name, body, **MERGE_PATCH
         )
 
-    def event(self, reason: str, message: str, warning: bool = True) -> bool:
-        """A core/v1 Event on the job (shows in `kubectl describe pytorchjob|trainjob`)."""
+    def event(self, reason: str, message: str) -> bool:
+        """A Warning Event on the job (shows in `kubectl describe pytorchjob|trainjob`); True when posted."""
         try:
             uid = str(self._job_meta().get("uid", ""))
             now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -146,7 +129,7 @@ class KubeActions:
                 "involvedObject": involved,
                 "reason": reason,
                 "message": message[:1024],
-                "type": "Warning" if warning else "Normal",
+                "type": "Warning",
                 "source": {"component": self.component},
                 "reportingComponent": self.component,
                 "reportingInstance": os.environ.get("HOSTNAME", self.component),
@@ -154,7 +137,7 @@ class KubeActions:
                 "lastTimestamp": now,
                 "count": 1,
             }
-            self.core.create_namespaced_event(self.namespace, body, _request_timeout=TIMEOUT)
+            self.core.create_namespaced_event(self.namespace, body, **TIMED)
             return True
         except Exception as e:
             log.warning("budget: cannot create Event %s on %s: %s", reason, self.job_name, _short(e))
@@ -169,9 +152,7 @@ class KubeActions:
             self._patch(self.group, self.version, self.plural, self.job_name, self.suspend_patch)
             return True
         except Exception as e:
-            log.error(
-                "budget: cannot suspend %s %s/%s: %s", self.kind, self.namespace, self.job_name, _short(e)
-            )
+            log.error("budget: cannot suspend %s: %s", self.ref, _short(e))
             return False
 
     def _deactivate_workload(self) -> bool:
@@ -181,7 +162,7 @@ class KubeActions:
 
         def workloads(**selector: str) -> list:
             return self.custom.list_namespaced_custom_object(
-                KUEUE_GROUP, KUEUE_VERSION, self.namespace, WORKLOADS, _request_timeout=TIMEOUT, **selector
+                KUEUE_GROUP, KUEUE_VERSION, self.namespace, WORKLOADS, **TIMED, **selector
             ).get("items", [])
 
         try:
@@ -203,10 +184,8 @@ class KubeActions:
 
 
 def _short(e: Exception) -> str:
-    status = getattr(e, "status", None)
-    reason = getattr(e, "reason", None)
-    if status:
-        return f"HTTP {status} {reason or ''}".strip()
+    if status := getattr(e, "status", None):  # the client's ApiException
+        return f"HTTP {status} {getattr(e, 'reason', None) or ''}".strip()
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
@@ -215,9 +194,8 @@ def post_event(cfg: BudgetConfig, reason: str, message: str, warn=log.warning) -
     Never raises: the exit code and metrics.jsonl carry the same fact, and a budget watcher relays it
     from status.json where the trainer has no API token (the chart's pods)."""
     try:
-        kube = KubeActions.from_config(cfg)
+        kube = KubeActions.from_config(cfg, component="pretrain-trainer", prefix="trainer")
         if kube is not None:
-            kube.component, kube.prefix = "pretrain-trainer", "trainer"
             return kube.event(reason, message)
     except Exception as e:  # noqa: BLE001 - an Event is an extra
         warn(f"warning: cannot post the {reason} Event: {_short(e)}")

@@ -1,12 +1,5 @@
-"""The spend ledger (RUN_DIR/budget/ledger.json): the one durable record of what a run has spent.
-
-It lives on the checkpoint volume next to the checkpoints, so spend accumulates across restarts and
-preemptions. Each watcher session appends itself; time between sessions is not charged. A session that
-dies without closing (SIGKILL, node loss) is charged `reserved_usd` (the spend of two polls ahead,
-written at every tick) when the next session opens: a crash can over-count a little, never under-count.
-Before the trainer first reports training, only `budget.idle_allowance_seconds` are charged; the rest
-of that wait is kept apart in `unbilled_usd` / `unbilled_seconds`, so a failed prepare or a crash loop
-before step 1 does not eat the budget meant for training.
+"""The spend ledger (RUN_DIR/budget/ledger.json), on the checkpoint volume so that spend accumulates across
+restarts and preemptions. docs/budget.md, "How spend is tracked: the ledger".
 """
 
 from __future__ import annotations
@@ -96,16 +89,15 @@ def _bad(path: Path, what: str) -> LedgerError:
     )
 
 
-def _float(data: dict, key: str, path: Path) -> float:
-    val = data.get(key, 0.0)
-    if not is_amount(val):
-        raise _bad(path, f"'{key}' must be a number >= 0, got {val!r}")
-    return float(val)
-
-
 def _floats(cls: type, data: dict, path: Path) -> dict[str, float]:
     """The float fields of dataclass `cls` from `data`, each a number >= 0 (0 when absent)."""
-    return {f.name: _float(data, f.name, path) for f in dataclasses.fields(cls) if f.type in ("float", float)}
+    out = {}
+    for name in (f.name for f in dataclasses.fields(cls) if f.type in ("float", float)):
+        val = data.get(name, 0.0)
+        if not is_amount(val):
+            raise _bad(path, f"'{name}' must be a number >= 0, got {val!r}")
+        out[name] = float(val)
+    return out
 
 
 def ledger_from_json(data: Any, path: Path) -> Ledger:

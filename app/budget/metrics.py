@@ -4,47 +4,38 @@ trainer's exporter when both run in one process (in-process mode)."""
 from __future__ import annotations
 
 import math
+from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from app.budget.policy import STATES
 from app.budget.view import View
 
+# the View's figures exported as they are, each as the gauge pretrain_budget_<field> (None, at rate 0: +Inf)
+VIEW_GAUGES = {
+    "spent_usd": "Spend recorded in the ledger (USD)",
+    "cap_usd": "Budget cap (USD)",
+    "rate_usd_per_hour": "Current spend rate (USD per hour)",
+    "projected_total_usd": "Spend projected at the next safe stopping point: max(poll, step + checkpoint) + poll + margin (USD)",
+    "remaining_usd": "Cap minus spent (USD)",
+    "seconds_to_cap": "Seconds until the cap at the current rate (+Inf at rate 0)",
+    "seconds_to_stop": "Seconds until the graceful budget stop fires at the current rate (+Inf at rate 0)",
+    "decay": "1 while the budget asks the trainer to decay its LR",
+}
+
 
 class BudgetMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
-        self.registry = registry or CollectorRegistry()
-        r = self.registry
-
-        def gauge(name: str, help_: str, *labels: str) -> Gauge:
-            return Gauge(name, help_, labels, registry=r)
-
-        def counter(name: str, help_: str, *labels: str) -> Counter:
-            return Counter(name, help_, labels, registry=r)
-
-        self.spent = gauge("pretrain_budget_spent_usd", "Spend recorded in the ledger (USD)")
-        self.cap = gauge("pretrain_budget_cap_usd", "Budget cap (USD)")
-        self.rate = gauge("pretrain_budget_rate_usd_per_hour", "Current spend rate (USD per hour)")
-        self.projected = gauge(
-            "pretrain_budget_projected_total_usd",
-            "Spend projected at the next safe stopping point: max(poll, step + checkpoint) + poll + margin (USD)",
-        )
-        self.remaining = gauge("pretrain_budget_remaining_usd", "Cap minus spent (USD)")
-        self.to_cap = gauge(
-            "pretrain_budget_seconds_to_cap", "Seconds until the cap at the current rate (+Inf at rate 0)"
-        )
-        self.to_stop = gauge(
-            "pretrain_budget_seconds_to_stop",
-            "Seconds until the graceful budget stop fires at the current rate (+Inf at rate 0)",
-        )
-        self.decay = gauge("pretrain_budget_decay", "1 while the budget asks the trainer to decay its LR")
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        gauge, counter = partial(Gauge, registry=self.registry), partial(Counter, registry=self.registry)
+        self.of_view = {field: gauge(f"pretrain_budget_{field}", text) for field, text in VIEW_GAUGES.items()}
         self.state = gauge(
-            "pretrain_budget_state", "1 for the current budget state, 0 for the others", "state"
+            "pretrain_budget_state", "1 for the current budget state, 0 for the others", ["state"]
         )
         self.source_up = gauge(
             "pretrain_budget_source_up",
             "1 when the spend source answered fresh data at the last poll",
-            "source",
+            ["source"],
         )
         self.source_updated = gauge(
             "pretrain_budget_source_last_update_timestamp_seconds",
@@ -58,7 +49,7 @@ class BudgetMetrics:
             "Times the watcher fell back to the static rate because its source failed or went stale",
         )
         self.alerts = counter("pretrain_budget_alerts_total", "Budget alerts raised")
-        self.stops = counter("pretrain_budget_stops_total", "Budget stops asked for", "mode")
+        self.stops = counter("pretrain_budget_stops_total", "Budget stops asked for", ["mode"])
         self.suspends = counter(
             "pretrain_budget_suspends_total", "PyTorchJob suspensions after an ignored immediate stop"
         )
@@ -78,14 +69,9 @@ class BudgetMetrics:
         self._server = None
 
     def update(self, view: View) -> None:
-        self.spent.set(view.spent_usd)
-        self.cap.set(view.cap_usd)
-        self.rate.set(view.rate_usd_per_hour)
-        self.projected.set(view.projected_total_usd)
-        self.remaining.set(view.remaining_usd)
-        self.to_cap.set(math.inf if view.seconds_to_cap is None else view.seconds_to_cap)
-        self.to_stop.set(math.inf if view.seconds_to_stop is None else view.seconds_to_stop)
-        self.decay.set(1 if view.decay else 0)
+        for field, gauge in self.of_view.items():
+            value = getattr(view, field)
+            gauge.set(math.inf if value is None else float(value))
         for s in STATES:
             self.state.labels(state=s).set(1 if s == view.state else 0)
         self.source_up.labels(source=view.source).set(1 if view.source_healthy else 0)
@@ -97,9 +83,8 @@ class BudgetMetrics:
         """Start /metrics on port (0 = any free port; addr "" = the trainer's default); returns the port."""
         from app.trainer.metrics import bind_address
 
-        server, _thread = start_http_server(port, addr=addr or bind_address(), registry=self.registry)
-        self._server = server
-        return server.server_address[1]
+        self._server, _thread = start_http_server(port, addr=addr or bind_address(), registry=self.registry)
+        return self._server.server_address[1]
 
     def shutdown(self) -> None:
         if self._server is not None:

@@ -1,34 +1,7 @@
 """The budget policy: given what is spent and how fast, when to alert, stop gracefully, or stop at once.
 
-Pure arithmetic, no I/O, so the same rules run in the watcher and in the simulated-clock tests.
-
-With r the rate in USD/s and R = (cap - spent) / r the seconds of spend left:
-
-- S = step + write + checkpoint, the stop's own time: the trainer sees the stop file after finishing its
-  current `step`, waits for a background `write` still in flight (asynchronous saves), then writes its
-  final `checkpoint` (the last save's whole time). 0 for what has not been measured yet.
-- A = max(margin, S): the allowance for jitter, at least `margin` and at least the stop's own time (a
-  checkpoint measured once may run much longer the next time; a margin of 0 s must not make the stop
-  cross the cap).
-- H = max(poll, S) + poll + A, the horizon: the graceful stop is asked at the first poll with R <= H.
-  Polls are `poll` apart, so one lands with R in (H - poll, H], i.e. R > S + A: a whole poll beyond the
-  stop's cost plus allowance, whatever poll, margin, step and checkpoint times are.
-
-Rules:
-
-- graceful stop when R <= H, except while a trainer holds the run dir but is still starting
-  (`trainer_starting`: no training heartbeat in this session yet): it would take the request at its first
-  stop check, before step 1, and end with nothing saved. The request waits, and the watcher looks every
-  `LOOK_SECONDS` (app/budget/watcher.py) for the first training heartbeat, then asks at once. So a
-  stop asked late (the first poll of a run whose cap is smaller than one poll, or a horizon that grew)
-  is still graceful whenever the rest pays for the step in progress and a checkpoint;
-- immediate stop when spent >= cap; or when not even the stop's own time fits (R <= S, measured figures
-  only: nothing measured, no such stop); or, with a graceful stop under way that has run past its
-  expected time (S + A) while the cap is less than one poll away (a trainer that does not stop);
-- alert when spent >= alert_fraction*cap or spent >= alert_usd (when set).
-
-`look_again_seconds` tells the watcher when to look again: one poll, or sooner when a graceful stop
-under way becomes overdue within the poll.
+Pure arithmetic, no I/O, so the same rules run in the watcher, the dry run and the simulated-clock tests.
+The terms (S, A, H below) and why each is there: docs/budget.md, "Policy".
 """
 
 from __future__ import annotations
@@ -41,6 +14,8 @@ from app.budget.ledger import Ledger
 
 STATES = ("ok", "alert", "stopping", "exhausted")
 MIN_LOOK_SECONDS = 0.01  # the soonest the watcher is asked to look again (clock resolution, no busy loop)
+FROM_CONFIG = ("cap_usd", "poll_seconds", "margin_seconds", "alert_fraction", "alert_usd", "decay_fraction")
+TRAINER_FIGURES = ("step_seconds", "checkpoint_seconds", "checkpoint_write_seconds")  # status.json, ledger
 
 
 @dataclass(frozen=True)
@@ -79,51 +54,30 @@ class Decision:
 
 
 def stop_seconds(inp: PolicyInput) -> float:
-    """S: the stop's own time: the step in progress, a background write still in flight (asynchronous
-    saves; 0 for synchronous ones) and the final checkpoint (blocking + background: a stop waits for all
-    of it)."""
+    """S: the step in progress, a background write still in flight, then the whole final checkpoint."""
     return inp.step_seconds + inp.checkpoint_write_seconds + inp.checkpoint_seconds
 
 
 def allowance_seconds(inp: PolicyInput) -> float:
-    """A = max(margin, S): jitter allowance, at least the margin and at least the stop's own time."""
+    """A = max(margin, S): the jitter allowance."""
     return max(inp.margin_seconds, stop_seconds(inp))
 
 
 def horizon_seconds(inp: PolicyInput) -> float:
-    """H = max(poll, S) + poll + A: a poll lands with R in (H - poll, H], so R > S + A at the graceful
-    request."""
+    """H = max(poll, S) + poll + A: a poll lands with R in (H - poll, H], so R > S + A when asked."""
     return max(inp.poll_seconds, stop_seconds(inp)) + inp.poll_seconds + allowance_seconds(inp)
-
-
-def trainer_figures(led: Ledger, status: Any) -> tuple[float, float, float]:
-    """(step, checkpoint, write) seconds: the trainer's latest (status.json), else the ledger's last known."""
-    if not status:
-        return led.step_seconds, led.checkpoint_seconds, led.checkpoint_write_seconds
-    return (
-        status.step_seconds or led.step_seconds,
-        status.checkpoint_seconds or led.checkpoint_seconds,
-        status.checkpoint_write_seconds or led.checkpoint_write_seconds,
-    )
 
 
 def policy_input(
     cfg: BudgetConfig, led: Ledger, spent: float, rate: float, status: Any, now: float, starting: bool = False
 ) -> PolicyInput:
-    """What the policy decides on: spend and rate, the trainer's figures, the config and a stop under way."""
-    step, ckpt, write = trainer_figures(led, status)
+    """What the policy decides on: spend and rate, the config, a stop under way and the trainer's figures:
+    its latest (status.json), else the ledger's last known (a final, synchronous save reports write 0)."""
     return PolicyInput(
+        **{key: getattr(cfg, key) for key in FROM_CONFIG},
+        **{key: getattr(status, key, 0.0) or getattr(led, key) for key in TRAINER_FIGURES},
         spent_usd=spent,
-        cap_usd=cfg.cap_usd,
         rate_usd_per_hour=rate,
-        step_seconds=step,
-        checkpoint_seconds=ckpt,
-        checkpoint_write_seconds=write,
-        poll_seconds=cfg.poll_seconds,
-        margin_seconds=cfg.margin_seconds,
-        alert_fraction=cfg.alert_fraction,
-        alert_usd=cfg.alert_usd,
-        decay_fraction=cfg.decay_fraction,
         stopping=led.stop.mode if led.stop else "",
         stopping_seconds=max(0.0, now - led.stop.unix) if led.stop else 0.0,
         trainer_starting=starting,
@@ -142,28 +96,23 @@ def decide(inp: PolicyInput) -> Decision:
     decay_len = inp.decay_fraction * cap / r if r > 0 else None
     decay = to_stop is not None and decay_len is not None and to_stop <= decay_len
     alert = spent >= inp.alert_fraction * cap or (inp.alert_usd > 0 and spent >= inp.alert_usd)
-    poll = inp.poll_seconds
-    look = poll
-    waiting = False
-
-    stop, reason = "", ""
+    look = poll = inp.poll_seconds  # look again after a poll, unless a graceful stop is overdue sooner
+    stop, reason, waiting = "", "", False
     if inp.stopping != "immediate":
         expected = s + allowance_seconds(inp)  # a graceful stop should be over by then
         if spent >= cap:
             stop, reason = "immediate", f"cap reached: ${spent:.4f} spent of the ${cap:.4f} cap"
         elif inp.stopping == "graceful":
             overdue_in = expected - inp.stopping_seconds
-            if overdue_in < MIN_LOOK_SECONDS:
-                overdue_in = 0.0
-            if overdue_in <= 0 and spent + r * poll >= cap:
+            if overdue_in >= MIN_LOOK_SECONDS:
+                look = min(poll, overdue_in)
+            elif spent + r * poll >= cap:
                 stop = "immediate"
                 reason = (
                     f"the ${cap:.4f} cap would be crossed before the next poll (${spent:.4f} spent) and "
                     f"the graceful stop asked {inp.stopping_seconds:.0f} s ago has not ended "
                     f"(expected {expected:.0f} s)"
                 )
-            elif overdue_in > 0:
-                look = min(poll, overdue_in)
         elif s > 0 and spent + r * s >= cap:
             stop = "immediate"
             reason = (

@@ -1,21 +1,5 @@
 """Launch price guard (budget.max_price_per_gpu_hour): do not train while a GPU-hour costs more than this.
-
-"If the spot price is above $1.40/h at launch, do not launch." The price per GPU-hour is the budget
-source's rate divided by the GPUs billed: the static price (budget.price_per_gpu_hour or the table), the
-billing file's `rate_usd_per_hr`, or OpenCost's rate. A source that cannot say (failed, stale, no rate
-yet) falls back to the static price; with none, the guard lets the run go and says so.
-
-- At start (every rank reads the source, so all agree; before any work): above the ceiling, the trainer
-  does not start and exits 0, a deliberate wait, not a failure (no crash-loop, and a re-run later
-  launches when the price is back under it).
-- At each poll of the budget watcher (in-process thread or sidecar, with budget.cap_usd > 0), or of a
-  `PriceWatcher` (the in-process thread without a cap: the price check alone, no spend tracking): above
-  the ceiling, a graceful stop (checkpoint, exit 0). Unlike a budget stop it is not final: the next
-  launch checks the price again.
-
-Either way the ledger (`price_guard`), a Kubernetes Event (PriceAboveMax) and the watcher's metrics
-(pretrain_budget_price_per_gpu_hour, pretrain_budget_price_above_max, pretrain_budget_price_stops_total)
-say why.
+Unlike a budget stop, its stop is not final. docs/budget.md, "Launch price guard".
 """
 
 from __future__ import annotations
@@ -30,7 +14,7 @@ from app.budget.files import clear_stale_budget_stop, write_stop_file
 from app.budget.kube import KubeActions
 from app.budget.ledger import LedgerLock, load_ledger, save_ledger
 from app.budget.metrics import BudgetMetrics
-from app.budget.pricing import detect_cuda_gpu_type, resolve_gpus, static_rate
+from app.budget.pricing import local_price
 from app.budget.sources import Reading, make_source, read_source
 from app.budget.view import ledger_path_for
 from app.errors import UserError
@@ -81,14 +65,11 @@ def record(run_dir: Path, entry: dict[str, Any], ledger: Any = None) -> None:
 
 
 def check_price_at_launch(cfg: BudgetConfig, run_dir: Path, world_size: int, is_rank0: bool) -> None:
-    """Raise PriceAboveMax (exit 0, no training) when the price now is above budget.max_price_per_gpu_hour
-    (no ceiling: nothing to check)."""
+    """Raise PriceAboveMax (exit 0, no training) when the price now is above the ceiling, if one is set."""
     ceiling = cfg.max_price_per_gpu_hour
     if ceiling <= 0:
         return
-    gpus = resolve_gpus(cfg, world_size)
-    gpu_type = cfg.gpu_type or detect_cuda_gpu_type()
-    _rate, static_price = static_rate(gpu_type, cfg.price_per_gpu_hour, gpus, cfg.price_table)
+    _gpu_type, gpus, static_price = local_price(cfg, world_size)
     now = time.time()
     reading = make_source(cfg, static_price * gpus, now).read(now)
     price, source = current_price(reading, gpus, static_price)
@@ -98,19 +79,16 @@ def check_price_at_launch(cfg: BudgetConfig, run_dir: Path, world_size: int, is_
                 "budget: no price to check against max_price_per_gpu_hour (%s); launching", reading.error
             )
         return
-    entry = {"state": "ok", "price_per_gpu_hour": price, "max_price_per_gpu_hour": ceiling, "source": source,
-             "reason": "", "unix": now}  # fmt: skip
-    if price <= ceiling:
-        if is_rank0:
-            record(run_dir, entry)
-        return
-    reason = above_reason(price, ceiling, source, "not starting")
+    above = price > ceiling
+    reason = above_reason(price, ceiling, source, "not starting") if above else ""
     if is_rank0:
-        record(run_dir, {**entry, "state": "not_started", "reason": reason})
-        kube = KubeActions.from_config(cfg)
-        if kube:
+        record(run_dir, {"state": "not_started" if above else "ok", "price_per_gpu_hour": price,
+                         "max_price_per_gpu_hour": ceiling, "source": source, "reason": reason,
+                         "unix": now})  # fmt: skip
+        if above and (kube := KubeActions.from_config(cfg)):
             kube.event("PriceAboveMax", reason)
-    raise PriceAboveMax(reason)
+    if above:
+        raise PriceAboveMax(reason)
 
 
 class PriceGuard:
@@ -145,31 +123,26 @@ class PriceGuard:
 
 
 class PriceWatcher:
-    """The in-process thread for budget.max_price_per_gpu_hour without a cap (budget.cap_usd=0): every
-    `poll_seconds` it reads the source and runs the PriceGuard, nothing else (no spend, no ledger session:
-    the verdict goes into the ledger file under its lock). Same interface as Watcher for WatcherHandle."""
+    """The in-process thread for a price ceiling without a cap: every `poll_seconds` it reads the source and
+    runs the PriceGuard, nothing else (no ledger session). Same interface as Watcher for WatcherHandle."""
 
     def __init__(
         self, cfg: BudgetConfig, run_dir: Path, stop_file: Path, gpus: int, static_price: float
     ) -> None:
         self.metrics, self.kube = BudgetMetrics(), KubeActions.from_config(cfg)
         self.cfg, self.run_dir, self.stop_file = cfg, Path(run_dir), Path(stop_file)
-        self.ledger = None
-        self.view = None
-        self.ledger_path = ledger_path_for(self.run_dir)
-        now = time.time()
-        try:
-            start = load_ledger(self.ledger_path).created_unix or now
+        self.ledger, self.view = None, None  # no budget: no spend view; the guard records in the ledger file
+        try:  # OpenCost's window starts at the run's first session
+            start = load_ledger(ledger_path_for(self.run_dir)).created_unix or time.time()
         except UserError:
-            start = now
+            start = time.time()
         self.source = make_source(cfg, static_price * gpus, start)
         self.price_guard = PriceGuard(cfg, gpus, static_price)
         clear_stale_budget_stop(self.stop_file)  # a leftover budget stop from an earlier run
 
     def tick(self, now: float) -> None:
         self.price_guard.check(self, read_source(self.source, now), now)
-        if self.metrics:
-            self.metrics.last_poll.set(now)
+        self.metrics.last_poll.set(now)
 
     def run(self, stop_event: Any) -> str:
         while not stop_event.wait(self.cfg.poll_seconds):
@@ -181,5 +154,4 @@ class PriceWatcher:
 
     def close(self, now: float | None = None) -> None:
         """No final tick: the trainer has stopped, a stop file now would only be left behind."""
-        if self.metrics:
-            self.metrics.shutdown()
+        self.metrics.shutdown()

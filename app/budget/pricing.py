@@ -1,16 +1,14 @@
 """GPU prices and peaks: what a GPU-hour costs and what it computes, so static spend and plans need no API.
 
-Prices are approximate on-demand USD per GPU-hour from public GPU-cloud list prices (2025); they drift
-and differ per provider, so `--price-per-gpu-hour` or a price table file (`budget.price_table`) wins.
-Peaks are dense bf16 TFLOP/s per GPU (no sparsity); app.trainer.metrics.PEAK_TFLOPS is preferred when it has the
-type, so the trainer's MFU and the planner agree.
+Prices are approximate on-demand list prices (2025): they drift and differ per provider, so
+`--price-per-gpu-hour` or a price table file (`budget.price_table`) wins. Peaks are the trainer's
+(app.trainer.metrics.PEAK_TFLOPS), so its MFU and the planner agree.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -18,25 +16,14 @@ import yaml
 from app.budget.config import BudgetConfig, is_amount
 from app.errors import UserError
 
-
-@dataclass(frozen=True)
-class GpuSpec:
-    name: str
-    price_per_gpu_hour: float  # USD, approximate on-demand
-    peak_tflops: float  # dense bf16 TFLOP/s
-
-
-GPUS: dict[str, GpuSpec] = {
-    g.name: g
-    for g in (
-        GpuSpec("a100-40gb", 1.29, 312.0),
-        GpuSpec("a100-80gb", 1.79, 312.0),
-        GpuSpec("h100-pcie", 2.49, 756.0),
-        GpuSpec("h100-sxm", 2.99, 989.0),
-        GpuSpec("h200", 3.79, 989.0),
-        GpuSpec("b200", 5.99, 2250.0),
-        GpuSpec("l40s", 0.99, 362.0),
-    )
+GPUS: dict[str, float] = {  # USD per GPU-hour, approximate on-demand
+    "a100-40gb": 1.29,
+    "a100-80gb": 1.79,
+    "h100-pcie": 2.49,
+    "h100-sxm": 2.99,
+    "h200": 3.79,
+    "b200": 5.99,
+    "l40s": 0.99,
 }
 
 ALIASES = {
@@ -68,33 +55,22 @@ def detect_cuda_gpu_type() -> str:
 
         if not torch.cuda.is_available():
             return ""
-        n = torch.cuda.get_device_name(0).lower()
+        name = torch.cuda.get_device_name(0)
     except Exception:
         return ""
-    if "b200" in n:
-        return "b200"
-    if "h200" in n:
-        return "h200"
-    if "h100" in n:
-        return "h100-pcie" if "pcie" in n else "h100-sxm"
-    if "a100" in n:
-        return "a100-40gb" if "40gb" in n else "a100-80gb"
-    if "l40s" in n:
-        return "l40s"
-    return ""
+    from app.trainer.metrics import detect_gpu_type
+
+    key = detect_gpu_type(name)  # the trainer's "a100" is priced by its memory
+    return "a100-40gb" if key == "a100" and "40gb" in name.lower() else normalize(key)
 
 
 def resolve_gpus(cfg: BudgetConfig, world_size: int) -> int:
     """GPUs billed: the config, else the world size on GPUs, else 1 (a CPU box bills as one unit)."""
     if cfg.gpus > 0:
         return cfg.gpus
-    try:
-        import torch
+    import torch  # a dependency; imported here so the sidecar's start-up does not pay for it
 
-        cuda = torch.cuda.is_available()
-    except ImportError:
-        cuda = False
-    return max(1, world_size) if cuda else 1
+    return max(1, world_size) if torch.cuda.is_available() else 1
 
 
 def load_price_table(path: str) -> dict[str, float]:
@@ -128,27 +104,25 @@ def price_per_gpu_hour(gpu_type: str, override: float = 0.0, table_path: str = "
     key = normalize(gpu_type)
     if key and table_path and key in (table := load_price_table(table_path)):
         return table[key]
-    spec = GPUS.get(key)
-    return spec.price_per_gpu_hour if spec else 0.0
+    return GPUS.get(key, 0.0)
 
 
 def peak_tflops(gpu_type: str) -> float:
-    """Dense bf16 TFLOP/s per GPU from app.trainer.metrics.PEAK_TFLOPS when it knows the type, else this table."""
-    key = normalize(gpu_type)
-    try:
-        from app.trainer.metrics import PEAK_TFLOPS  # the trainer's table, when it exists
+    """Dense bf16 TFLOP/s per GPU; 0 when unknown."""
+    from app.trainer.metrics import PEAK_TFLOPS
 
-        for name in (gpu_type, key, key.upper()):
-            if name in PEAK_TFLOPS:
-                return float(PEAK_TFLOPS[name])
-    except ImportError:
-        pass
-    spec = GPUS.get(key)
-    return spec.peak_tflops if spec else 0.0
+    return PEAK_TFLOPS.get(normalize(gpu_type), 0.0)
 
 
 def known_types() -> str:
     return ", ".join(GPUS)
+
+
+def local_price(cfg: BudgetConfig, world_size: int) -> tuple[str, int, float]:
+    """(GPU type, GPUs billed, USD per GPU-hour; 0 when unknown) of this run, on this machine."""
+    gpu_type = cfg.gpu_type or detect_cuda_gpu_type()
+    price = price_per_gpu_hour(gpu_type, cfg.price_per_gpu_hour, cfg.price_table)
+    return gpu_type, resolve_gpus(cfg, world_size), price
 
 
 def static_rate(

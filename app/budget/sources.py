@@ -1,8 +1,7 @@
 """Where spend comes from: a static price, a JSON file kept current by a billing poller, or OpenCost.
 
-A source only reports; it never raises into the watcher. A failed or stale read comes back with
-ok=False and an error line, and the watcher falls back to the static rate (never stops tracking).
-A stale figure still carries its spend, which the watcher uses as a lower bound.
+A source only reports, never raises into the watcher: a failed or stale read comes back with ok=False
+and an error line (a stale one still with its spend, a lower bound). docs/budget.md, "Fallback".
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import urllib.request
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from app.budget.config import BudgetConfig, is_amount
 
@@ -31,12 +30,6 @@ class Reading:
     error: str = ""  # one line when not ok
 
 
-class Source(Protocol):
-    name: str
-
-    def read(self, now: float) -> Reading: ...
-
-
 def read_source(source: Source, now: float) -> Reading:
     """source.read, with an exception turned into a failed reading: a source must not kill the watcher."""
     try:
@@ -45,13 +38,12 @@ def read_source(source: Source, now: float) -> Reading:
         return Reading(source.name, False, error=f"{type(e).__name__}: {e}")
 
 
+@dataclass(frozen=True)
 class StaticSource:
     """Price per GPU-hour x GPUs; the watcher integrates it over the time it runs."""
 
     name = "static"
-
-    def __init__(self, rate_usd_per_hour: float):
-        self.rate = rate_usd_per_hour
+    rate: float  # USD per hour
 
     def read(self, now: float) -> Reading:
         return Reading(self.name, True, None, self.rate, now)
@@ -70,10 +62,8 @@ def parse_utc(value: Any) -> float:
     return dt.timestamp()
 
 
-def _number(data: dict, key: str, required: bool = True) -> float:
-    """data[key], a number >= 0 (0 when absent and not required); ValueError when it is not."""
-    if required and key not in data:
-        raise ValueError(f"missing '{key}'")
+def _number(data: dict, key: str) -> float:
+    """data[key], a number >= 0 (0 when absent); ValueError when it is not."""
     val = data.get(key, 0.0)
     if not is_amount(val):
         raise ValueError(f"'{key}' must be a number >= 0, got {val!r}")
@@ -117,12 +107,12 @@ class FileSource:
         if not isinstance(data, dict):
             return Reading(self.name, False, error=f"{self.path} must hold a JSON object")
         try:
-            spent = _number(data, "spent_usd")
-            rate = _number(data, "rate_usd_per_hr")
-            _number(data, "hours_elapsed", required=False)
-            _number(data, "projected_total_usd", required=False)
-            if "last_update_utc" not in data:
-                raise ValueError("missing 'last_update_utc'")
+            for key in ("spent_usd", "rate_usd_per_hr", "last_update_utc"):
+                if key not in data:
+                    raise ValueError(f"missing '{key}'")
+            spent, rate = _number(data, "spent_usd"), _number(data, "rate_usd_per_hr")
+            for key in ("hours_elapsed", "projected_total_usd"):  # optional, checked when present
+                _number(data, key)
             updated = parse_utc(data["last_update_utc"])
         except ValueError as e:
             return Reading(self.name, False, error=f"{self.path}: {e}")
@@ -136,13 +126,9 @@ def _prom_label(key: str) -> str:
 
 
 class OpenCostSource:
-    """OpenCost's allocation API: GET {url}/allocation/compute?window=START,NOW&aggregate=...&accumulate=true.
-
-    The selector is `<aggregate>:<value>`, e.g. label:training.kubeflow.org/job-name:pretrain or
-    namespace:ml. The job's allocation is found by name (OpenCost names a label aggregate `value` or
-    `key=value` depending on its version). Spend = totalCost since the run's first start; the figure is as
-    fresh as the allocation's `end`; the rate comes from the change between reads.
-    """
+    """OpenCost's allocation API, for the selector `<aggregate>:<value>` (docs/budget.md, "Sources"). The
+    job's allocation is found by name: OpenCost names a label aggregate `value` or `key=value` depending
+    on its version. Spend = totalCost since the run's first start; the rate is its change between reads."""
 
     name = "opencost"
     path = "/allocation/compute"
@@ -165,17 +151,10 @@ class OpenCostSource:
         self._prev: tuple[float, float] | None = None  # (total, end) of the last good read
         self._rate = 0.0
 
-    def query_url(self, now: float) -> str:
-        start = min(self.window_start, int(now) - 60)
-        params = {
-            "window": f"{start},{int(math.ceil(now))}",
-            "aggregate": self.aggregate,
-            "accumulate": "true",
-        }
-        return f"{self.url}{self.path}?{urllib.parse.urlencode(params)}"
-
     def read(self, now: float) -> Reading:
-        url = self.query_url(now)
+        window = f"{min(self.window_start, int(now) - 60)},{int(math.ceil(now))}"
+        query = urllib.parse.urlencode({"window": window, "aggregate": self.aggregate, "accumulate": "true"})
+        url = f"{self.url}{self.path}?{query}"
         try:
             with urllib.request.urlopen(url, timeout=self.timeout) as resp:
                 body = resp.read()
@@ -232,6 +211,9 @@ class OpenCostSource:
         if end - start > 0:
             self._rate = total / (end - start) * 3600
         self._prev = (total, end)
+
+
+Source = StaticSource | FileSource | OpenCostSource
 
 
 def make_source(cfg: BudgetConfig, static_rate_usd_per_hour: float, window_start_unix: float) -> Source:

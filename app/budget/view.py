@@ -3,7 +3,7 @@ metrics, the CLI and the trainer read."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +42,6 @@ class View:
     checkpoint_seconds: float
     source_error: str
     source_updated_unix: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def read_budget_state(run_dir: Path) -> dict[str, Any] | None:

@@ -12,6 +12,7 @@ import os
 import re
 import threading
 import time
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,8 @@ from app.budget.files import clear_stale_budget_stop, read_status, write_stop_fi
 from app.budget.kube import KubeActions
 from app.budget.ledger import Ledger, LedgerLock, Session, StopRecord, load_ledger, save_ledger
 from app.budget.metrics import BudgetMetrics
-from app.budget.policy import Decision, PolicyInput, decide, policy_input, trainer_figures
-from app.budget.sources import Reading, Source, make_source, read_source
+from app.budget.policy import TRAINER_FIGURES, Decision, PolicyInput, decide, policy_input
+from app.budget.sources import Reading, make_source, read_source
 from app.budget.view import View, ledger_path_for
 from app.errors import UserError
 from app.files import atomic_write_json
@@ -31,12 +32,11 @@ log = logging.getLogger("pretrain.budget")
 RESERVE_POLLS = 2.0  # a session killed without closing is charged this many polls of spend
 TRAINING_STATES = ("running", "saving", "stopping", "preempted")  # status.json states of a started trainer
 FALLBACK_LOG_SECONDS = 600.0  # repeat a persisting source failure in the log this often
-# Between polls the watcher reads status.json this often (a small local file: no source read, no ledger
-# write) and ticks at once when a new heartbeat makes the policy ask for a stop: the trainer's first
-# training heartbeat when a graceful stop waits for it, or new step/checkpoint figures that move the
-# graceful point into the past. A stop then reaches the trainer within this time of the heartbeat.
-LOOK_SECONDS = 0.1
+LOOK_SECONDS = 0.1  # read status.json this often between polls (docs/budget.md, "Looks between polls")
 LEASE_FILE = "lease.json"  # held by a trainer for its whole life (app/trainer/lease.py, docs/contracts.md)
+# the View's fields that are the policy's figures, as given (spend, rate, timings) or decided (state, ...)
+POLICY_FIELDS = {f.name for f in (*fields(PolicyInput), *fields(Decision))}
+FROM_POLICY = [f.name for f in fields(View) if f.name in POLICY_FIELDS]
 
 
 class Watcher:
@@ -48,7 +48,6 @@ class Watcher:
         stop_file: Path,
         static_rate_usd_per_hour: float,
         ledger_path: Path | None = None,
-        source: Source | None = None,
         host: str = "sidecar",
         metrics: BudgetMetrics | None = None,
         kube: KubeActions | None = None,
@@ -65,37 +64,31 @@ class Watcher:
         self.state_path = self.ledger_path.with_name("state.json")
         self.status_path = self.run_dir / "status.json"
         self.static_rate = static_rate_usd_per_hour
-        self.host = host
-        self.metrics = metrics
-        self.kube = kube
-        self._lock = LedgerLock(self.ledger_path) if lock else None
-        if self._lock:
+        self.host, self.metrics, self.kube = host, metrics, kube
+        self._lock = LedgerLock(self.ledger_path)  # release() is a no-op when not acquired
+        if lock:
             self._lock.acquire()
         try:
             self.ledger = self._open_session(load_ledger(self.ledger_path), now)
             save_ledger(self.ledger_path, self.ledger)
         except BaseException as e:
-            if self._lock:
-                self._lock.release()
+            self._lock.release()
             if isinstance(e, OSError):
                 msg = f"cannot write the budget ledger {self.ledger_path}: {e.strerror}; check the volume"
                 raise UserError(msg) from None
             raise
-        self.source = source or make_source(cfg, static_rate_usd_per_hour, self.ledger.created_unix)
-        self.session_start = now
-        self._last = now
+        self.source = make_source(cfg, static_rate_usd_per_hour, self.ledger.created_unix)
+        self.session_start = self._last = now
         self._good_rate = self.ledger.rate_usd_per_hour if self.ledger.source == cfg.source else 0.0
         self._fallback, self._last_error, self._last_log = False, "", -float("inf")  # see _charge
         stop = self.ledger.stop
         self._immediate_seen = now if stop and stop.mode == "immediate" else None
-        self._suspend_done = False
-        self._relayed = False  # the trainer's Event from status.json
-        self._said_unbilled = False
+        # done at most once a session: suspend, relay the trainer's Event, say "unbilled", say "waiting"
+        self._suspend_done = self._relayed = self._said_unbilled = self._said_waiting = False
         self._stopped_at_open = stop is not None
         self._closed = False
-        self._next_tick = now  # when the policy wants the next tick (tick() moves it on)
+        self.next_tick_unix = now  # when the next regular tick is due (tick() moves it on)
         self._status_seen: float | None = None  # updated_unix of the last status.json a decision used
-        self._said_waiting = False
         self.fallbacks = 0
         self.view: View | None = None
         self.price_guard = None  # a PriceGuard when budget.max_price_per_gpu_hour is set
@@ -126,9 +119,8 @@ class Watcher:
                 cap,
             )
             led.stop = None
+        if not led.stop:  # a budget stop file left by an earlier run (or a lower cap) must not stop this one
             clear_stale_budget_stop(self.stop_file)
-        elif not led.stop:
-            clear_stale_budget_stop(self.stop_file)  # a leftover from an earlier run must not stop this one
         led.cap_usd = cap
         led.sessions.append(Session(start_unix=now, host=self.host, pid=os.getpid()))
         led.open_session = True
@@ -147,15 +139,13 @@ class Watcher:
         led = self.ledger
         led.open_session = False
         led.reserved_usd = 0.0
-        if led.sessions:
-            led.sessions[-1].end_unix = now
-            led.sessions[-1].clean = True
+        led.sessions[-1].end_unix = now  # this session's (opened in __init__)
+        led.sessions[-1].clean = True
         try:
             save_ledger(self.ledger_path, led)
         finally:
             self._closed = True
-            if self._lock:
-                self._lock.release()
+            self._lock.release()
             if self.metrics:
                 self.metrics.shutdown()
 
@@ -202,24 +192,14 @@ class Watcher:
     # ------------------------------------------------------------ when to look
 
     def _in_session(self, status: Any, states: tuple[str, ...] = TRAINING_STATES) -> bool:
-        """status.json comes from a trainer of this session and is in one of `states` (by default: it has
-        reached its training loop)."""
+        """status.json is from this session's trainer, in one of `states` (default: in its training loop)."""
         return bool(status and status.state in states and status.updated_unix >= self.session_start - 1)
-
-    def _trainer_starting(self, status: Any) -> bool:
-        """A trainer holds the run dir (its lease) but has not reported training in this session yet."""
-        return not self._in_session(status) and (self.run_dir / LEASE_FILE).exists()
-
-    @property
-    def next_tick_unix(self) -> float:
-        """When the next regular tick is due (one poll after the last, or sooner when the policy says)."""
-        return self._next_tick
 
     def due(self, now: float) -> bool:
         """A tick is wanted now: its time has come, or status.json changed since the last decision and,
         with its figures and the spend extrapolated at the last rate, the policy would ask for a stop.
         Cheap: one small file read, no source read, nothing written."""
-        if now >= self._next_tick:
+        if now >= self.next_tick_unix:
             return True
         status = read_status(self.status_path)
         seen = status.updated_unix if status else None
@@ -232,10 +212,12 @@ class Watcher:
 
     def wait_seconds(self, now: float) -> float:
         """How long the loop may sleep before asking `due` again: LOOK_SECONDS at most."""
-        return min(max(0.0, self._next_tick - now), LOOK_SECONDS)
+        return min(max(0.0, self.next_tick_unix - now), LOOK_SECONDS)
 
     def _policy_input(self, spent: float, rate: float, status: Any, now: float) -> PolicyInput:
-        return policy_input(self.cfg, self.ledger, spent, rate, status, now, self._trainer_starting(status))
+        # a trainer that holds the run dir (its lease) but has not reported training in this session yet
+        starting = not self._in_session(status) and (self.run_dir / LEASE_FILE).exists()
+        return policy_input(self.cfg, self.ledger, spent, rate, status, now, starting)
 
     # ------------------------------------------------------------ the tick
 
@@ -246,24 +228,24 @@ class Watcher:
         reading = read_source(self.source, now)
         status = read_status(self.status_path)
         self._status_seen = status.updated_unix if status else None
-        # a final (synchronous) save reports write 0: the ledger keeps the last figure
-        led.step_seconds, led.checkpoint_seconds, led.checkpoint_write_seconds = trainer_figures(led, status)
         if not led.trained_unix and self._in_session(status):
             led.trained_unix = now
         spent, rate = self._charge(reading, dt, now)
         if not led.trained_unix:
             spent = self._idle(spent, dt, now)
-        if led.sessions:
-            led.sessions[-1].spent_usd += spent - led.spent_usd
+        led.sessions[-1].spent_usd += spent - led.spent_usd
         led.spent_usd = spent
         led.running_seconds += dt
         led.rate_usd_per_hour = rate
         led.reserved_usd = rate * RESERVE_POLLS * cfg.poll_seconds / 3600
         led.source = reading.source
         led.updated_unix = now
-        dec = decide(self._policy_input(spent, rate, status, now))
+        inp = self._policy_input(spent, rate, status, now)
+        for key in TRAINER_FIGURES:  # the ledger keeps the last known, for projections after a restart
+            setattr(led, key, getattr(inp, key))
+        dec = decide(inp)
         self._act(dec, now)
-        self._next_tick = now + dec.look_again_seconds
+        self.next_tick_unix = now + dec.look_again_seconds
         if dec.waiting_for_trainer and not self._said_waiting:
             self._said_waiting = True
             log.warning(
@@ -274,29 +256,18 @@ class Watcher:
             )
         if self.price_guard:
             self.price_guard.check(self, reading, now)
+        policy = {**vars(inp), **vars(dec)}
         view = View(
-            spent_usd=spent,
-            cap_usd=cfg.cap_usd,
-            rate_usd_per_hour=rate,
-            projected_total_usd=dec.projected_total_usd,
-            remaining_usd=dec.remaining_usd,
-            seconds_to_cap=dec.seconds_to_cap,
-            state=dec.state,
+            **{name: policy[name] for name in FROM_POLICY},
             source=reading.source,
             source_healthy=reading.ok,
             updated_unix=now,
-            seconds_to_stop=dec.seconds_to_stop,
-            decay=dec.decay,
-            decay_seconds=dec.decay_seconds,
-            horizon_seconds=dec.horizon_seconds,
             stop_mode=led.stop.mode if led.stop else "",
-            step_seconds=led.step_seconds,
-            checkpoint_seconds=led.checkpoint_seconds,
             source_error=reading.error,
             source_updated_unix=reading.updated_unix,
         )
         save_ledger(self.ledger_path, led)
-        atomic_write_json(self.state_path, view.to_json(), durable=False)
+        atomic_write_json(self.state_path, asdict(view), durable=False)
         if self.metrics:
             self.metrics.update(view)
         self._escalate(now, status)
@@ -372,19 +343,9 @@ class Watcher:
             return
         self._suspend_done = True
         waited = now - seen
-        if not self.kube:
-            log.error(
-                "budget: the trainer still runs %.0f s after an immediate stop and there is no Kubernetes "
-                "access to suspend the job; stop it by hand",
-                waited,
-            )
-            return
-        log.error(
-            "budget: the trainer still runs %.0f s after an immediate stop; suspending the %s",
-            waited,
-            self.kube.kind,
-        )
-        if self.kube.suspend():
+        then = f"suspending the {self.kube.kind}" if self.kube else "no Kubernetes access: stop it by hand"
+        log.error("budget: the trainer still runs %.0f s after an immediate stop; %s", waited, then)
+        if self.kube and self.kube.suspend():
             if self.metrics:
                 self.metrics.suspends.inc()
             self.kube.event(
@@ -411,14 +372,14 @@ class Watcher:
     def run(self, stop_event: threading.Event, exit_when_done: bool = False) -> str:
         """Poll until stop_event is set (or, with exit_when_done, until `finished`); never dies on a tick.
         The host ticked once on start; then every poll_seconds, or sooner when the policy wants (`due`)."""
-        if self._next_tick <= self.session_start:  # no tick yet: the first one after a whole poll
-            self._next_tick = self.session_start + self.cfg.poll_seconds
+        if self.next_tick_unix <= self.session_start:  # no tick yet: the first one after a whole poll
+            self.next_tick_unix = self.session_start + self.cfg.poll_seconds
         while not self._sleep(stop_event):
             try:
                 self.tick(time.time())
             except Exception:
                 log.exception("budget: watcher tick failed; retrying at the next poll")
-                self._next_tick = time.time() + self.cfg.poll_seconds
+                self.next_tick_unix = time.time() + self.cfg.poll_seconds
             if exit_when_done and (why := self.finished(time.time())):
                 return why
         return "stopped"

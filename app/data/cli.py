@@ -14,16 +14,49 @@ _SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
 def _count(text: str) -> int:
     """An integer with an optional k/M/G/T suffix (decimal): 50M = 50,000,000."""
-    t = text.strip().replace("_", "").lower()
+    t = text.strip().replace("_", "").lower().removesuffix("b")  # 256MB = 256M
     scale = _SUFFIX.get(t[-1:], 1)
     if scale != 1:
-        t = t[:-1].rstrip("b")
-    elif t.endswith("b"):
         t = t[:-1]
     try:
         return int(float(t) * scale)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number like 50000000 or 50M, got {text!r}") from None
+
+
+# flag, type, default, metavar (None: from the flag), help; config_from_args maps them onto PrepareConfig
+VALUE_FLAGS = [
+    ("--text-column", str, "text", None, "parquet column / jsonl field holding the text (default: text)"),
+    ("--tokenizer", str, "bpe", "bpe|char|PATH|hf://OWNER/NAME", "bpe: train a byte-level BPE on a sample of the "
+     "input (default); char: a character vocabulary; PATH: a tokenizer.json (or a dir holding one, e.g. another "
+     "data dir); hf://OWNER/NAME: the tokenizer.json of a Hub model repo (e.g. hf://openai-community/gpt2)"),
+    ("--vocab-size", _count, None, None, "BPE vocabulary size to train (default: 32768)"),
+    ("--tokenizer-sample-bytes", _count, 256 * 10**6, "N", "train the tokenizer on the first N bytes of training "
+     "documents (default: 256M)"),
+    ("--char-alphabet", str, "", "CHARS", "with --tokenizer char: a fixed alphabet (other characters map to one "
+     "unknown id) instead of the characters seen in the sample"),
+    ("--val-fraction", float, 0.01, None, "share of documents held out for validation: every round(1/F)-th "
+     "document (default: 0.01)"),
+    ("--shard-tokens", _count, 50 * 10**6, None, "tokens per shard (default: 50M)"),
+    ("--workers", int, 0, None, "tokenizer processes (default: 0 = every available core)"),
+    ("--doc-chars", _count, 4000, None, "document size for --txt-split paragraph"),
+    ("--revision", str, None, None, "for hf:// inputs: branch, tag or commit (default: main)"),
+    ("--cache-dir", str, None, None, "where Hub downloads are cached and resumed (default: HF_HUB_CACHE or "
+     "~/.cache/huggingface/hub)"),
+    ("--log-every", float, 30.0, None, "seconds between progress log lines (default: 30)"),
+]  # fmt: skip
+
+# flag, choices (the first is the default), help
+CHOICE_FLAGS = [
+    ("--dtype", ("auto", "uint16", "uint32"), "token id width on disk; auto = uint16 when the vocabulary fits "
+     "(default: auto)"),
+    ("--txt-split", ("file", "line", "paragraph"), "how .txt inputs become documents: one per file (default), "
+     "one per line, or runs of blank-line separated paragraphs of about --doc-chars characters"),
+    ("--verify", ("sha256", "size"), "how a re-run checks shards already written before skipping them "
+     "(default: sha256)"),
+    ("--progress", ("auto", "bar", "log", "none"), "progress display: a bar on a terminal, else a log line every "
+     "--log-every seconds (default: auto)"),
+]  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,85 +71,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out", required=True, metavar="DATA_DIR", help="output dir for shards, tokenizer and manifest"
     )
-    p.add_argument(
-        "--text-column", default="text", help="parquet column / jsonl field holding the text (default: text)"
-    )
-    p.add_argument(
-        "--tokenizer",
-        default="bpe",
-        metavar="bpe|char|PATH|hf://OWNER/NAME",
-        help="bpe: train a byte-level BPE on a sample of the input (default); char: a character vocabulary; PATH: a "
-        "tokenizer.json (or a dir holding one, e.g. another data dir); hf://OWNER/NAME: the tokenizer.json of a Hub "
-        "model repo (e.g. hf://openai-community/gpt2)",
-    )
-    p.add_argument(
-        "--vocab-size", type=_count, default=None, help="BPE vocabulary size to train (default: 32768)"
-    )
-    p.add_argument(
-        "--tokenizer-sample-bytes",
-        type=_count,
-        default=256 * 10**6,
-        metavar="N",
-        help="train the tokenizer on the first N bytes of training documents (default: 256M)",
-    )
-    p.add_argument(
-        "--char-alphabet",
-        default="",
-        metavar="CHARS",
-        help="with --tokenizer char: a fixed alphabet (other characters map to one unknown id) instead of the "
-        "characters seen in the sample",
-    )
-    p.add_argument(
-        "--val-fraction",
-        type=float,
-        default=0.01,
-        help="share of documents held out for validation: every round(1/F)-th document (default: 0.01)",
-    )
-    p.add_argument("--shard-tokens", type=_count, default=50 * 10**6, help="tokens per shard (default: 50M)")
-    p.add_argument(
-        "--dtype",
-        choices=("auto", "uint16", "uint32"),
-        default="auto",
-        help="token id width on disk; auto = uint16 when the vocabulary fits (default: auto)",
-    )
-    p.add_argument(
-        "--workers", type=int, default=0, help="tokenizer processes (default: 0 = every available core)"
-    )
-    p.add_argument(
-        "--txt-split",
-        choices=("file", "line", "paragraph"),
-        default="file",
-        help="how .txt inputs become documents: one per file (default), one per line, or runs of blank-line "
-        "separated paragraphs of about --doc-chars characters",
-    )
-    p.add_argument("--doc-chars", type=_count, default=4000, help="document size for --txt-split paragraph")
+    for flag, kind, default, metavar, text in VALUE_FLAGS:
+        p.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
+    for flag, choices, text in CHOICE_FLAGS:
+        p.add_argument(flag, choices=choices, default=choices[0], help=text)
     p.add_argument(
         "--include",
         action="append",
         default=[],
         metavar="GLOB",
         help="for hf:// inputs: only files matching GLOB (repeatable; same as ?include=GLOB)",
-    )
-    p.add_argument("--revision", default=None, help="for hf:// inputs: branch, tag or commit (default: main)")
-    p.add_argument(
-        "--cache-dir",
-        default=None,
-        help="where Hub downloads are cached and resumed (default: HF_HUB_CACHE or ~/.cache/huggingface/hub)",
-    )
-    p.add_argument(
-        "--verify",
-        choices=("sha256", "size"),
-        default="sha256",
-        help="how a re-run checks shards already written before skipping them (default: sha256)",
-    )
-    p.add_argument(
-        "--progress",
-        choices=("auto", "bar", "log", "none"),
-        default="auto",
-        help="progress display: a bar on a terminal, else a log line every --log-every seconds (default: auto)",
-    )
-    p.add_argument(
-        "--log-every", type=float, default=30.0, help="seconds between progress log lines (default: 30)"
     )
 
 
@@ -141,18 +105,13 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    """Prepare the data dir; raises UserError (the caller prints it and exits 2) on bad input."""
     from app.data.prepare import prepare
 
     prepare(config_from_args(args), log=lambda line: print(line, flush=True))
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+if __name__ == "__main__":
     from app.command import main_for
 
-    return main_for("pretrain prepare", DESCRIPTION, add_arguments, run, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_for("pretrain prepare", DESCRIPTION, add_arguments, run))

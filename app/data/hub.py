@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from app.data.inputs import SourceFile, file_format
+from app.data.sources import SourceFile, file_format, list_local
 from app.errors import UserError
 
 DATASET_PREFIX = "hf://datasets/"
@@ -135,31 +135,39 @@ def list_dataset_files(
     return files
 
 
-def download(f: SourceFile, cache_dir: str | None = None) -> Path:
+def _download(what: str, revision: str | None, cache_dir: str | None, **file) -> Path:
     """Local path of a hub file: from the download cache, else downloaded into it."""
     from huggingface_hub import hf_hub_download
 
     try:
-        return Path(
-            hf_hub_download(
-                f.repo, f.name, repo_type="dataset", revision=f.commit, cache_dir=cache_dir, token=_token()
-            )
-        )
+        return Path(hf_hub_download(**file, revision=revision, cache_dir=cache_dir, token=_token()))
     except _network_errors() as e:
-        raise _hub_error(e, f"hf://datasets/{f.repo}/{f.name}") from None
+        raise _hub_error(e, what, revision) from None
+
+
+def download(f: SourceFile, cache_dir: str | None = None) -> Path:
+    return _download(f.label, f.commit, cache_dir, repo_id=f.repo, filename=f.name, repo_type="dataset")
 
 
 def download_tokenizer(spec: str, cache_dir: str | None = None) -> tuple[str, Path]:
     """hf://OWNER/NAME[@REV] (a model repo) -> (repo label, path of its tokenizer.json)."""
-    from huggingface_hub import hf_hub_download
-
     repo, _, rev = spec[len("hf://") :].strip("/").partition("@")
     if repo.startswith(("datasets/", "spaces/")) or repo.count("/") > 1 or not repo:
         raise UserError(f"--tokenizer {spec}: expected hf://OWNER/NAME[@REVISION] of a model repo")
-    try:
-        path = hf_hub_download(
-            repo, "tokenizer.json", revision=rev or None, cache_dir=cache_dir, token=_token()
-        )
-    except _network_errors() as e:
-        raise _hub_error(e, f"tokenizer.json of hub repo {repo}", rev or None) from None
-    return f"hf://{repo}" + (f"@{rev}" if rev else ""), Path(path)
+    path = _download(
+        f"tokenizer.json of hub repo {repo}", rev or None, cache_dir, repo_id=repo, filename="tokenizer.json"
+    )
+    return f"hf://{repo}" + (f"@{rev}" if rev else ""), path
+
+
+def resolve_inputs(
+    specs: list[str], revision: str | None = None, includes: Iterable[str] = ()
+) -> list[SourceFile]:
+    """All input files in a fixed order: inputs in the order given, files sorted within each."""
+    files: list[SourceFile] = []
+    for spec in specs:
+        if spec.startswith("hf://"):
+            files.extend(list_dataset_files(spec, revision=revision, includes=includes))
+        else:
+            files.extend(list_local(spec))
+    return files

@@ -9,10 +9,11 @@ position is one integer (`micro_steps` done), which a checkpoint stores.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -121,13 +122,7 @@ class TrainLoader:
         return x, y
 
     def state_dict(self) -> dict:
-        return {
-            "micro_steps": self.state.micro_steps,
-            "world_size": self.world,
-            "micro_batch_size": self.B,
-            "samples": self.state.samples,
-            "seed": self.seed,
-        }
+        return {**asdict(self.state), "samples": self.state.samples, "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume; with a different world size or micro-batch, continue from the same global sample."""
@@ -167,11 +162,9 @@ class Prefetcher:
             except BaseException as e:  # handed to the loop, which raises it
                 item = e
             while not self._stop.is_set():
-                try:
+                with contextlib.suppress(queue.Full):
                     self._queue.put(item, timeout=0.1)
                     break
-                except queue.Full:
-                    continue
             if isinstance(item, BaseException):
                 return
             micro_step += 1

@@ -1,5 +1,6 @@
-"""manifest.json: a data dir's table of contents (tokenizer, shards, split rule). The trainer reads
-only it and the shards."""
+"""A data dir's JSON files: manifest.json, its table of contents (tokenizer, shards, split rule), which
+the trainer reads with the shards and nothing else; and prepare_state.json, what a re-run of `pretrain
+prepare` resumes from."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from app.errors import UserError
 from app.files import atomic_write_json
 
 MANIFEST = "manifest.json"
+STATE = "prepare_state.json"
 MANIFEST_VERSION = 2
 SPLITS = ("train", "val")
 
@@ -20,6 +22,10 @@ def from_dict(cls, data: dict):
     """Build a dataclass from JSON, ignoring keys a newer version may have added."""
     names = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def _with_shards(data: dict) -> dict:
+    return data | {s: [from_dict(ShardInfo, x) for x in data.get(s, [])] for s in SPLITS}
 
 
 @dataclass
@@ -63,9 +69,45 @@ class Manifest:
             ) from None
         except (OSError, json.JSONDecodeError) as e:
             raise UserError(f"cannot read {path}: {e}") from None
-        for s in SPLITS:
-            data[s] = [from_dict(ShardInfo, x) for x in data.get(s, [])]
-        return from_dict(cls, data)
+        return from_dict(cls, _with_shards(data))
+
+
+@dataclass
+class FileRecord:
+    """An input file read to its end: how many documents it holds and where they start."""
+
+    name: str
+    fingerprint: str
+    first_doc: int
+    documents: int
+
+    @property
+    def end(self) -> int:
+        """Index of the document after its last one."""
+        return self.first_doc + self.documents
+
+
+@dataclass
+class PrepareState:
+    settings: dict
+    tokenizer_sha256: str
+    inputs: list[list[str]] = field(default_factory=list)  # [name, fingerprint] of every input file
+    files: list[FileRecord] = field(default_factory=list)  # completed files, in order, from the first
+    train: list[ShardInfo] = field(default_factory=list)
+    val: list[ShardInfo] = field(default_factory=list)
+    complete: bool = False
+
+    def save(self, directory: Path) -> None:
+        atomic_write_json(Path(directory) / STATE, asdict(self))  # compact: rewritten after every shard
+
+    @classmethod
+    def load(cls, directory: Path) -> PrepareState | None:
+        try:
+            data = _with_shards(json.loads((Path(directory) / STATE).read_text()))
+            data["files"] = [from_dict(FileRecord, r) for r in data.get("files", [])]
+            return from_dict(cls, data)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):  # none or unreadable: start over
+            return None  # (shards are rewritten atomically)
 
 
 def is_val_document(index: int, val_fraction: float) -> bool:

@@ -1,40 +1,44 @@
 """Raw text -> tokenizer -> token shards + validation split + manifest.json (`pretrain prepare`).
 
-How it stays deterministic, resumable and idempotent:
-- Documents are numbered in input order (files in a fixed order, rows in file order). Document i goes
-  to validation when `is_val_document(i)`, so the split never depends on timing or worker count.
-- Each split's token stream (every document followed by the boundary token) is cut into shards of
-  exactly `shard_tokens` tokens (the last one shorter); documents may straddle two shards.
-- Workers tokenize batches in parallel but results are consumed in input order, so `--workers 1` and
-  `--workers 8` write byte-identical shards.
-- Every finished shard is recorded in `prepare_state.json` with its sha256 and the stream positions
-  (document index, token offset) where it starts and ends. A re-run keeps the shards that still verify
-  and whose input files are unchanged, re-reads the input from the earliest position still needed and
-  tokenizes only the documents that are not already in kept shards. Shards are written to hidden
-  `.partial` files and renamed when complete; `manifest.json` is written last and removed before any
-  shard is replaced, so a dir with a manifest is always complete.
+Why it is built this way: tokenizing a large corpus takes hours on a preemptible CPU node, so the output
+must be deterministic (documents numbered in input order, results consumed in order whatever the worker
+count), resumable (finished shards recorded in prepare_state.json with sha256 and stream positions) and
+safe to stop anywhere (shards renamed from `.partial` files when complete, manifest.json written last).
+
+Detail: docs/data.md, "Output", "Parallelism, determinism, memory" and "Resume and re-runs".
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from app.data import hub
-from app.data.inputs import SourceFile
-from app.data.manifest import MANIFEST, SPLITS, Manifest, is_val_document, val_period
+from app.data.manifest import (
+    MANIFEST,
+    SPLITS,
+    FileRecord,
+    Manifest,
+    PrepareState,
+    is_val_document,
+    val_period,
+)
 from app.data.progress import Log, Progress, summary
-from app.data.resume import STATE, FileRecord, Plan, PrepareState
-from app.data.resume import plan as plan_resume
 from app.data.settings import PrepareConfig, check_config, check_dtype, default_workers
-from app.data.shards import SplitWriter, remove_stale
-from app.data.sources import DocumentStream, Fetcher, ReadOptions, batched, read_documents, resolve_inputs
+from app.data.shards import ShardInfo, SplitWriter, remove_stale, verify_shard
+from app.data.sources import (
+    DocumentStream,
+    Fetcher,
+    ReadOptions,
+    SourceFile,
+)
 from app.data.tokenizer import (
     TOKENIZER_FILE,
     EncodedDocs,
@@ -45,7 +49,7 @@ from app.data.tokenizer import (
     train_char,
 )
 from app.errors import UserError
-from app.files import unwritable_message
+from app.files import check_writable_dir
 
 LOCK = ".prepare.lock"
 _TASK_CHARS = 1 << 20  # text per worker task: big enough to amortize IPC, small enough for smooth progress
@@ -58,33 +62,85 @@ class PrepareResult:
     up_to_date: bool
 
 
-@contextmanager
+@contextlib.contextmanager
 def _dir_lock(out: Path) -> Iterator[None]:
     """One writer per data dir; also proves the dir is writable before any work starts."""
     created = not out.exists()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        f = open(out / LOCK, "a+")  # noqa: SIM115 - closed below
-    except FileExistsError:
-        raise UserError(f"output {out} exists and is not a directory") from None
-    except OSError as e:
-        raise UserError(unwritable_message(out, "--out", e.strerror)) from None
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.close()
-        raise UserError(
-            f"another `pretrain prepare` is writing {out}; wait for it or use another --out"
-        ) from None
-    try:
-        yield
-    finally:
-        fcntl.flock(f, fcntl.LOCK_UN)
-        f.close()
-        # A run that failed before writing anything leaves no trace: not even the dir it created.
-        if created and [p.name for p in out.iterdir()] == [LOCK]:
-            (out / LOCK).unlink(missing_ok=True)
-            out.rmdir()
+    check_writable_dir(out, "--out")
+    with open(out / LOCK, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise UserError(
+                f"another `pretrain prepare` is writing {out}; wait for it or use another --out"
+            ) from None
+        try:
+            yield
+        finally:
+            # A run that failed before writing anything leaves no trace: not even the dir it created.
+            if created and [p.name for p in out.iterdir()] == [LOCK]:
+                (out / LOCK).unlink(missing_ok=True)
+                out.rmdir()
+
+
+# ---- resume ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    kept: dict[str, list[ShardInfo]]
+    files: list[FileRecord]  # completed-file records still valid
+    start_file: int
+    first_doc: int
+    resume: dict[str, tuple[int, int]]  # per split: position of the next token to write
+    up_to_date: bool
+
+
+def plan_resume(
+    state: PrepareState,
+    files: list[SourceFile],
+    cfg: PrepareConfig,
+    out: Path,
+    dtype: np.dtype,
+    log,
+) -> Plan:
+    current = [[f.name, f.fingerprint] for f in files]
+    same_inputs = state.inputs == current
+    n_same = 0  # input files unchanged since the shards were written, from the first
+    while n_same < min(len(current), len(state.inputs)) and current[n_same] == state.inputs[n_same]:
+        n_same += 1
+    records = state.files[:n_same]
+    limit = None  # shards holding documents from this index on are stale
+    if n_same < len(state.inputs):
+        changed = files[n_same].name if n_same < len(files) else state.inputs[n_same][0]
+        limit = records[-1].end if records else 0  # keep only what unchanged, completed files hold
+        log(f"input file {changed} changed or is gone; re-making the shards from its documents on")
+    kept: dict[str, list[ShardInfo]] = {s: [] for s in SPLITS}
+    for s in SPLITS:
+        for info in getattr(state, s):
+            g, offset = info.end  # the shard's last token is in document g, or g - 1 at a boundary
+            if limit is not None and (g if offset > 0 else g - 1) >= limit:
+                break
+            if info.tokens < cfg.shard_tokens and not (state.complete and same_inputs):
+                break  # a tail shard: more input or a resumed run will extend it
+            why = verify_shard(
+                out / info.file, dtype, info.tokens, info.sha256 if cfg.verify == "sha256" else ""
+            )
+            if why:
+                log(f"re-making {info.file}: {why}")
+                break
+            kept[s].append(info)
+    up_to_date = (
+        state.complete and same_inputs and all(len(kept[s]) == len(getattr(state, s)) for s in SPLITS)
+    )
+    resume = {s: tuple(kept[s][-1].end) if kept[s] else (0, 0) for s in SPLITS}
+    start_doc = min(g for g, _ in resume.values())
+    start_file, first_doc = 0, 0
+    for i, r in enumerate(records):
+        if r.end > start_doc:
+            break
+        start_file, first_doc = i + 1, r.end
+    return Plan(kept, records[:start_file], start_file, first_doc, resume, up_to_date)  # type: ignore[arg-type]
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------------
@@ -103,46 +159,39 @@ def _sample(inp: DocumentStream, cfg: PrepareConfig, log: Log) -> Iterator[str]:
     log(f"trained the tokenizer on {taken / 1e6:.1f} MB of text")
 
 
-def _load_tokenizer_spec(cfg: PrepareConfig) -> tuple[Tokenizer, str]:
-    spec = cfg.tokenizer
-    if spec.startswith("hf://"):
-        label, path = hub.download_tokenizer(spec, cfg.cache_dir)
-        return load_tokenizer(path), label
-    path = Path(spec)
-    if not path.exists():
-        raise UserError(f"--tokenizer {spec}: no such file or directory (or use bpe, char, hf://OWNER/NAME)")
-    if path.is_dir() and not (path / TOKENIZER_FILE).exists():
-        raise UserError(f"--tokenizer {spec}: the directory has no {TOKENIZER_FILE}")
-    return load_tokenizer(path), str(path)
-
-
 def _tokenizer(
     cfg: PrepareConfig, out: Path, state: PrepareState | None, inp: DocumentStream, log: Log
 ) -> Tokenizer:
-    """The saved tokenizer when resuming, else loaded or trained (saved beside the shards by the caller)."""
+    """The given tokenizer; else the saved one when resuming, or a newly trained one (the caller saves it)."""
+    if cfg.tokenizer not in ("bpe", "char"):  # a tokenizer.json to load
+        spec = cfg.tokenizer
+        path = Path(spec)
+        label = str(path)
+        if spec.startswith("hf://"):
+            label, path = hub.download_tokenizer(spec, cfg.cache_dir)
+        elif not path.exists():
+            raise UserError(
+                f"--tokenizer {spec}: no such file or directory (or use bpe, char, hf://OWNER/NAME)"
+            )
+        elif path.is_dir() and not (path / TOKENIZER_FILE).exists():
+            raise UserError(f"--tokenizer {spec}: the directory has no {TOKENIZER_FILE}")
+        tok = load_tokenizer(path)
+        if state is not None and tok.sha256() != state.tokenizer_sha256:
+            raise UserError(
+                f"{out} was prepared with a different tokenizer than {label}; use another --out or delete {out}"
+            )
+        log(f"tokenizer {label}: {tok.kind}, vocab {tok.vocab_size}")
+        return tok
     if state is not None:
-        try:
+        with contextlib.suppress(UserError):  # gone or damaged: train again
             tok = load_tokenizer(out / TOKENIZER_FILE)
-        except UserError:  # gone or damaged
-            tok = None
-        if tok is not None and tok.sha256() == state.tokenizer_sha256:
-            if not cfg.trains_tokenizer:
-                loaded, label = _load_tokenizer_spec(cfg)
-                if loaded.sha256() != tok.sha256():
-                    raise UserError(
-                        f"{out} was prepared with a different tokenizer than {label}; "
-                        f"use another --out or delete {out}"
-                    )
-            return tok
+            if tok.sha256() == state.tokenizer_sha256:
+                return tok
     if cfg.tokenizer == "bpe":
         mb = cfg.sample_bytes / 1e6
         log(f"training a byte-level BPE tokenizer (vocab {cfg.vocab_size}) on up to {mb:.0f} MB ...")
         return train_bpe(_sample(inp, cfg, log), cfg.vocab_size)
-    if cfg.tokenizer == "char":  # with a fixed alphabet the sample is never read
-        return train_char(_sample(inp, cfg, log), cfg.char_alphabet)
-    tok, label = _load_tokenizer_spec(cfg)
-    log(f"tokenizer {label}: {tok.kind}, vocab {tok.vocab_size}")
-    return tok
+    return train_char(_sample(inp, cfg, log), cfg.char_alphabet)  # with a fixed alphabet it reads no sample
 
 
 def _tasks(inp: DocumentStream, plan: Plan, period: int, on_file_done) -> Iterator[tuple[tuple, list[str]]]:
@@ -174,19 +223,16 @@ def _tasks(inp: DocumentStream, plan: Plan, period: int, on_file_done) -> Iterat
 # ---- the pipeline ------------------------------------------------------------------------------------
 
 
-def prepare(
-    cfg: PrepareConfig, log: Log = print, *, files: list[SourceFile] | None = None, reader=read_documents
-) -> PrepareResult:
+def prepare(cfg: PrepareConfig, log: Log = print) -> PrepareResult:
     """Run `pretrain prepare`: resolve inputs, get a tokenizer, write (or finish) the shards and manifest."""
     t0 = time.time()
     check_config(cfg)
     out = Path(cfg.out_dir)
     with _dir_lock(out):
-        if files is None:
-            files = resolve_inputs(cfg.inputs, cfg.revision, cfg.includes)
+        files = hub.resolve_inputs(cfg.inputs, cfg.revision, cfg.includes)
         fetcher = Fetcher(files, lambda f: hub.download(f, cfg.cache_dir))
         opts = ReadOptions(cfg.text_column, cfg.txt_split, cfg.doc_chars)
-        return _run(cfg, out, DocumentStream(files, fetcher, opts, reader), log, t0)
+        return _run(cfg, out, DocumentStream(files, fetcher, opts), log, t0)
 
 
 def _run(cfg: PrepareConfig, out: Path, inp: DocumentStream, log: Log, t0: float) -> PrepareResult:
@@ -199,7 +245,7 @@ def _run(cfg: PrepareConfig, out: Path, inp: DocumentStream, log: Log, t0: float
             f"use another --out or delete {out}"
         )
     period = val_period(cfg.val_fraction)
-    found = inp.count(period)
+    found = sum(1 for _ in itertools.islice(inp.documents(), period))  # enough for a split? (a cheap check)
     if found == 0:
         raise UserError(
             f"no documents in {', '.join(cfg.inputs)}: {len(files)} file(s), none with a non-empty "
@@ -213,16 +259,11 @@ def _run(cfg: PrepareConfig, out: Path, inp: DocumentStream, log: Log, t0: float
     tok = _tokenizer(cfg, out, state, inp, log)
     dtype = check_dtype(tok.vocab_size, cfg.dtype)
     if state is not None and state.tokenizer_sha256 != tok.sha256():
-        if not cfg.trains_tokenizer:
-            raise UserError(
-                f"{out} was prepared with a different tokenizer (sha256 {state.tokenizer_sha256[:12]}); "
-                f"use another --out or delete {out}"
-            )
         log(
             f"the saved tokenizer of {out} is gone or damaged and training gave a different one; starting over"
         )
         state = None
-    work = plan_resume(state, files, cfg, out, dtype, log)
+    work = plan_resume(state or PrepareState({}, ""), files, cfg, out, dtype, log)  # None: nothing to keep
     n_kept = sum(len(v) for v in work.kept.values())
 
     def finish(shards: dict, records: list[FileRecord], new_tokens: int) -> PrepareResult:
@@ -266,16 +307,11 @@ def _run(cfg: PrepareConfig, out: Path, inp: DocumentStream, log: Log, t0: float
         if fi == len(new_state.files):
             new_state.files.append(FileRecord(files[fi].name, files[fi].fingerprint, first, n))
 
-    writers = {
-        s: SplitWriter(out, s, cfg.shard_tokens, dtype, work.kept[s], work.resume[s], save_state)
-        for s in SPLITS
-    }
+    writers = {s: SplitWriter(out, s, cfg.shard_tokens, dtype, work.kept[s], save_state) for s in SPLITS}
     save_state()
-    workers = cfg.workers or default_workers()
-    initial = int(inp.offsets[work.start_file])
-    progress = Progress(cfg.progress, inp.total_bytes, initial, log, cfg.log_every)
+    progress = Progress(cfg.progress, inp.total_bytes, inp.offsets[work.start_file], log, cfg.log_every)
     try:
-        with ParallelEncoder(tok, workers, dtype) as enc:
+        with ParallelEncoder(tok, cfg.workers or default_workers(), dtype) as enc:
             for (g_idx, done), encoded in enc.map(_tasks(inp, work, period, file_done)):
                 _route(encoded, g_idx, period, writers)
                 progress.update(done, len(g_idx), int(encoded.tokens.size))
@@ -300,43 +336,6 @@ def _route(enc: EncodedDocs, g_idx: np.ndarray, period: int, writers: dict[str, 
     """Send each document's tokens to its split, keeping order within each split."""
     val = g_idx % period == period - 1
     for split, mask in (("train", ~val), ("val", val)):
-        if not mask.any():
-            continue
-        if mask.all():
-            writers[split].add(enc.tokens, enc.lengths, enc.nbytes, g_idx)
-        else:
+        if mask.any():
             tok_mask = np.repeat(mask, enc.lengths)
             writers[split].add(enc.tokens[tok_mask], enc.lengths[mask], enc.nbytes[mask], g_idx[mask])
-
-
-def build_dataset(
-    documents: Callable[[], Iterable[str]],
-    out_dir: Path,
-    tokenizer: Tokenizer,
-    val_fraction: float = 0.02,
-    shard_tokens: int = 50_000_000,
-    sources: list[str] | None = None,
-    log: Log = print,
-    workers: int = 1,
-) -> Manifest:
-    """Tokenize `documents()` into shards through the same pipeline (always rebuilt, not resumable)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(out)
-    (out / STATE).unlink(missing_ok=True)
-    name = ",".join(sources or ["documents"])
-    mem = SourceFile(name, 0, "memory", "txt", local_path=str(out))
-
-    def reader(_path: Path, _f: SourceFile, opts: ReadOptions) -> Iterator[tuple[list[str], int]]:
-        return batched((d for d in documents() if d), opts, lambda: 0)
-
-    cfg = PrepareConfig(
-        [name],
-        out,
-        tokenizer=str(out),
-        val_fraction=val_fraction,
-        shard_tokens=shard_tokens,
-        workers=workers,
-        progress="none",
-    )
-    return prepare(cfg, log, files=[mem], reader=reader).manifest

@@ -40,10 +40,6 @@ class PrepareConfig:
     progress: str = "auto"  # auto (bar on a terminal, else log lines) | bar | log | none
     log_every: float = 30.0
 
-    @property
-    def trains_tokenizer(self) -> bool:
-        return self.tokenizer in ("bpe", "char")
-
     def settings(self) -> dict:
         """What determines the shards' content; a re-run with different settings refuses to mix them."""
         s: dict = {

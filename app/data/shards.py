@@ -48,10 +48,10 @@ class ShardWriter:
     """Streams one shard to its hidden partial file (flat memory however large), hashing the token bytes."""
 
     def __init__(self, path: Path, dtype: np.dtype) -> None:
+        if np.dtype(dtype) not in (np.uint16, np.uint32):
+            raise ValueError(f"shard tokens must be uint16 or uint32, got {dtype}")
         self.path = Path(path)
         self.dtype = np.dtype(dtype).newbyteorder("<")
-        if self.dtype.itemsize not in (2, 4):
-            raise ValueError(f"shard tokens must be uint16 or uint32, got {dtype}")
         self.tmp = self.path.with_name(f".{self.path.name}.partial")
         self.count = 0
         self._hash = hashlib.sha256()
@@ -78,20 +78,6 @@ class ShardWriter:
     def abort(self) -> None:
         self._f.close()
         self.tmp.unlink(missing_ok=True)
-
-
-def write_shard(path: Path, tokens: np.ndarray) -> int:
-    """Write a whole shard atomically. Returns the file size in bytes."""
-    if tokens.dtype not in (np.uint16, np.uint32):
-        raise ValueError(f"shard tokens must be uint16 or uint32, got {tokens.dtype}")
-    w = ShardWriter(path, tokens.dtype)
-    try:
-        w.write(tokens)
-        w.finish()
-    except BaseException:
-        w.abort()
-        raise
-    return HEADER_BYTES + tokens.nbytes
 
 
 def read_header(path: Path) -> tuple[np.dtype, int]:
@@ -121,7 +107,6 @@ def read_header(path: Path) -> tuple[np.dtype, int]:
 
 
 def open_shard(path: Path) -> np.memmap:
-    """Memory-map a shard's tokens (read-only)."""
     dtype, count = read_header(path)
     if count == 0:
         return np.zeros(0, dtype=dtype)  # np.memmap refuses empty files
@@ -192,17 +177,17 @@ class SplitWriter:
         shard_tokens: int,
         dtype: np.dtype,
         kept: list[ShardInfo],
-        resume: tuple[int, int],
         on_shard: Callable[[], None],
     ) -> None:
         self.out, self.split, self.S, self.dtype = out, split, shard_tokens, dtype
         self.shards = list(kept)
-        self.resume_doc, self.resume_offset = resume
+        # the stream position after the last kept shard: [document index, token offset into it]
+        self.resume_doc, self.resume_offset = kept[-1].end if kept else (0, 0)
         self.on_shard = on_shard
         self.cur: ShardWriter | None = None
         self.cur_start: list[int] = [0, 0]
         self.cur_docs = self.cur_bytes = 0
-        self.next_doc = resume[0]  # index after the last document seen (for the tail shard's end)
+        self.next_doc = self.resume_doc  # index after the last document seen (for the tail shard's end)
         self.new_tokens = 0
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray, nbytes: np.ndarray, docs: np.ndarray) -> None:

@@ -1,5 +1,5 @@
-"""Input files -> a stream of documents: local parquet, jsonl (optionally .gz/.zst) and txt files or
-directories, and HF Hub dataset files (listed and downloaded by app.data.hub).
+"""Input files -> a stream of documents: local parquet, jsonl (optionally .gz/.zst) and txt files,
+directories or globs (listed here), and HF Hub dataset files (listed and downloaded by app.data.hub).
 
 Everything streams: parquet in record batches, jsonl and txt line by line, so memory does not grow with
 the input. Every read error names the file and becomes a one-line UserError.
@@ -7,7 +7,9 @@ the input. Every read error names the file and becomes a one-line UserError.
 
 from __future__ import annotations
 
+import glob
 import gzip
+import hashlib
 import io
 import itertools
 import json
@@ -18,9 +20,104 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.data import hub
-from app.data.inputs import SourceFile, list_local
 from app.errors import UserError
+
+_COMPRESSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+_FORMATS = {
+    ".parquet": "parquet",
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".ndjson": "jsonl",
+    ".txt": "txt",
+    ".text": "txt",
+    ".md": "txt",
+}
+SUPPORTED = ".parquet, .jsonl/.json/.ndjson and .txt/.md (text formats optionally .gz or .zst)"
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One input file; `name` and `fingerprint` let a re-run tell whether it changed."""
+
+    name: str  # path relative to its input (local), or the path in the repo (hub)
+    size: int
+    fingerprint: str
+    format: str  # parquet | jsonl | txt
+    compression: str = ""  # "" | gzip | zstd
+    local_path: str = ""  # "" for a hub file until it is downloaded
+    repo: str = ""  # hub dataset repo id
+    commit: str = ""  # hub commit sha the listing came from
+
+    @property
+    def label(self) -> str:
+        """How messages and the manifest name this file."""
+        return f"hf://datasets/{self.repo}/{self.name}" if self.repo else (self.local_path or self.name)
+
+
+def file_format(name: str) -> tuple[str, str] | None:
+    """(format, compression) from the file name, or None when it is not a supported input."""
+    p = Path(name.lower())
+    compression = _COMPRESSION.get(p.suffix, "")
+    if compression:
+        p = p.with_suffix("")
+    fmt = _FORMATS.get(p.suffix)
+    if fmt is None or (fmt == "parquet" and compression):
+        return None
+    return fmt, compression
+
+
+def _quick_fingerprint(path: Path, size: int) -> str:
+    """Size plus a hash of the first and last 64 KiB: survives copies, notices almost any rewrite."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 16))
+        if size > 1 << 17:
+            f.seek(size - (1 << 16))
+        h.update(f.read(1 << 16))
+    return f"{size}:{h.hexdigest()[:16]}"
+
+
+def _local_file(path: Path, name: str) -> SourceFile:
+    fmt = file_format(path.name)
+    if fmt is None:
+        raise UserError(f"cannot tell the format of {path}: supported are {SUPPORTED}")
+    try:
+        size = path.stat().st_size
+        fingerprint = _quick_fingerprint(path, size)
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+    return SourceFile(name, size, fingerprint, fmt[0], fmt[1], local_path=str(path))
+
+
+def list_local(spec: str) -> list[SourceFile]:
+    """A file, a directory (searched recursively, hidden entries skipped) or a glob pattern."""
+    if any(c in spec for c in "*?["):
+        paths = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        files = [p for p in paths if file_format(p.name)]
+        if not files:
+            raise UserError(f"no input files match {spec} (supported: {SUPPORTED})")
+        root = Path(spec.split("*")[0].split("?")[0].split("[")[0])
+        root = root if root.is_dir() else root.parent
+        return [_local_file(p, str(p.relative_to(root)) if p.is_relative_to(root) else p.name) for p in files]
+    path = Path(spec)
+    if path.is_file():
+        return [_local_file(path, path.name)]
+    if not path.exists():
+        raise UserError(f"input {spec} does not exist")
+    if not path.is_dir():
+        raise UserError(f"input {spec} is neither a file nor a directory")
+    found: list[Path] = []
+    others: set[str] = set()
+    for p in sorted(path.rglob("*")):
+        rel = p.relative_to(path)
+        if any(part.startswith(".") for part in rel.parts) or not p.is_file():
+            continue
+        (found.append(p) if file_format(p.name) else others.add(p.suffix or p.name))
+    if not found:
+        what = f" (found only {', '.join(sorted(others)[:8])})" if others else " (it is empty)"
+        raise UserError(f"no input files in {spec}{what}; supported are {SUPPORTED}")
+    return [_local_file(p, str(p.relative_to(path))) for p in found]
+
 
 _BATCH_CHARS = 1 << 20  # a yielded batch holds about this much text at most
 MAX_UNDECODABLE_FRACTION = 0.001  # of a txt file's characters; beyond it the file is refused
@@ -36,22 +133,6 @@ class ReadOptions:
     txt_split: str = "file"  # file: one document per file; line: per line; paragraph: see _paragraph_docs
     doc_chars: int = 4000  # paragraph mode: documents are runs of paragraphs of about this many characters
     batch_rows: int = 256  # parquet rows per batch; jsonl/txt batches also stop at _BATCH_CHARS
-
-
-Reader = Callable[[Path, SourceFile, ReadOptions], Batches]
-
-
-def resolve_inputs(
-    specs: list[str], revision: str | None = None, includes: Iterable[str] = ()
-) -> list[SourceFile]:
-    """All input files in a fixed order: inputs in the order given, files sorted within each."""
-    files: list[SourceFile] = []
-    for spec in specs:
-        if spec.startswith("hf://"):
-            files.extend(hub.list_dataset_files(spec, revision=revision, includes=includes))
-        else:
-            files.extend(list_local(spec))
-    return files
 
 
 class Fetcher:
@@ -91,8 +172,8 @@ class Fetcher:
 class DocumentStream:
     """The numbered document stream over all input files, read from any file onwards."""
 
-    def __init__(self, files: list[SourceFile], fetcher: Fetcher, opts: ReadOptions, reader: Reader) -> None:
-        self.files, self.fetcher, self.opts, self.reader = files, fetcher, opts, reader
+    def __init__(self, files: list[SourceFile], fetcher: Fetcher, opts: ReadOptions) -> None:
+        self.files, self.fetcher, self.opts = files, fetcher, opts
         self.offsets = list(itertools.accumulate((f.size for f in files), initial=0))
 
     @property
@@ -110,7 +191,7 @@ class DocumentStream:
         for fi in range(start_file, len(self.files)):
             f = self.files[fi]
             file_first = g
-            for texts, done in self.reader(self.fetcher.path(fi), f, self.opts):
+            for texts, done in read_documents(self.fetcher.path(fi), f, self.opts):
                 if texts:
                     yield g, texts, self.offsets[fi] + min(done, f.size)
                     g += len(texts)
@@ -121,15 +202,6 @@ class DocumentStream:
     def documents(self) -> Iterator[tuple[int, str]]:
         for g, texts, _ in self.batches():
             yield from enumerate(texts, g)
-
-    def count(self, limit: int) -> int:
-        """How many documents the input has, counting at most `limit` (a cheap early sanity check)."""
-        n = 0
-        for _, texts, _ in self.batches():
-            n += len(texts)
-            if n >= limit:
-                break
-        return n
 
 
 # ---- readers -------------------------------------------------------------------------------------
@@ -155,21 +227,14 @@ def _one_line(e: BaseException) -> str:
 def read_documents(path: Path, f: SourceFile, opts: ReadOptions) -> Batches:
     """Batches of non-empty documents of one file, each with the bytes of the file read so far."""
     reader = {"parquet": _read_parquet, "jsonl": _read_jsonl, "txt": _read_txt}[f.format]
-    it = reader(path, f, opts)
-    while True:
-        try:
-            item = next(it)
-        except StopIteration:
-            return
-        except UserError:
-            raise
-        except Exception as e:
-            import pyarrow as pa  # its errors are ArrowException subclasses
+    try:
+        yield from reader(path, f, opts)
+    except Exception as e:
+        import pyarrow as pa  # its errors are ArrowException subclasses
 
-            if not isinstance(e, (*_READ_ERRORS, pa.ArrowException)):
-                raise
-            raise UserError(f"cannot read {f.label}: {_one_line(e)} (is it corrupt or truncated?)") from None
-        yield item
+        if not isinstance(e, (*_READ_ERRORS, pa.ArrowException)):
+            raise
+        raise UserError(f"cannot read {f.label}: {_one_line(e)} (is it corrupt or truncated?)") from None
 
 
 def batched(docs: Iterable[str], opts: ReadOptions, tell: Callable[[], int]) -> Batches:
@@ -260,17 +325,11 @@ def _utf8_checked(docs: Iterable[str], label: str) -> Iterator[str]:
 def _read_txt(path: Path, f: SourceFile, opts: ReadOptions) -> Batches:
     stream, raw = _open_binary(path, f.compression)
     with raw, io.TextIOWrapper(stream, encoding="utf-8", errors="replace", newline=None) as text:
-        if opts.txt_split == "file":
-            for doc in _utf8_checked([text.read()], f.label):
-                if doc.strip():
-                    yield [doc], f.size
-            return
-        docs = _paragraph_docs(text, opts.doc_chars) if opts.txt_split == "paragraph" else _line_docs(text)
-        yield from batched(_utf8_checked(docs, f.label), opts, raw.tell)
-
-
-def _line_docs(text: io.TextIOBase) -> Iterator[str]:
-    return (line.rstrip("\n") for line in text if line.strip())
+        if opts.txt_split == "paragraph":
+            docs = _paragraph_docs(text, opts.doc_chars)
+        else:  # a whole file or each line: blank ones are left out below
+            docs = [text.read()] if opts.txt_split == "file" else (line.rstrip("\n") for line in text)
+        yield from batched(_utf8_checked((d for d in docs if d.strip()), f.label), opts, raw.tell)
 
 
 def _paragraph_docs(text: io.TextIOBase, doc_chars: int) -> Iterator[str]:

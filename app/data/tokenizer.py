@@ -9,6 +9,7 @@ as ordinary text), so the boundary token always means "a document ended here".
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -36,48 +37,15 @@ class EncodedDocs:
 
 
 class Tokenizer:
-    """What the data pipeline, trainer and sampler need from a tokenizer."""
+    """What the data pipeline, trainer and sampler need from a tokenizer. Subclasses define `encode_batch`,
+    `encode_docs` (documents -> EncodedDocs, the shard layout), `decode(ids)` and `to_json()`."""
 
     kind: str
     vocab_size: int
     eot_id: int
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        raise NotImplementedError
-
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
-
-    def _data_ids(self, texts: list[str]) -> list[list[int]]:
-        """Ids of document text (the data pipeline's encoding; may differ from `encode` for specials)."""
-        return self.encode_batch(texts)
-
-    def encode_docs(self, texts: list[str], dtype: np.dtype) -> EncodedDocs:
-        """Documents -> one flat array with the boundary token after each (the shard layout).
-
-        Encodes in slices of _ENCODE_SLICE documents: HF `Encoding` objects cost ~100 bytes per token,
-        so this bounds memory whatever the batch size.
-        """
-        tokens, lengths = [np.zeros(0, dtype)], [np.zeros(0, np.int64)]
-        for i in range(0, len(texts), _ENCODE_SLICE):
-            ids = self._data_ids(texts[i : i + _ENCODE_SLICE])
-            n = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
-            out = np.empty(int(n.sum()), dtype=dtype)
-            pos = 0
-            for x in ids:
-                out[pos : pos + len(x)] = x
-                pos += len(x)
-                out[pos] = self.eot_id
-                pos += 1
-            tokens.append(out)
-            lengths.append(n)
-        return EncodedDocs(np.concatenate(tokens), np.concatenate(lengths), _utf8_lengths(texts))
-
-    def decode(self, ids: list[int]) -> str:
-        raise NotImplementedError
-
-    def to_json(self) -> str:
-        raise NotImplementedError
 
     def save(self, directory: Path) -> Path:
         """Write `tokenizer.json` atomically (a crash never leaves a half-written tokenizer)."""
@@ -119,13 +87,23 @@ class BPETokenizer(Tokenizer):
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
-    def _data_ids(self, texts: list[str]) -> list[list[int]]:
+    def encode_docs(self, texts: list[str], dtype: np.dtype) -> EncodedDocs:
+        """In slices of _ENCODE_SLICE documents: HF `Encoding` objects cost ~100 bytes per token, so this
+        bounds memory whatever the batch size."""
         if self._data_tok is None:
             from tokenizers import Tokenizer as HFTokenizer
 
             self._data_tok = HFTokenizer.from_str(self.tok.to_str())
             self._data_tok.encode_special_tokens = True  # document text never yields the boundary id
-        return [e.ids for e in self._data_tok.encode_batch(texts, add_special_tokens=False)]
+        tokens, lengths = [np.zeros(0, dtype)], [np.zeros(0, np.int64)]
+        for i in range(0, len(texts), _ENCODE_SLICE):
+            encoded = self._data_tok.encode_batch(texts[i : i + _ENCODE_SLICE], add_special_tokens=False)
+            ids = [e.ids for e in encoded]
+            n = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
+            flat = itertools.chain.from_iterable((*x, self.eot_id) for x in ids)
+            tokens.append(np.fromiter(flat, dtype=dtype, count=int(n.sum())))
+            lengths.append(n)
+        return EncodedDocs(np.concatenate(tokens), np.concatenate(lengths), _utf8_lengths(texts))
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
@@ -284,13 +262,12 @@ class ParallelEncoder:
         """(meta, texts) -> (meta, encoded), in input order; `meta` stays in this process."""
         if self._pool is None:
             old = os.environ.get("TOKENIZERS_PARALLELISM")
-            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core, as asked
             try:
                 yield from ((meta, self.tokenizer.encode_docs(texts, self.dtype)) for meta, texts in batches)
             finally:
-                if old is None:
-                    os.environ.pop("TOKENIZERS_PARALLELISM", None)
-                else:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+                if old is not None:
                     os.environ["TOKENIZERS_PARALLELISM"] = old
             return
         from collections import deque
@@ -307,14 +284,10 @@ class ParallelEncoder:
             raise
         yield from ((m, r.get()) for m, r in pending)
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
-
     def __enter__(self) -> ParallelEncoder:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()

@@ -1,25 +1,11 @@
 """`pretrain wait-data`: the trainer pods' wait for the prepare Job's output (the chart's wait-for-data
 initContainer), with an end: it sees a failed or missing prepare instead of polling forever.
 
-Every --poll seconds, in this order:
-- ready: DIR/_READY holds FP (written by the prepare Job after `pretrain prepare` succeeded) -> exit 0;
-- a stop file (a budget or user stop during the wait) -> exit 0: the trainer starts and stops at once;
-- DIR/_FAILED (written by the prepare Job's script when `pretrain prepare` failed) for FP marked final
-  (exit 2, a bad argument, or more failures than the Job's backoffLimit) -> give up;
-- with Kubernetes API access (in a pod with a token and --job): the prepare Job's Failed condition ->
-  give up; the Job not found for --missing-grace seconds -> give up (deleted, or never created); the
-  Job Complete but no _READY for FP after the grace -> give up;
-- no _READY after --timeout seconds -> give up.
+Why it ends in a verdict file and exit 0 rather than a failure: the training-operator reads only the
+trainer container's exit code, and a failed initContainer reads as 0xbeef, retried forever, uncounted.
+The launcher finds the verdict and ends the pod with its code (4 no data, 2 bad arguments, 1 a crash).
 
-Giving up: one line on stderr, a Warning Event `DataNotReady` on the PyTorchJob (--event-job), and the
-verdict file {"code": 4, "reason": ...}; then exit 0, because the training-operator reads the exit code
-of the trainer container only and an initContainer's failure reads as 0xbeef (48879), which it retries
-forever, uncounted. The launcher finds the verdict and ends the pod with exit 4, permanent
-(app/restarts.py). Without --verdict it exits 4 itself.
-
-Every other end is a verdict too, never a traceback: arguments it cannot use (code 2; `python -m
-app.data.wait`, the chart's command, also catches those argparse refuses, such as a flag of a newer
-chart than the image) and an unexpected error (code 1, one line naming the exception and where).
+Detail: docs/kubernetes.md, "Data preparation and its ordering"; flags in docs/contracts.md.
 """
 
 from __future__ import annotations
@@ -37,10 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.errors import UserError
+from app.errors import EXIT_DATA_NOT_READY, UserError, print_stderr
 from app.files import atomic_write_json
 
-EXIT_DATA_NOT_READY = 4  # the same code as app.restarts.EXIT_DATA_NOT_READY
 TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 LOG_EVERY_SECONDS = 300.0
 log = logging.getLogger("pretrain.wait")
@@ -192,14 +177,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=120.0,
         help="give up when the Job is missing, or complete without the marker, this long (default 120 s)",
     )
-    p.add_argument(
-        "--stop-file", default=None, help="let the trainer start (and stop) when this file appears"
-    )
-    p.add_argument(
-        "--verdict",
-        default=None,
-        help="on giving up write {code, reason} here and exit 0 (the launcher fails)",
-    )
+    p.add_argument("--stop-file", help="let the trainer start (and stop) when this file appears")
+    p.add_argument("--verdict", help="on giving up write {code, reason} here and exit 0 (the launcher fails)")
     p.add_argument(
         "--event-job", default="", help="post a DataNotReady Event on this PyTorchJob when giving up"
     )
@@ -211,18 +190,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def leave_verdict(path: str | None, code: int, line: str) -> int:
+def leave_verdict(path: str | None, code: int, line: str, prefix: str = "") -> int:
     """One line on stderr; with a verdict file, {code, reason} there and exit 0 (the launcher ends the pod
     with `code`), else exit `code`."""
-    print(f"wait-for-data: {line}", file=sys.stderr, flush=True)
+    print_stderr(f"wait-for-data: {prefix}{line}")
     if path:
         try:
             atomic_write_json(Path(path), {"code": code, "reason": line}, durable=False)
             return 0
         except OSError as e:
-            print(
-                f"wait-for-data: cannot write the verdict {path}: {e.strerror}", file=sys.stderr, flush=True
-            )
+            print_stderr(f"wait-for-data: cannot write the verdict {path}: {e.strerror}")
     return code
 
 
@@ -283,17 +260,13 @@ def _wait(args: argparse.Namespace) -> int:
     if outcome != "gave-up":
         print(f"wait-for-data: {line}", flush=True)
         return 0
-    print(f"wait-for-data: gave up: {line}", file=sys.stderr, flush=True)
     if api is not None and args.event_job:
         from app.budget.kube import KubeActions
 
         KubeActions(namespace, args.event_job, api, component="pretrain-wait-for-data", prefix="data").event(
             "DataNotReady", line
         )
-    if args.verdict:
-        atomic_write_json(Path(args.verdict), {"code": EXIT_DATA_NOT_READY, "reason": line}, durable=False)
-        return 0
-    return EXIT_DATA_NOT_READY
+    return leave_verdict(args.verdict, EXIT_DATA_NOT_READY, line, "gave up: ")
 
 
 def _flag(argv: list[str], name: str) -> str | None:

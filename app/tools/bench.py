@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -24,12 +25,7 @@ DESCRIPTION = "measure tokens/s, MFU, memory and the step-time breakdown of a pr
 _COUNTS = (
     ("--steps", 20, 1, "timed optimizer steps"),
     ("--warmup", 3, 0, "untimed steps first; the first one compiles when train.compile is on"),
-    (
-        "--breakdown-steps",
-        3,
-        0,
-        "extra steps that synchronize between phases for the time breakdown; 0 = none",
-    ),
+    ("--breakdown-steps", 3, 0, "extra steps synchronized between phases for the time breakdown; 0 = none"),
 )
 
 
@@ -39,17 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)  # as for `pretrain train`: e.g. --set train.compile=false
     for flag, default, _, doc in _COUNTS:
         p.add_argument(flag, type=int, default=default, metavar="N", help=f"{doc} (default: {default})")
-    p.add_argument(
-        "--gpu-type",
-        metavar="T",
-        help="key of the peak-FLOPs table for MFU (a100, h100-sxm, h200, b200, l40s, ...; "
-        "default: detected from the CUDA device name)",
-    )
-    p.add_argument(
-        "--out",
-        metavar="FILE.json",
-        help="where to write the results as JSON (default: runs/bench/<preset>.json); also printed last",
-    )
+    gpu_types = "a100, h100-sxm, h200, b200, l40s, ...; default: detected from the CUDA device name"
+    p.add_argument("--gpu-type", metavar="T", help=f"key of the peak-FLOPs table for MFU ({gpu_types})")
+    out = "where to write the results as JSON (default: runs/bench/<preset>.json); also printed last"
+    p.add_argument("--out", metavar="FILE.json", help=out)
     p.add_argument("--force", action="store_true", help="replace an existing --out FILE")
 
 
@@ -71,20 +60,14 @@ class SyntheticBatches:
         return rows[:, :-1], rows[:, 1:]
 
 
-def _check(args: argparse.Namespace) -> None:
-    from app.errors import UserError
-
-    for flag, _, low, _ in _COUNTS:
-        if (value := getattr(args, flag[2:].replace("-", "_"))) < low:
-            raise UserError(f"{flag} must be >= {low}, got {value}")
-
-
 def run(args: argparse.Namespace) -> int:
-    _check(args)
     from app.config import load_config, vocab_for_estimates
     from app.errors import UserError
     from app.files import check_writable_dir
 
+    for flag, _, low, _ in _COUNTS:
+        if (value := getattr(args, flag[2:].replace("-", "_"))) < low:
+            raise UserError(f"{flag} must be >= {low}, got {value}")
     cfg = load_config(args.preset, args.config, args.overrides, {"metrics.gpu_type": args.gpu_type})
     cfg.model.vocab_size = vocab_for_estimates(cfg)
     out = Path(args.out or f"runs/bench/{cfg.preset}.json")
@@ -96,8 +79,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    for line in describe(result):
-        print(line)
+    print("\n".join(describe(result)))
     print(f"wrote {out}")
     print(json.dumps(result), flush=True)
     return 0
@@ -109,6 +91,7 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
 
     from app.data.loader import Prefetcher
     from app.train import train_step
+    from app.trainer import layout
     from app.trainer.distributed import init_distributed, shutdown_distributed
     from app.trainer.memory import plan_for_training as plan_parallel
     from app.trainer.metrics import device_peak, flops_per_token
@@ -124,6 +107,7 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
     try:
         device = pick_device(cfg, env.local_rank)
         configure_device(device)
+        auto = layout.for_run(cfg, env.world_size, device, None, None, lambda msg: None)  # micro-batch auto
         torch.manual_seed(cfg.train.seed)
         choice = plan_parallel(cfg, env.world_size, device)
         model = build_parallel_model(cfg, env, device, choice.mode, lambda msg: None)  # the table says it all
@@ -164,7 +148,6 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
         tps = steps * tokens_per_step / seconds
         fpt = flops_per_token(m)
         gpu_type, peak = device_peak(cfg.metrics.gpu_type, cfg.metrics.peak_tflops, device)
-        estimate = (choice.fsdp if choice.mode == "fsdp" else choice.ddp).total
         step_seconds = seconds / steps
         total = sum(phases.values())
         compiled = compile_enabled(cfg, device)
@@ -181,7 +164,14 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
             "dtype": "bf16" if bf16 else t.dtype.replace("auto", "fp32"),
             "parameters": count_parameters(unwrap(model)).total,
             "tokens_per_step": tokens_per_step,
-            "layout": {"micro_batch_size": t.micro_batch_size, "seq_len": m.seq_len, "accum": accum},
+            "layout": {
+                "micro_batch_size": t.micro_batch_size,
+                "seq_len": m.seq_len,
+                "accum": accum,
+                "micro_batch_rule": "auto" if auto else "fixed",
+            },  # fmt: skip
+            "vocab": {"size": m.vocab_size, "padded": m.padded_vocab},
+            "head_flops_share": 1 - flops_per_token(dataclasses.replace(m, vocab_size=0)) / fpt,
             "steps": steps,
             "tokens_per_second": tps,
             "step_seconds": step_seconds,
@@ -191,7 +181,7 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
             "mfu": fpt * tps / (peak * env.world_size) if peak else None,
             "peak_memory_bytes": peak_bytes,
             "peak_memory_measured_by": how,
-            "estimated_memory_bytes": estimate,
+            "estimated_memory_bytes": (choice.fsdp if choice.mode == "fsdp" else choice.ddp).total,
             "first_step_seconds": first_seconds,
             "compile_seconds": max(0.0, first_seconds - step_seconds) if compiled else 0.0,
             "breakdown_seconds": {k: v / max(breakdown_steps, 1) for k, v in phases.items()},
@@ -279,15 +269,18 @@ def _peak_memory(device, one_step, parts: dict) -> tuple[int | None, str]:
 
 
 def describe(r: dict) -> list[str]:
-    """The human table of a result."""
     gb = lambda b: f"{b / 1e9:.2f} GB" if b is not None else "n/a"  # noqa: E731
     lay = r["layout"]
+    auto = lay.get("micro_batch_rule") == "auto"
     est, peak, how = r["estimated_memory_bytes"], r["peak_memory_bytes"], r["peak_memory_measured_by"]
     lines = [
         f"bench {r['preset']}: {r['world_size']} x {r['device_name']}, {r['parallel']}, {r['dtype']}, "
         f"compile {'on (' + r['compile_mode'] + ')' if r['compile'] else 'off'}, {r['parameters']:,} parameters",
         f"  batch        {r['tokens_per_step']:,} tokens/step ({lay['micro_batch_size']} x {lay['seq_len']} x "
-        f"{r['world_size']} ranks x {lay['accum']} accum)",
+        f"{r['world_size']} ranks x {lay['accum']} accum"
+        f"{'; micro-batch auto: the most that fits by the estimate' if auto else ''})",
+        f"  vocab        {r['vocab']['size']:,} padded to {r['vocab']['padded']:,} rows for the head matmul, "
+        f"which is {r['head_flops_share']:.0%} of the step's FLOPs",
         f"  throughput   {r['tokens_per_second']:,.0f} tokens/s, {r['step_seconds'] * 1000:.1f} ms/step "
         f"over {r['steps']} free-running steps",
         f"  MFU          {r['mfu']:.1%} of {r['peak_tflops_per_device']:.0f} TFLOP/s per device "
@@ -306,7 +299,10 @@ def describe(r: dict) -> list[str]:
     )
     if r["compile"]:
         s, c = r["first_step_seconds"], r["compile_seconds"]
-        lines.append(f"  compile      first step {s:.1f} s (~{c:.1f} s compiling)")
+        lines.append(
+            f"  compile      first step {s:.1f} s (~{c:.1f} s compiling); compiled: every block and the loss "
+            f"(norm, head, cross-entropy): 100% of the FLOPs counted, {r['head_flops_share']:.0%} of them the head"
+        )
     if r["breakdown_share"]:
         parts = ", ".join(f"{k.replace('_', '+')} {v:.0%}" for k, v in r["breakdown_share"].items())
         lines.append(f"  breakdown    {parts} (synchronized steps)")
@@ -315,11 +311,7 @@ def describe(r: dict) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+if __name__ == "__main__":
     from app.command import main_for
 
-    return main_for("pretrain bench", DESCRIPTION, add_arguments, run, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_for("pretrain bench", DESCRIPTION, add_arguments, run))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +35,8 @@ def load_bundle(directory: str | Path) -> tuple[list[dict], dict[str, float]]:
         if not isinstance(t, dict) or not {"label", "dataset_uri", "icl_task_type"} <= set(t):
             raise UserError(f"{spec}: every task needs label, dataset_uri and icl_task_type; got {t!r}"[:300])
         if t["icl_task_type"] not in TYPES:
-            raise UserError(
-                f"{spec}: task {t['label']}: icl_task_type '{t['icl_task_type']}' is not one of "
-                + ", ".join(TYPES)
-            )
+            kind = f"task {t['label']}: icl_task_type '{t['icl_task_type']}'"
+            raise UserError(f"{spec}: {kind} is not one of {', '.join(TYPES)}")
     baselines: dict[str, float] = {}
     meta = root / "eval_meta_data.csv"
     if meta.is_file():
@@ -46,9 +45,8 @@ def load_bundle(directory: str | Path) -> tuple[list[dict], dict[str, float]]:
                 try:
                     baselines[row["Eval Task"]] = float(row["Random baseline"])
                 except (KeyError, TypeError, ValueError):
-                    raise UserError(
-                        f"{meta}: needs columns 'Eval Task' and 'Random baseline' (a number)"
-                    ) from None
+                    msg = f"{meta}: needs columns 'Eval Task' and 'Random baseline' (a number)"
+                    raise UserError(msg) from None
     return tasks, baselines
 
 
@@ -81,25 +79,23 @@ def _demo(kind: str, item: dict, delim: str) -> str:
 
 def item_correct(scorer: Scorer, kind: str, item: dict, shots: list[dict], delim: str) -> bool:
     prefix = "".join(_demo(kind, s, delim) + "\n\n" for s in shots)
-    if kind == "language_modeling":
-        ((_, greedy),) = scorer.loglikelihood(
-            [(prefix + item["context"].strip() + delim, item["continuation"])]
-        )
+    if kind == "language_modeling":  # right when greedy decoding gives the continuation
+        context = prefix + item["context"].strip() + delim
+        ((_, greedy),) = scorer.loglikelihood([(context, item["continuation"])])
         return greedy
     if kind == "multiple_choice":
         pairs = [(prefix + item["query"] + delim, c) for c in item["choices"]]
     else:
         pairs = [(prefix + o + delim, item["continuation"]) for o in item["context_options"]]
     encoded = [scorer.encode_pair(c, x) for c, x in pairs]
-    means = [
-        lp / max(len(cont), 1) for (lp, _), (_, cont) in zip(scorer.score(encoded), encoded, strict=True)
-    ]
+    scores = zip(scorer.score(encoded), encoded, strict=True)
+    means = [lp / max(len(cont), 1) for (lp, _), (_, cont) in scores]  # per token of the option
     return max(range(len(means)), key=means.__getitem__) == int(item["gold"])
 
 
-def evaluate_core(
-    scorer: Scorer, directory: str | Path, limit: int | None = None, progress=None
-) -> dict[str, Any]:
+def evaluate_core(scorer: Scorer, directory: str | Path, limit: int | None = None) -> dict[str, Any]:
+    from tqdm import tqdm
+
     root = Path(directory)
     tasks, baselines = load_bundle(root)
     results: dict[str, Any] = {}
@@ -111,14 +107,11 @@ def evaluate_core(
         items = read_items(root, task)[: limit or None]
         try:
             right = 0
-            for i, item in enumerate(items):
+            for i, item in enumerate(tqdm(items, label, unit="item", disable=not sys.stderr.isatty())):
                 right += item_correct(scorer, kind, item, _shots(items, i, k), delim)
-                if progress:
-                    progress(label, i + 1, len(items))
         except (KeyError, IndexError, TypeError, ValueError) as e:
-            raise UserError(
-                f"CORE task {label}: an item does not fit {kind} ({type(e).__name__}: {e})"
-            ) from None
+            msg = f"CORE task {label}: an item does not fit {kind} ({type(e).__name__}: {e})"
+            raise UserError(msg) from None
         acc = right / max(len(items), 1)
         if label in baselines:
             random_acc = baselines[label] / 100

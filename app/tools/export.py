@@ -1,22 +1,17 @@
 """`pretrain export RUN_DIR --output DIR`: a self-contained report of one run.
 
-DIR/
-  manifest.json        seed, versions, config + its hash, cluster spec, spend, step/tokens, val losses
-  metrics.csv          step,name,value from metrics.jsonl (a step logged twice across a restart keeps
-                       the last; rows of a trajectory abandoned by a resume are dropped)
-  loss-curve.png       train loss and val loss over steps
-  gradnorm-curve.png   grad norm over steps (spikes marked)
-  throughput.png       tokens/s over steps (and MFU when known)
-  final.safetensors    weights of the latest valid checkpoint consolidated into one file (from the
-                       shards of any world size); tied weights stored once, their aliases in the
-                       header metadata (`load_final` restores them)
-  tokenizer.json       the run's tokenizer, when the checkpoint carries one
-  eval/*.json          benchmark results written by `pretrain eval` (summarised in manifest.json)
+Why: a run dir is sharded, resumable working state; the export is what a reader keeps and shares:
+manifest.json (config, versions, spend, results), metrics.csv and plots of the trajectory that led to
+the final weights, final.safetensors consolidated from the shards of any world size, the tokenizer and
+the run's `pretrain eval` results.
+
+Detail: docs/observability.md, "Run export" (every file and field, and how to reload the weights).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import functools
 import hashlib
@@ -29,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from app.budget.files import read_json_object
 from app.errors import UserError
 from app.files import check_writable_dir, sha256_file
 from app.tools.export_plots import write_plots
@@ -53,25 +49,12 @@ _ENV_PREFIXES = ("PET_",)  # the Kubeflow training operator's torchrun settings 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "run_dir",
-        metavar="RUN_DIR",
-        help="a run directory (checkpoints/, metrics.jsonl, budget/) written by `pretrain train`",
-    )
-    p.add_argument(
-        "--output",
-        "-o",
-        required=True,
-        metavar="DIR",
-        help="directory to write manifest.json, metrics.csv, plots, final.safetensors and the run's eval "
-        "results (RUN_DIR/eval/*.json from `pretrain eval`, summarised in manifest.json) into; it must be "
-        "empty or new unless --force",
-    )
-    p.add_argument(
-        "--force",
-        action="store_true",
-        help="write into a non-empty --output, replacing files of the same names",
-    )
+    run_dir = "a run directory (checkpoints/, metrics.jsonl, budget/) written by `pretrain train`"
+    p.add_argument("run_dir", metavar="RUN_DIR", help=run_dir)
+    output = "where to write manifest.json, metrics.csv, plots, final.safetensors and the run's eval/*.json "
+    output += "(from `pretrain eval`); it must be empty or new unless --force"
+    p.add_argument("--output", "-o", required=True, metavar="DIR", help=output)
+    p.add_argument("--force", action="store_true", help="write into a non-empty --output, replacing files")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,19 +130,16 @@ def metric_values(rows: list[dict]) -> list[tuple[int, str, float]]:
 
 def write_csv(path: Path, values: list[tuple[int, str, float]]) -> None:
     with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(CSV_COLUMNS)
-        for step, name, value in values:
-            w.writerow([step, name, repr(value)])  # nan / inf stay readable by float()
+        rows = [(step, name, repr(value)) for step, name, value in values]  # repr: float() reads nan, inf
+        csv.writer(f).writerows([CSV_COLUMNS, *rows])
 
 
 # ---------------------------------------------------------------- weights
 
 
 def write_final(path: Path, info: ckpt.CheckpointInfo) -> dict[str, Any]:
-    """The checkpoint's weights consolidated into one file, whatever world size wrote them (shards are
-    assembled one tensor at a time), tensor bytes unchanged; tied aliases and the model config in the
-    header."""
+    """The checkpoint's weights in one file, from the shards of any world size (one tensor at a time),
+    tensor bytes unchanged; tied aliases and the model config in the header."""
     from app.trainer.checkpoint_format import write_consolidated
 
     model_cfg = (info.meta.get("config") or {}).get("model", {})
@@ -168,6 +148,7 @@ def write_final(path: Path, info: ckpt.CheckpointInfo) -> dict[str, Any]:
         metadata = {
             "tied": json.dumps(tied, sort_keys=True),
             "model_config": json.dumps(model_cfg, sort_keys=True),
+            **{k: str(v) for k, v in vocab_rows(model_cfg).items()},
             "step": str(info.step),
             "source": str(info.path),
         }
@@ -177,13 +158,15 @@ def write_final(path: Path, info: ckpt.CheckpointInfo) -> dict[str, Any]:
     return {"tensors": tensors, "parameters": params, "tied": tied, "sha256": entry.sha256}
 
 
-def load_final(path: str | Path) -> tuple[dict, dict[str, str]]:
-    """(state dict with tied aliases restored, header metadata) of an exported final.safetensors.
+def vocab_rows(model_cfg: dict) -> dict[str, int]:
+    """The true vocabulary and the padded row count of embedding and head (older runs: unpadded)."""
+    vocab, multiple = model_cfg.get("vocab_size", 0), model_cfg.get("vocab_multiple", 1)
+    return {"vocab_size": vocab, "padded_vocab": -(-vocab // multiple) * multiple}
 
-    `model.load_state_dict(state)` works on
-    `app.model.build_model(ModelConfig(**json.loads(meta["model_config"])))` (rebuild nested `loop` with
-    LoopConfig) or on the config in manifest.json.
-    """
+
+def load_final(path: str | Path) -> tuple[dict, dict[str, str]]:
+    """(state dict with tied aliases restored, header metadata) of an exported final.safetensors, for
+    `load_state_dict` on the model of manifest.json's config (docs/observability.md shows how)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -207,15 +190,12 @@ def config_hash(config: dict) -> str:
 def cluster_spec(meta: dict, start: dict) -> dict[str, Any]:
     """Where the run trained (from the checkpoint and the log's last `start` event) and where it is
     exported (this environment)."""
-    env = {k: v for k, v in os.environ.items() if k in _ENV_EXACT or k.startswith(_ENV_PREFIXES)}
     gpus: list[str] = []
-    try:
+    with contextlib.suppress(Exception):  # a broken CUDA setup must not break an export
         import torch
 
         if torch.cuda.is_available():
             gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    except Exception:  # noqa: BLE001 - a broken CUDA setup must not break an export
-        pass
     config = meta.get("config") or {}
     return {
         "training": {
@@ -231,22 +211,14 @@ def cluster_spec(meta: dict, start: dict) -> dict[str, Any]:
             "cpu_count": os.cpu_count(),
             "kubernetes": "KUBERNETES_SERVICE_HOST" in os.environ,
             "gpus": gpus,
-            "env": env,
+            "env": {k: v for k, v in os.environ.items() if k in _ENV_EXACT or k.startswith(_ENV_PREFIXES)},
         },
     }
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def spend_summary(run_dir: Path, meta: dict) -> dict[str, Any]:
     """Total spend: the ledger (durable), else the watcher's state.json, else the checkpoint's figure."""
-    ledger = _read_json(run_dir / "budget" / "ledger.json") or {}
+    ledger = read_json_object(run_dir / "budget" / "ledger.json") or {}
     if (spent := _number(ledger.get("spent_usd"))) is not None:
         if ledger.get("open_session"):
             spent += float(ledger.get("reserved_usd") or 0.0)
@@ -260,7 +232,7 @@ def spend_summary(run_dir: Path, meta: dict) -> dict[str, Any]:
             "running_hours": (ledger.get("running_seconds") or 0) / 3600,
             "stop": ledger.get("stop"),
         }
-    state = _read_json(run_dir / "budget" / "state.json") or {}
+    state = read_json_object(run_dir / "budget" / "state.json") or {}
     if (spent := _number(state.get("spent_usd"))) is not None:
         src = {"cap_usd": state.get("cap_usd"), "source": state.get("source"), "from": "budget/state.json"}
         return {"total_usd": spent, **src}
@@ -273,8 +245,7 @@ def copy_evals(run_dir: Path, out: Path) -> dict[str, dict]:
     """Copy RUN_DIR/eval/*.json (written by `pretrain eval`); return a summary per file."""
     summary: dict[str, dict] = {}
     for src in sorted((run_dir / "eval").glob("*.json")):
-        data = _read_json(src)
-        if data is None:
+        if (data := read_json_object(src)) is None:
             continue
         (out / "eval").mkdir(exist_ok=True)
         shutil.copyfile(src, out / "eval" / src.name)
@@ -290,11 +261,9 @@ def copy_evals(run_dir: Path, out: Path) -> dict[str, dict]:
 
 def export(run_dir: Path, out: Path, force: bool = False) -> Path:
     """Write the export of `run_dir` into `out`; UserError (one line) on bad input."""
-    run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise UserError(
-            f"{run_dir} is not a directory; pass a run dir written by `pretrain train --out RUN_DIR`"
-        )
+        msg = f"{run_dir} is not a directory; pass a run dir written by `pretrain train --out RUN_DIR`"
+        raise UserError(msg)
     if (run_dir / ckpt.META).exists():
         raise UserError(f"{run_dir} is a checkpoint dir; pass its run dir ({run_dir.parent.parent})")
     log_path = run_dir / "metrics.jsonl"
@@ -302,20 +271,17 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
         raise UserError(f"{run_dir} has no metrics.jsonl; is it a run dir written by `pretrain train --out`?")
     logged = effective_rows(read_rows(log_path))
     if not logged and log_path.stat().st_size:
-        raise UserError(
-            f"{log_path} holds no metrics records (JSON lines with a step); is it the log of a run?"
-        )
+        msg = f"{log_path} holds no metrics records (JSON lines with a step); is it the log of a run?"
+        raise UserError(msg)
     warn = functools.cache(ckpt.warn_stderr)  # once per message: latest and best may skip the same checkpoint
     info = ckpt.resolve_latest(run_dir, "sha256", warn)
     if info is None:
         raise UserError(f"no usable checkpoint under {run_dir / ckpt.CKPT_DIR}; nothing to export")
-    out = Path(out)
     if out.resolve() == run_dir.resolve():
         raise UserError("--output must differ from RUN_DIR")
     if out.is_dir() and any(out.iterdir()) and not force:
-        raise UserError(
-            f"--output {out} is not empty; choose a new directory, or add --force to replace its files"
-        )
+        msg = f"--output {out} is not empty; choose a new directory, or add --force to replace its files"
+        raise UserError(msg)
     check_writable_dir(out, "--output")  # also: a file in the way, one line
 
     # Rows past the exported step (after the last checkpoint, or of checkpoints that failed verification)
@@ -323,7 +289,7 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
     rows = [r for r in logged if r["step"] <= info.step]
     meta = info.meta
     config = meta.get("config") or {}
-    trainer_state = _read_json(info.path / "trainer_state.json") or {}
+    trainer_state = read_json_object(info.path / "trainer_state.json") or {}
 
     write_csv(out / "metrics.csv", metric_values(rows))
     write_plots(out, rows, run_dir.resolve().name, ((config.get("optim") or {}).get("grad_clip")))
@@ -339,7 +305,6 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
 
     evals = [r for r in rows if r.get("kind") == "eval" and _number(r.get("val_loss")) is not None]
     last_eval, best_eval = (evals[-1], min(evals, key=lambda r: r["val_loss"])) if evals else ({}, {})
-    trains = [r for r in logged if r.get("kind") == "train"]
     start, stop = (  # the last `start` and `stop` events
         next((r for r in reversed(rows) if r.get("kind") == "event" and r.get("event") == e), {})
         for e in ("start", "stop")
@@ -352,9 +317,7 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
         "run": {"name": run_dir.resolve().name, "dir": str(run_dir.resolve()), "exported_unix": time.time()},
         "seed": (config.get("train") or {}).get("seed"),
         "versions": {"trained_with": versions, "exported_with": ckpt.versions()},
-        "torch": versions.get("torch"),
-        "python": versions.get("python"),
-        "cuda": versions.get("cuda"),
+        **{k: versions.get(k) for k in ("torch", "python", "cuda")},
         "preset": config.get("preset"),
         "config_hash": config_hash(config),
         "config": config,
@@ -363,7 +326,7 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
         "step": info.step,
         "tokens": meta.get("tokens", trainer_state.get("tokens")),
         "elapsed_hours": (trainer_state.get("elapsed_seconds") or 0.0) / 3600,
-        "last_logged_step": trains[-1]["step"] if trains else None,
+        "last_logged_step": next((r["step"] for r in reversed(logged) if r.get("kind") == "train"), None),
         "parameters": start.get("parameters") or weights["parameters"],
         "val_loss": {
             "latest": last_eval.get("val_loss"),
@@ -381,7 +344,12 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
             "best_step": best_ckpt.step if best_ckpt else None,
             "model_sha256": weights["sha256"],  # of final.safetensors: the same weights, the same hash
         },
-        "weights": {"file": "final.safetensors", "tensors": weights["tensors"], "tied": weights["tied"]},
+        "weights": {
+            "file": "final.safetensors",
+            "tensors": weights["tensors"],
+            "tied": weights["tied"],
+            **vocab_rows(config.get("model") or {}),
+        },  # fmt: skip
         "evals": benchmarks,
         "files": files,
         "sha256": {name: sha256_file(out / name) for name in files if name != "manifest.json"},

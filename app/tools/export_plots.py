@@ -7,16 +7,11 @@ from pathlib import Path
 
 
 def _series(rows: list[dict], kind: str, key: str) -> tuple[list[int], list[float]]:
-    pts = [(r["step"], float(r[key])) for r in rows if r.get("kind") == kind and _is_num(r.get(key))]
-    return [x for x, _ in pts], [y for _, y in pts]
-
-
-def _is_num(value) -> bool:
-    return isinstance(value, int | float)  # bool too, as in the CSV
+    pts = [(r["step"], r[key]) for r in rows if r.get("kind") == kind and isinstance(r.get(key), int | float)]
+    return [x for x, _ in pts], [float(y) for _, y in pts]  # bool too, as in the CSV
 
 
 def write_plots(out: Path, rows: list[dict], title: str, grad_clip: float | None) -> None:
-    """loss-curve.png, gradnorm-curve.png and throughput.png into `out`."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -37,11 +32,8 @@ def write_plots(out: Path, rows: list[dict], title: str, grad_clip: float | None
     ax.plot(sx, sy, lw=1, alpha=0.8, label="train loss")
     if vx:
         ax.plot(vx, vy, "o-", lw=1.5, ms=4, label="val loss")
-    spikes = [
-        (r["step"], r["loss"])
-        for r in rows
-        if r.get("kind") == "train" and r.get("spike") and _is_num(r.get("loss")) and math.isfinite(r["loss"])
-    ]
+    spiked = _series([r for r in rows if r.get("spike")], "train", "loss")
+    spikes = [(x, y) for x, y in zip(*spiked, strict=True) if math.isfinite(y)]
     if spikes:
         ax.scatter(*zip(*spikes, strict=True), marker="x", color="red", zorder=3, label="loss spike")
     if sx or vx:
@@ -66,8 +58,7 @@ def write_plots(out: Path, rows: list[dict], title: str, grad_clip: float | None
     if mx:
         ax2 = ax.twinx()
         ax2.plot(mx, [v * 100 for v in my], lw=1, color="tab:orange", label="MFU")
-        ax2.set_ylabel("MFU (%)")
-        ax2.set_ylim(bottom=0)
+        ax2.set(ylabel="MFU (%)", ylim=(0, None))
         lines = ax.get_lines() + ax2.get_lines()
         ax.legend(lines, [ln.get_label() for ln in lines], loc="lower right")
     save(fig, ax, "throughput.png", "throughput", "tokens / second", tx)

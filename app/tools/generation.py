@@ -1,14 +1,11 @@
 """The serving engine: one worker thread owns the model and decodes the requests in flight together.
 
-Continuous batching: a request joins the batch as soon as a slot is free (its prompt is encoded alone
-into its slot of the KV cache), then each step decodes one token for every request in the batch, and a
-request leaves the batch when it ends. Each request keeps its own sampling settings, stop strings and
-seeded generator, so its tokens are those it would get alone (greedy ones are checked in the tests).
-The HTTP handlers only queue jobs and read their events, so slow clients never hold the model.
+Continuous batching (docs/serving.md): a request joins as soon as a KV-cache slot is free and leaves when
+it ends; each keeps its own sampling settings, stop strings and seeded generator, so its tokens are those
+it would get alone. The HTTP handlers only queue jobs and read their events: slow clients never hold the model.
 
-A job's events go back to the asyncio loop that asked for it: ("prompt", logprob entries) when the
-prompt's logprobs were asked for, ("text", delta, logprob entry or None) per token, then
-("done", finish_reason) or ("error", message).
+A job's events go back to the asyncio loop that asked for it: ("text", delta, logprob entries) (first the
+prompt's text when it is echoed, then the completion's), then ("done", finish_reason) or ("error", message).
 """
 
 from __future__ import annotations
@@ -18,6 +15,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -79,12 +77,15 @@ class Job:
     seed: int
     loop: asyncio.AbstractEventLoop
     logprobs: int | None = None  # top-k logprobs per token (None: none)
-    prompt_logprobs: bool = False  # also those of the prompt's tokens (echo)
+    echo: bool = False  # the prompt's text (and logprobs) first
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     completion_tokens: int = 0
     started: float = 0.0  # monotonic time the worker took the job
     first_token: float = 0.0
+    text: TextStream | None = None  # decoding state (the worker's): the text so far,
+    generator: torch.Generator | None = None  # the seeded sampling stream,
+    last: int = 0  # the token to decode next
 
     def put(self, *event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -97,7 +98,6 @@ class ServeMetrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = r = CollectorRegistry()
-        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
         status = "API requests by HTTP status (499: the client hung up before the end)"
         self.requests = Counter("pretrain_serve_requests", status, ["status"], registry=r)
         why = "Requests turned away with 503, by reason: queue_full, shutting_down"
@@ -106,24 +106,13 @@ class ServeMetrics:
             self.rejected.labels(reason=reason)
         self.prompt_tokens = Counter("pretrain_serve_prompt_tokens", "Prompt tokens read", registry=r)
         self.completion_tokens = Counter("pretrain_serve_completion_tokens", "Tokens generated", registry=r)
-        hist = {"registry": r, "buckets": buckets}
-        self.latency = Histogram(
-            "pretrain_serve_request_seconds", "Request latency, queueing included", **hist
-        )
-        self.first_token = Histogram(
-            "pretrain_serve_time_to_first_token_seconds", "Request to first token", **hist
-        )
+        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+        seconds = partial(Histogram, registry=r, buckets=buckets)
+        self.latency = seconds("pretrain_serve_request_seconds", "Request latency, queueing included")
+        self.first_token = seconds("pretrain_serve_time_to_first_token_seconds", "Request to first token")
         self.in_flight = Gauge("pretrain_serve_requests_in_flight", "API requests being answered", registry=r)
         self.queue = Gauge("pretrain_serve_queue_depth", "Requests waiting for a batch slot", registry=r)
         self.tps = Gauge("pretrain_serve_tokens_per_second", "Speed of the last finished request", registry=r)
-
-
-@dataclass(eq=False)
-class Running:
-    job: Job
-    text: TextStream
-    generator: torch.Generator
-    last: int = 0  # the token to decode next
 
 
 class Engine:
@@ -165,15 +154,19 @@ class Engine:
         self.jobs.put(None)
         self.thread.join(timeout=30)
 
-    def _end(self, job: Job, *event) -> None:
+    def _end(self, job: Job, *event, slot: int | None = None) -> None:
+        """Send a job's last event; free its batch slot, if it has one."""
+        if slot is not None:
+            self.batch.pop(slot, None)
+            self.cache.free(slot)
         with self.lock:
             self.active.discard(job)
         job.put(*event)
 
     @torch.inference_mode()
     def _loop(self) -> None:
-        cache = SlotCache(self.model, self.max_batch)
-        batch: dict[int, Running] = {}
+        self.cache = cache = SlotCache(self.model, self.max_batch)
+        self.batch = batch = {}  # slot: the job decoded there
         while True:
             while len(batch) < self.max_batch:  # fill free slots; wait only when there is nothing to do
                 try:
@@ -187,11 +180,9 @@ class Engine:
                     continue
                 slot = min(set(range(self.max_batch)) - batch.keys())
                 try:
-                    self._start(job, slot, cache, batch)
+                    self._start(job, slot)
                 except Exception as e:  # one bad request must not kill the worker
-                    cache.free(slot)
-                    batch.pop(slot, None)
-                    self._end(job, "error", f"{type(e).__name__}: {e}")
+                    self._end(job, "error", f"{type(e).__name__}: {e}", slot=slot)
             self.metrics.queue.set(self.jobs.qsize())
             if not batch:
                 continue
@@ -202,65 +193,60 @@ class Engine:
                 logits = cache.step(tokens, active)
             except Exception as e:
                 for slot in list(batch):
-                    self._end(batch.pop(slot).job, "error", f"{type(e).__name__}: {e}")
-                    cache.free(slot)
+                    self._end(batch[slot], "error", f"{type(e).__name__}: {e}", slot=slot)
                 continue
             for slot in list(batch):
-                self._advance(slot, logits[slot], cache, batch)
+                self._advance(slot, logits[slot])
 
-    def _start(self, job: Job, slot: int, cache: SlotCache, batch: dict[int, Running]) -> None:
+    def _start(self, job: Job, slot: int) -> None:
         job.started = time.monotonic()
-        logits = cache.prefill(slot, job.ids, every=job.prompt_logprobs)
-        if job.prompt_logprobs:  # the first token has no logprob (nothing before it)
+        entries, every = [], job.echo and job.logprobs is not None
+        logits = self.cache.prefill(slot, job.ids, every=every)
+        if every:  # the first token has no logprob (nothing before it)
             lp = torch.log_softmax(logits[0, :-1].float(), dim=-1)
-            entries = [(self.piece(job.ids[0]), None, None)]
+            entries = [(self.tok.decode(job.ids[:1]), None, None)]
             entries += [self.entry(row, tok, job.logprobs) for row, tok in zip(lp, job.ids[1:], strict=True)]
-            job.put("prompt", entries)
             logits = logits[:, -1]
-        g = torch.Generator(device=self.device).manual_seed(job.seed)
-        batch[slot] = Running(job, TextStream(self.tok, job.stops), g)
-        self._advance(slot, logits[0], cache, batch)
+        if job.echo:
+            job.put("text", self.tok.decode(job.ids), entries)
+        job.generator = torch.Generator(device=self.device).manual_seed(job.seed)
+        job.text = TextStream(self.tok, job.stops)
+        self.batch[slot] = job
+        self._advance(slot, logits[0])
 
-    def _advance(self, slot: int, logits: torch.Tensor, cache: SlotCache, batch: dict[int, Running]) -> None:
+    def _advance(self, slot: int, logits: torch.Tensor) -> None:
         """Sample the next token of the request in `slot` from its logits (vocab,), or end it."""
-        run, reason = batch[slot], None
-        job = run.job
+        job, reason = self.batch[slot], None
         if job.cancelled.is_set():
             reason = "cancelled"
         elif job.completion_tokens < job.max_tokens:
-            sampled = sample_next(logits[None], job.temperature, job.top_k or None, job.top_p, run.generator)
-            token = int(sampled)
+            token = int(sample_next(logits[None], job.temperature, job.top_k, job.top_p, job.generator))
             job.completion_tokens += 1
             job.first_token = job.first_token or time.monotonic()
             if token == self.tok.eot_id:  # the model ended the document
                 reason = "stop"
             else:
-                delta, entry = run.text.add(token), None
+                delta, entries = job.text.add(token), []
                 if job.logprobs is not None:
-                    entry = self.entry(torch.log_softmax(logits.float(), dim=-1), token, job.logprobs)
-                if delta or entry:
-                    job.put("text", delta, entry)
-                reason = "stop" if run.text.stopped else None
-                run.last = token
+                    entries = [self.entry(torch.log_softmax(logits.float(), dim=-1), token, job.logprobs)]
+                if delta or entries:
+                    job.put("text", delta, entries)
+                reason = "stop" if job.text.stopped else None
+                job.last = token
         if reason is None and job.completion_tokens >= job.max_tokens:
             reason = "length"
         if reason is None:
             return
-        if rest := run.text.finish():
-            job.put("text", rest, None)
+        if rest := job.text.finish():
+            job.put("text", rest, [])
         seconds = time.monotonic() - job.started
         if job.completion_tokens and seconds > 0:
             self.metrics.tps.set(job.completion_tokens / seconds)
-        del batch[slot]
-        cache.free(slot)
-        self._end(job, "done", reason)
-
-    def piece(self, token: int) -> str:
-        return self.tok.decode([token])
+        self._end(job, "done", reason, slot=slot)
 
     def entry(self, logprobs: torch.Tensor, token: int, k: int) -> tuple[str, float, dict[str, float]]:
         """OpenAI's logprobs of one token: (its text, its logprob, the top k and itself by text)."""
         top = logprobs.topk(k)
-        best = {self.piece(int(i)): float(v) for v, i in zip(top.values, top.indices, strict=True)}
-        chosen = float(logprobs[token])
-        return self.piece(token), chosen, {**best, self.piece(token): chosen}
+        best = {self.tok.decode([int(i)]): float(v) for v, i in zip(top.values, top.indices, strict=True)}
+        text, chosen = self.tok.decode([token]), float(logprobs[token])
+        return text, chosen, {**best, text: chosen}

@@ -29,9 +29,7 @@ def compute_optimal(flops: float) -> tuple[float, float]:
     """(N, D) minimising the Chinchilla loss at C = 6 N D."""
     g = (ALPHA * A / (BETA * B)) ** (1 / (ALPHA + BETA))
     x = flops / 6
-    n = g * x ** (BETA / (ALPHA + BETA))
-    d = x ** (ALPHA / (ALPHA + BETA)) / g
-    return n, d
+    return g * x ** (BETA / (ALPHA + BETA)), x ** (ALPHA / (ALPHA + BETA)) / g
 
 
 @dataclass(frozen=True)
@@ -111,31 +109,11 @@ PRESET_GPUS = ("b200", "h200", "h100-sxm", "a100-80gb")
 PRESET_COUNTS = (8, 4)
 
 
-@dataclass(frozen=True)
-class PresetRow:
-    layout: object  # app.trainer.layout.Layout
-    tokens_per_step: int
-    hours: float
-    cost_usd: float
-    price_per_gpu_hour: float
-
-
-def preset_row(cfg, gpu: str, gpus: int, steps: int, mfu: float, price=None, peak=None) -> PresetRow:
-    """Time and cost of `steps` optimizer steps of a preset on `gpus` x `gpu`, at the layout that fits.
-    Time = steps x tokens/step x training FLOPs/token / (gpus x peak x MFU)."""
-    from app.trainer.layout import fit
-    from app.trainer.metrics import flops_per_token
-
-    lay = fit(cfg, gpu, gpus)
-    _, price, peak = _rates(gpu, price, peak)
-    per_step = cfg.train.batch_tokens or lay.micro_batch * cfg.model.seq_len * gpus
-    flops = steps * per_step * flops_per_token(cfg.model)
-    hours = flops / (gpus * peak * 1e12 * mfu) / 3600
-    return PresetRow(lay, per_step, hours, hours * gpus * price, price)
-
-
 def preset_table(args: argparse.Namespace) -> list[str]:
+    """Time and cost of a preset's steps on each GPU type and count, at the layout that fits:
+    time = steps x tokens/step x training FLOPs/token / (gpus x peak x MFU)."""
     from app.config import load_config
+    from app.trainer.layout import fit
     from app.trainer.memory import volume_line
     from app.trainer.metrics import flops_per_token
 
@@ -145,9 +123,8 @@ def preset_table(args: argparse.Namespace) -> list[str]:
     params = _model_params(cfg)  # also fills in the vocab size that the layout and FLOPs need
     steps = cfg.train.max_steps - args.from_step
     if steps <= 0 or args.from_step < 0:
-        raise UserError(
-            f"--from-step must be in [0, train.max_steps={cfg.train.max_steps}), got {args.from_step}"
-        )
+        steps_range = f"[0, train.max_steps={cfg.train.max_steps})"
+        raise UserError(f"--from-step must be in {steps_range}, got {args.from_step}")
     gpus_list = (args.gpu,) if args.gpu else PRESET_GPUS
     counts = (args.gpus,) if args.gpus else PRESET_COUNTS
     done = f" from step {args.from_step}" if args.from_step else ""
@@ -160,16 +137,18 @@ def preset_table(args: argparse.Namespace) -> list[str]:
     ]
     for n in counts:
         for gpu in gpus_list:
-            r = preset_row(cfg, gpu, n, steps, args.mfu, args.price_per_gpu_hour, args.peak_tflops)
-            lay = r.layout
+            lay = fit(cfg, gpu, n)
             if not lay.fits:
                 lines.append(f"  {n:>4}  {lay.gpu_type:<10} {'does not fit (even micro-batch 1 + AC)':>40}")
                 continue
+            _, price, peak = _rates(gpu, args.price_per_gpu_hour, args.peak_tflops)
+            per_step = cfg.train.batch_tokens or lay.micro_batch * cfg.model.seq_len * n
+            hours = steps * per_step * flops_per_token(cfg.model) / (n * peak * 1e12 * args.mfu) / 3600
             mode = lay.mode.upper() + (" + AC" if lay.checkpointing else "")
             lines.append(
                 f"  {n:>4}  {lay.gpu_type:<10} {f'{lay.micro_batch} x {lay.accum}':>13}  {mode:<12} "
-                f"{f'{lay.gb_per_gpu:.0f}/{lay.device_gb:.0f}':>9} {_si(steps * r.tokens_per_step):>7} "
-                f"{r.hours:>7.2f} {r.price_per_gpu_hour:>8.2f} {r.cost_usd:>9,.0f}"
+                f"{f'{lay.gb_per_gpu:.0f}/{lay.device_gb:.0f}':>9} {_si(steps * per_step):>7} "
+                f"{hours:>7.2f} {price:>8.2f} {hours * n * price:>9,.0f}"
             )
     lines.append(volume_line(cfg, "  "))
     lines.append(
@@ -183,44 +162,18 @@ def preset_table(args: argparse.Namespace) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--budget-usd", type=float, help="the dollars to spend on training (the Chinchilla plan; needs --gpu)"
-    )
-    parser.add_argument(
-        "--preset",
-        metavar="NAME",
-        help="instead of a budget: time, cost and the batch x accumulation that fits memory for this "
-        f"preset on {', '.join(f'{n}x' for n in PRESET_COUNTS)} of {', '.join(PRESET_GPUS)} "
-        "(narrow with --gpu / --gpus)",
-    )
-    parser.add_argument("--gpu", help=f"GPU type: {pricing.known_types()}")
-    parser.add_argument(
-        "--gpus",
-        type=int,
-        help="GPUs trained on, all nodes (default 1); with --preset, the table covers 8 and 4",
-    )
-    parser.add_argument(
-        "--from-step",
-        type=int,
-        default=0,
-        metavar="N",
-        help="--preset: steps already done (a phase that resumes another's checkpoint); time and cost count "
-        "train.max_steps - N (default 0)",
-    )
-    parser.add_argument(
-        "--price-per-gpu-hour", type=float, help="USD per GPU-hour, > 0 (default: the built-in table)"
-    )
-    parser.add_argument(
-        "--mfu",
-        type=float,
-        default=DEFAULT_MFU,
-        help=f"expected model FLOPs utilisation in (0, 1] (default {DEFAULT_MFU})",
-    )
-    parser.add_argument(
-        "--peak-tflops",
-        type=float,
-        help="dense bf16 TFLOP/s per GPU, > 0, for an unlisted GPU (default: table)",
-    )
+    add = parser.add_argument
+    add("--budget-usd", type=float, help="dollars to spend on training (the Chinchilla plan; needs --gpu)")
+    fits = "instead of a budget: time, cost and the batch x accumulation that fits memory for this preset on"
+    table = f"{', '.join(f'{n}x' for n in PRESET_COUNTS)} of {', '.join(PRESET_GPUS)}"
+    add("--preset", metavar="NAME", help=f"{fits} {table} (narrow with --gpu / --gpus)")
+    add("--gpu", help=f"GPU type: {pricing.known_types()}")
+    add("--gpus", type=int, help="GPUs, all nodes (default 1); with --preset, the table covers 8 and 4")
+    done = "--preset: steps already done (a phase that resumes another's checkpoint)"
+    add("--from-step", type=int, default=0, metavar="N", help=f"{done}; counts train.max_steps - N (0)")
+    add("--price-per-gpu-hour", type=float, help="USD per GPU-hour, > 0 (default: the built-in table)")
+    add("--mfu", type=float, default=DEFAULT_MFU, help=f"expected MFU, in (0, 1] (default {DEFAULT_MFU})")
+    add("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU, > 0 (default: the built-in table)")
 
 
 def _si(x: float) -> str:
@@ -264,26 +217,18 @@ def run(args: argparse.Namespace) -> int:
     overrides = {"--price-per-gpu-hour": args.price_per_gpu_hour, "--peak-tflops": args.peak_tflops}
     for flag, value in overrides.items():
         if value is not None and not (value > 0 and math.isfinite(value)):
-            raise UserError(
-                f"{flag} must be a number > 0, got {value}; leave it out to use the built-in table"
-            )
+            msg = f"{flag} must be a number > 0, got {value}; leave it out to use the built-in table"
+            raise UserError(msg)
     if args.gpus is not None and args.gpus < 1:
         raise UserError(f"--gpus must be >= 1, got {args.gpus}")
     if args.preset:
         print("\n".join(preset_table(args)))
         return 0
     if args.budget_usd is None or not args.gpu:
-        raise UserError(
-            "pass --budget-usd X --gpu T (what a budget buys) or --preset NAME (time and cost of a preset)"
-        )
-    plan = make_plan(
-        args.budget_usd,
-        args.gpu,
-        args.gpus if args.gpus is not None else 1,
-        args.price_per_gpu_hour,
-        args.mfu,
-        args.peak_tflops,
-    )
+        budget = "--budget-usd X --gpu T (what a budget buys)"
+        raise UserError(f"pass {budget} or --preset NAME (time and cost of a preset)")
+    gpus = args.gpus or 1  # 0 was refused above
+    plan = make_plan(args.budget_usd, args.gpu, gpus, args.price_per_gpu_hour, args.mfu, args.peak_tflops)
     print("\n".join(format_plan(plan, preset_params())))
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 from pathlib import Path
 
 import torch
@@ -43,6 +44,16 @@ def load_for_inference(spec: str, device: str = "cpu", which: str = "latest", wa
     return model, load_tokenizer(info.path), info
 
 
+def require_extra(extra: str, *modules: str) -> None:
+    """Import `pretrain EXTRA`'s optional dependencies now: a missing one is a one-line error."""
+    try:
+        for module in modules:
+            importlib.import_module(module)
+    except ImportError as e:
+        hint = f"pip install 'pretrain[{extra}]' (make setup installs it)"
+        raise UserError(f"pretrain {extra} needs the {extra} extra ({e.name} is missing): {hint}") from None
+
+
 def pick_device(choice: str) -> str:
     """--device auto | cpu | cuda as a device name; cuda asked for but not visible is a UserError."""
     if choice == "cuda" and not torch.cuda.is_available():
@@ -50,28 +61,21 @@ def pick_device(choice: str) -> str:
     return "cuda" if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()) else "cpu"
 
 
-def add_checkpoint_arguments(p: argparse.ArgumentParser, which: str, which_help: str) -> None:
+def add_checkpoint_arguments(p: argparse.ArgumentParser, which: str) -> None:
     """--checkpoint and --which, shared by sample, serve and eval; `which` is the default."""
-    chosen = "its newest valid checkpoint" if which == "latest" else "its best checkpoint"
-    p.add_argument(
-        "--checkpoint",
-        required=True,
-        metavar="RUN_DIR|CKPT_DIR",
-        help=f"a run dir ({chosen}, see --which) or a checkpoints/step_NNNNNN dir",
-    )
-    other = "best" if which == "latest" else "latest"
-    p.add_argument("--which", choices=(which, other), default=which, help=which_help)
+    where = f"a run dir (its {which} checkpoint, see --which) or a checkpoints/step_NNNNNN dir"
+    p.add_argument("--checkpoint", required=True, metavar="RUN_DIR|CKPT_DIR", help=where)
+    both = "for a run dir: latest = the newest checkpoint, best = the lowest val loss (else latest)"
+    p.add_argument("--which", choices=("latest", "best"), default=which, help=f"{both}; default {which}")
 
 
 MAX_NEW_TOKENS = 100_000  # a CPU samples a few hundred tokens a second: more would look like a hang
 
 
 def consolidate(spec: str, path: Path, which: str = "latest", force: bool = False) -> Path:
-    """The checkpoint's weights as one safetensors file (the same file `pretrain export` writes as
-    final.safetensors)."""
+    """The checkpoint's weights as one safetensors file (`pretrain export`'s final.safetensors)."""
     from app.tools.export import write_final
 
-    path = Path(path)
     if path.is_dir() or path.suffix != ".safetensors":
         path = path / "final.safetensors"
     if path.exists() and not force:
@@ -85,86 +89,49 @@ def consolidate(spec: str, path: Path, which: str = "latest", force: bool = Fals
     return path
 
 
-def sample(
-    spec: str,
-    prompt: str,
-    max_new_tokens: int,
-    temperature: float = 0.8,
-    top_k: int = 50,
-    num_samples: int = 1,
-    seed: int = 0,
-    top_p: float = 1.0,
-    which: str = "latest",
-) -> list[str]:
-    if not 0 < max_new_tokens <= MAX_NEW_TOKENS:
-        raise UserError(f"--max-new-tokens must be in 1..{MAX_NEW_TOKENS:,}, got {max_new_tokens}")
-    if not temperature >= 0:  # NaN too
-        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
-    if top_k < 0:
-        raise UserError(f"--top-k must be >= 0 (0 = all tokens), got {top_k}")
-    if num_samples < 1:
-        raise UserError(f"--num-samples must be >= 1, got {num_samples}")
-    if not 0 < top_p <= 1:
-        raise UserError(f"--top-p must be in (0, 1], got {top_p}")
-    model, tok, _ = load_for_inference(spec, which=which)
-    ids = tok.encode(prompt) or [tok.eot_id]
-    g = torch.Generator().manual_seed(seed)  # one stream: the samples differ, and repeat with the seed
-    kw = dict(temperature=temperature, top_k=top_k or None, top_p=top_p, generator=g)
-    ys = [generate(model, torch.tensor([ids]), max_new_tokens, **kw) for _ in range(num_samples)]
-    return [prompt + tok.decode(y[0, len(ids) :].tolist()) for y in ys]
+def sample(args: argparse.Namespace) -> list[str]:
+    if not 0 < args.max_new_tokens <= MAX_NEW_TOKENS:
+        raise UserError(f"--max-new-tokens must be in 1..{MAX_NEW_TOKENS:,}, got {args.max_new_tokens}")
+    if not args.temperature >= 0:  # NaN too
+        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k < 0:
+        raise UserError(f"--top-k must be >= 0 (0 = all tokens), got {args.top_k}")
+    if args.num_samples < 1:
+        raise UserError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    model, tok, _ = load_for_inference(args.checkpoint, which=args.which)
+    ids = tok.encode(args.prompt) or [tok.eot_id]
+    g = torch.Generator().manual_seed(args.seed)  # one stream: the samples differ, and repeat with the seed
+    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=g)
+    ys = [generate(model, torch.tensor([ids]), args.max_new_tokens, **kw) for _ in range(args.num_samples)]
+    return [args.prompt + tok.decode(y[0, len(ids) :].tolist()) for y in ys]
 
 
 # ---------------------------------------------------------------- CLI
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_checkpoint_arguments(
-        p,
-        "latest",
-        "for a run dir: the newest checkpoint, or the one with the lowest val loss (default latest)",
-    )
-    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    p.add_argument(
-        "--max-new-tokens", type=int, default=200, metavar="N", help="tokens to generate (default 200)"
-    )
-    p.add_argument(
-        "--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default 0.8)"
-    )
-    p.add_argument(
-        "--top-k", type=int, default=50, help="sample among the k likeliest tokens (default 50; 0 = all)"
-    )
-    p.add_argument(
-        "--top-p",
-        type=float,
-        default=1.0,
-        help="nucleus sampling: the smallest set of tokens with this much probability (default 1.0 = off)",
-    )
-    p.add_argument("--num-samples", type=int, default=1, metavar="N", help="independent samples (default 1)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument(
-        "--consolidate",
-        metavar="FILE|DIR",
-        help="also write the checkpoint's weights as one FILE.safetensors (any other path is a dir that gets "
-        "final.safetensors), assembled from the shards of any world size, one tensor at a time",
-    )
-    p.add_argument("--force", action="store_true", help="replace an existing --consolidate file")
+    add_checkpoint_arguments(p, "latest")
+    add = p.add_argument
+    add("--prompt", default="\n", help="text to continue (default: a newline)")
+    add("--max-new-tokens", type=int, default=200, metavar="N", help="tokens to generate (default 200)")
+    add("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default 0.8)")
+    add("--top-k", type=int, default=50, help="sample among the k likeliest tokens (default 50; 0 = all)")
+    nucleus = "nucleus sampling: the smallest set of tokens with this much probability (default 1.0 = off)"
+    add("--top-p", type=float, default=1.0, help=nucleus)
+    add("--num-samples", type=int, default=1, metavar="N", help="independent samples (default 1)")
+    add("--seed", type=int, default=0, help="sampling seed (default 0)")
+    weights = "also write the weights, from the shards of any world size, as one FILE.safetensors"
+    add("--consolidate", metavar="FILE|DIR", help=f"{weights} (another path: DIR/final.safetensors)")
+    add("--force", action="store_true", help="replace an existing --consolidate file")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.consolidate:
         path = consolidate(args.checkpoint, Path(args.consolidate), args.which, args.force)
         print(f"consolidated weights: {path}")
-    for text in sample(
-        args.checkpoint,
-        args.prompt,
-        args.max_new_tokens,
-        args.temperature,
-        args.top_k,
-        args.num_samples,
-        args.seed,
-        args.top_p,
-        args.which,
-    ):
+    for text in sample(args):
         print(text)
         print("-" * 40)
     return 0

@@ -44,15 +44,12 @@ class Scorer:
             idx = order[start : start + self.batch_size]
             rows = []
             for i in idx:
-                ctx, cont = pairs[i]
-                cont = cont[-self.window :]
-                seq = (ctx + cont)[-(self.window + 1) :]
-                rows.append((seq[:-1], cont))
+                ctx, cont = pairs[i][0], pairs[i][1][-self.window :]
+                rows.append(((ctx + cont)[-(self.window + 1) : -1], cont))  # input: all but the last token
             x = pad_sequence([torch.tensor(inp, dtype=torch.long) for inp, _ in rows], batch_first=True)
             logp = F.log_softmax(self.model(x.to(self.device)).logits.float(), dim=-1)
             for r, (i, (inp, cont)) in enumerate(zip(idx, rows, strict=True)):
-                n = len(cont)
-                lp = logp[r, len(inp) - n : len(inp)]  # positions predicting the continuation
+                lp = logp[r, len(inp) - len(cont) : len(inp)]  # positions predicting the continuation
                 target = torch.tensor(cont, device=lp.device)
                 total = lp.gather(-1, target[:, None]).sum().item()
                 out[i] = (total, bool((lp.argmax(-1) == target).all()))
@@ -66,19 +63,16 @@ class Scorer:
         """log p(text) over disjoint windows, the first conditioned on the document boundary token."""
         ids = self.tok.encode(text)
         padded = [self.tok.eot_id, *ids]
-        pairs = []
-        for start in range(0, len(ids), self.window):
-            target = ids[start : start + self.window]
-            pairs.append((padded[start : start + 1], target))  # context = the token before the window
-            # the window's own tokens are context for each other: score() feeds (ctx + cont)[:-1]
+        # a window's context is the token before it; its own tokens are context for each other (score())
+        pairs = [([padded[i]], ids[i : i + self.window]) for i in range(0, len(ids), self.window)]
         return sum(lp for lp, _ in self.score(pairs))
 
     @torch.no_grad()
-    def generate(self, context: str, until: list[str], max_tokens: int) -> str:
+    def generate(self, context: str, until: str | list[str] | None, max_tokens: int) -> str:
         """Greedy continuation up to max_tokens, cut at the first stop string or the boundary token."""
         max_tokens = max(1, min(max_tokens, self.window - 1))
         ids = (self.tok.encode(context) or [self.tok.eot_id])[-(self.window - max_tokens) :]
-        text = TextStream(self.tok, until)
+        text = TextStream(self.tok, [until] if isinstance(until, str) else list(until or []))
         x = torch.tensor([ids], device=self.device)
         for nxt in generate_stream(self.model, x, max_tokens, temperature=0):
             token = int(nxt[0, 0])

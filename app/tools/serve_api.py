@@ -27,9 +27,6 @@ class RequestError(Exception):
         self.param, self.message, self.status, self.code = param, message, status, code
 
 
-UNCOUNTED = ("/health", "/metrics")  # probes and scrapes are not API requests
-
-
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
@@ -39,18 +36,18 @@ def sse_data(body: dict) -> str:
 
 
 def request_models() -> tuple[type, type]:
-    """(CompletionRequest, ChatRequest): strict types, unknown fields rejected; OpenAI fields this
-    server does not implement are accepted at their neutral values only (check_sampling)."""
-    from pydantic import BaseModel, ConfigDict
+    """(CompletionRequest, ChatRequest): strict types and ranges, unknown fields rejected; OpenAI fields
+    this server does not implement are accepted at their neutral values only (check_request)."""
+    from pydantic import BaseModel, ConfigDict, Field
 
     class Sampling(BaseModel):
         model_config = ConfigDict(extra="forbid", strict=True)
 
         model: str | None = None
         max_tokens: int | None = None
-        temperature: float = 1.0
-        top_p: float = 1.0
-        top_k: int = 0  # not in OpenAI's API (the openai client sends it with extra_body)
+        temperature: float = Field(1.0, ge=0, le=2)
+        top_p: float = Field(1.0, gt=0, le=1)
+        top_k: int = Field(0, ge=0)  # 0 = all tokens; not in OpenAI's API (the openai client's extra_body)
         stop: str | list[str] | None = None
         stream: bool = False
         stream_options: dict[str, bool] | None = None
@@ -64,7 +61,7 @@ def request_models() -> tuple[type, type]:
     class CompletionRequest(Sampling):
         prompt: str | list[str] | list[int] | list[list[int]]  # text, or token ids (lm-eval sends ids)
         echo: bool = False
-        logprobs: int | None = None
+        logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
         best_of: int | None = None
         suffix: str | None = None
 
@@ -110,22 +107,33 @@ def parse(raw: bytes, model: type) -> Any:
         raise RequestError(param, msg, code=err.get("type", "invalid_value")) from None
 
 
-def check_sampling(req: Any, served: str, context: int, n_prompt: int, max_tokens: int) -> list[str]:
-    """Range checks with one clear message each (types were checked by the model); the stop strings."""
-    if req.model not in (None, served):
-        msg = f"model '{req.model}' is not served here; this server serves '{served}'"
+def check_model(asked: str | None, served: str) -> None:
+    if asked not in (None, served):
+        msg = f"model '{asked}' is not served here; this server serves '{served}'"
         raise RequestError("model", msg, 404, "model_not_found")
-    if not n_prompt:
+
+
+def check_request(req: Any, served: str, context: int, prompts: list[list[int]]) -> tuple[int, list[str]]:
+    """The checks that need more than one field (types and ranges were checked by the model):
+    (max_tokens, stop strings). Completions default to 16 tokens, chats to the rest of the context."""
+    chat = hasattr(req, "messages")
+    check_model(req.model, served)
+    if chat and req.logprobs:
+        raise RequestError("logprobs", "chat logprobs are not supported; /v1/completions has them")
+    if not chat and req.stream and len(prompts) > 1:
+        raise RequestError("prompt", "send one prompt per streamed request")
+    if not prompts or not all(prompts):
         raise RequestError("prompt", "prompt is empty; send the text to continue")
-    if n_prompt + max_tokens > context:
-        msg = f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the model's context"
+    longest = max(map(len, prompts))
+    default = max(1, context - longest) if chat else 16  # a chat's: the rest of the context
+    asked = (getattr(req, "max_completion_tokens", None), req.max_tokens, default)  # chat's newer name first
+    max_tokens = next(n for n in asked if n is not None)
+    if max_tokens < (0 if getattr(req, "echo", False) else 1):
+        echo = "" if chat else " (0 only with echo)"
+        raise RequestError("max_tokens", f"max_tokens must be >= 1{echo}, got {max_tokens}")
+    if longest + max_tokens > context:
+        msg = f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the model's context"
         raise RequestError("max_tokens", f"{msg} of {context} tokens; shorten the prompt or lower max_tokens")
-    if not 0 <= req.temperature <= 2:
-        raise RequestError("temperature", f"temperature must be in [0, 2], got {req.temperature}")
-    if not 0 < req.top_p <= 1:
-        raise RequestError("top_p", f"top_p must be in (0, 1], got {req.top_p}")
-    if req.top_k < 0:
-        raise RequestError("top_k", f"top_k must be >= 0 (0 = all tokens), got {req.top_k}")
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > 4 or any(not s for s in stops):
         raise RequestError("stop", "stop takes up to 4 non-empty strings")
@@ -133,7 +141,7 @@ def check_sampling(req: Any, served: str, context: int, n_prompt: int, max_token
     for param, value in neutral.items():
         if getattr(req, param, None) not in (None, value):
             raise RequestError(param, f"{param} is not supported by this server; leave it at its default")
-    return stops
+    return max_tokens, stops
 
 
 def prompt_ids(prompt: Any, tok: Any) -> list[list[int]]:
@@ -143,8 +151,6 @@ def prompt_ids(prompt: Any, tok: Any) -> list[list[int]]:
     if prompt and all(isinstance(p, int) for p in prompt):
         prompt = [prompt]
     ids = [tok.encode(p) if isinstance(p, str) and p else p for p in prompt]
-    if not ids:
-        raise RequestError("prompt", "prompt is empty; send the text to continue")
     if any(not 0 <= t < tok.vocab_size for p in ids for t in p):
         raise RequestError("prompt", f"token ids must be in [0, {tok.vocab_size}) (the model's vocabulary)")
     return ids
@@ -168,10 +174,8 @@ def chat_prompt(messages: list[dict], template: str | None) -> str:
     if template:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(template).render(
-            messages=turns, add_generation_prompt=True, bos_token="", eos_token=""
-        )
+        jinja = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+        return jinja.render(messages=turns, add_generation_prompt=True, bos_token="", eos_token="")
     return "".join(f"{ROLE_NAMES[t['role']]}: {t['content']}\n\n" for t in turns) + "Assistant:"
 
 
@@ -181,20 +185,16 @@ def logprobs_body(entries: list, offset: int) -> dict:
     return {**body, "text_offset": list(accumulate((len(e[0]) for e in entries), initial=offset))[:-1]}
 
 
-class Gate:
+def gate(app, metrics, state):
     """Pure ASGI, around the app: counts every API answer by its status (499 when the client hung up
     before the end, 500 for a crash) and the requests in flight; once draining, answers 503."""
+    from fastapi.responses import JSONResponse
+    from starlette.requests import ClientDisconnect
 
-    def __init__(self, app, metrics, state) -> None:
-        self.app, self.metrics, self.state = app, metrics, state
-
-    async def __call__(self, scope, receive, send) -> None:
-        from fastapi.responses import JSONResponse
-        from starlette.requests import ClientDisconnect
-
+    async def gated(scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] == "/metrics":
-            return await self.app(scope, receive, send)
-        status, finished = 500, False
+            return await app(scope, receive, send)
+        status, finished, counted = 500, False, scope["path"] != "/health"  # probes are not API requests
 
         async def watch(message) -> None:
             nonlocal status, finished
@@ -204,46 +204,48 @@ class Gate:
                 finished = True
             await send(message)
 
-        self.state.in_flight += 1
-        self.metrics.in_flight.inc()
+        state.in_flight += 1
+        metrics.in_flight.inc()
         try:
-            if self.state.draining:
-                if scope["path"] not in UNCOUNTED:
-                    self.metrics.rejected.labels(reason="shutting_down").inc()
+            if state.draining:
+                if counted:
+                    metrics.rejected.labels(reason="shutting_down").inc()
                 msg = "the server is shutting down; retry on another replica"
                 body = error_body(msg, "server_busy", None, "shutting_down")
                 await JSONResponse(body, 503, headers={"Retry-After": "1"})(scope, receive, watch)
             else:
-                await self.app(scope, receive, watch)
+                await app(scope, receive, watch)
         except ClientDisconnect:
             finished = False
         except Exception:
             status, finished = 500, True
             raise
         finally:
-            self.state.in_flight -= 1
-            self.metrics.in_flight.dec()
-            if scope["path"] not in UNCOUNTED:
+            state.in_flight -= 1
+            metrics.in_flight.dec()
+            if counted:
                 status = scope.get("pretrain.status", status)  # an error inside a stream already sent
-                self.metrics.requests.labels(status=str(status if finished else 499)).inc()
+                metrics.requests.labels(status=str(status if finished else 499)).inc()
+
+    return gated
 
 
-def draining_server(base: type, gate: Gate, engine, grace: float) -> type:
+def draining_server(base: type, state, engine, grace: float) -> type:
     """uvicorn's Server, but the first SIGTERM/SIGINT drains: new requests get 503 while those in
     flight have `grace` seconds to finish; then what is left is cancelled and uvicorn stops. A second
     signal stops at once."""
 
     class DrainingServer(base):
         def handle_exit(self, sig, frame) -> None:
-            if gate.state.draining:
+            if state.draining:
                 return super().handle_exit(sig, frame)
-            gate.state.draining = True
+            state.draining = True
             threading.Thread(target=self.drain, args=(sig, frame), daemon=True).start()
 
         def drain(self, sig, frame) -> None:
             for limit, then in ((grace, engine.cancel_all), (5.0, lambda: None)):
                 deadline = time.monotonic() + limit
-                while gate.state.in_flight > 0 and time.monotonic() < deadline:
+                while state.in_flight > 0 and time.monotonic() < deadline:
                     time.sleep(0.05)
                 then()
             super().handle_exit(sig, frame)

@@ -5,10 +5,22 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
+from pathlib import Path
 
 from app.config import Config, load_config, preset_names, vocab_for_estimates
 
 DESCRIPTION = "train a model (locally, or under torchrun / Kubernetes)"
+
+
+@dataclass
+class RunArgs:
+    """Runtime choices that are not part of the model/training config."""
+
+    out: Path
+    resume: str = "auto"  # auto | never | PATH
+    stop_file: Path | None = None
+    overwrite: bool = False  # a fresh start in a used run dir moves the old run aside
 
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,23 +41,34 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+# flag, type, metavar, help: the value flags of `pretrain train` (each sets the config key it names)
+VALUE_FLAGS = [
+    ("--out", str, "RUN_DIR", "run directory: checkpoints/, metrics.jsonl, status.json, budget/ (default: runs/<preset>)"),
+    ("--max-steps", int, "N", "planned end after N optimizer steps (train.max_steps)"),
+    ("--resume", str, "auto|never|PATH", "auto: continue from the newest valid checkpoint in RUN_DIR (default); "
+     "never: start fresh; PATH: a run dir or a checkpoints/step_NNNNNN dir"),
+    ("--stop-file", str, "PATH", 'poll this JSON file each step; {"mode": "graceful"|"immediate"} stops the run '
+     "(default: RUN_DIR/stop.json)"),
+    ("--metrics-port", int, "PORT", "serve Prometheus /metrics on this port (metrics.port; 0 = off)"),
+    ("--budget-cap-usd", float, "X", "stop gracefully before spend reaches X dollars (budget.cap_usd)"),
+    ("--price-per-gpu-hour", float, "P", "price of one GPU-hour in dollars for static spend tracking "
+     "(budget.price_per_gpu_hour)"),
+    ("--gpus", int, "N", "GPUs billed (budget.gpus; default: the world size)"),
+    ("--max-price-per-gpu-hour", float, "USD", "launch price guard: do not start (exit 0) while a GPU-hour costs "
+     "more (budget.max_price_per_gpu_hour)"),
+    ("--gpu-type", str, "T", "GPU type (b200, h200, h100-sxm, a100-80gb, ...): prices the run (budget.gpu_type), "
+     "sets the MFU peak (metrics.gpu_type) and picks the micro-batch x accumulation that fits its memory at "
+     "--gpus N (or the torchrun world size), as `pretrain plan --preset P` prints it; an explicit "
+     "--set train.micro_batch_size wins"),
+]  # fmt: skip
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
-    p.add_argument(
-        "--out",
-        metavar="RUN_DIR",
-        help="run directory: checkpoints/, metrics.jsonl, status.json, budget/ (default: runs/<preset>)",
-    )
-    p.add_argument(
-        "--max-steps", type=int, metavar="N", help="planned end after N optimizer steps (train.max_steps)"
-    )
-    p.add_argument(
-        "--resume",
-        default="auto",
-        metavar="auto|never|PATH",
-        help="auto: continue from the newest valid checkpoint in RUN_DIR (default); never: start "
-        "fresh; PATH: a run dir or a checkpoints/step_NNNNNN dir",
-    )
+    for flag, kind, metavar, text in VALUE_FLAGS:
+        p.add_argument(
+            flag, type=kind, metavar=metavar, help=text, default="auto" if flag == "--resume" else None
+        )
     p.add_argument(
         "--overwrite",
         action="store_true",
@@ -53,48 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "old run (checkpoints, metrics.jsonl, budget) aside into RUN_DIR/previous-<time>/ instead of refusing",
     )
     p.add_argument(
-        "--stop-file",
-        metavar="PATH",
-        help='poll this JSON file each step; {"mode": "graceful"|"immediate"} stops the run '
-        "(default: RUN_DIR/stop.json)",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        metavar="PORT",
-        help="serve Prometheus /metrics on this port (metrics.port; 0 = off)",
-    )
-    p.add_argument(
         "--print-config",
         action="store_true",
         help="print the resolved config and parameter counts, then exit",
-    )
-    p.add_argument(
-        "--budget-cap-usd",
-        type=float,
-        metavar="X",
-        help="stop gracefully before spend reaches X dollars (budget.cap_usd)",
-    )
-    p.add_argument(
-        "--price-per-gpu-hour",
-        type=float,
-        metavar="P",
-        help="price of one GPU-hour in dollars for static spend tracking (budget.price_per_gpu_hour)",
-    )
-    p.add_argument("--gpus", type=int, metavar="N", help="GPUs billed (budget.gpus; default: the world size)")
-    p.add_argument(
-        "--max-price-per-gpu-hour",
-        type=float,
-        metavar="USD",
-        help="launch price guard: do not start (exit 0) while a GPU-hour costs more (budget.max_price_per_gpu_hour)",
-    )
-    p.add_argument(
-        "--gpu-type",
-        metavar="T",
-        help="GPU type (b200, h200, h100-sxm, a100-80gb, ...): prices the run (budget.gpu_type), sets the "
-        "MFU peak (metrics.gpu_type) and picks the micro-batch x accumulation that fits its memory at "
-        "--gpus N (or the torchrun world size), as `pretrain plan --preset P` prints it; an explicit "
-        "--set train.micro_batch_size wins",
     )
 
 
@@ -149,10 +133,14 @@ def print_config(cfg: Config) -> int:
 
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
     note = "" if cfg.model.vocab_size else f" (vocab from the data; counted with {vocab_for_estimates(cfg)})"
-    cfg.model.vocab_size = vocab_for_estimates(cfg)
+    cfg.model.vocab_size = m = vocab_for_estimates(cfg)
     counts = count_parameters(cfg.model)
     print(f"# parameters: {counts.total:,} total, {counts.non_embedding:,} non-embedding{note}")
+    print(f"# vocabulary: {m:,} tokens; embedding and head padded to {cfg.model.padded_vocab:,} rows "
+          f"(model.vocab_multiple={cfg.model.vocab_multiple}): {counts.padding:,} of the parameters, never read")  # fmt: skip
     print(f"# training FLOPs per token: {flops_per_token(cfg.model):,.0f}")
+    if cfg.train.micro_batch_size == "auto":
+        print("\n".join(_auto_micro_batch_lines(cfg)))
     print("\n".join(print_lines(cfg, planned_world_size(cfg))))
     from app.trainer.memory import plans_for_cuda
     from app.trainer.runtime import describe
@@ -163,3 +151,27 @@ def print_config(cfg: Config) -> int:
 
     print("\n".join(describe_groups(build_model(cfg.model, "meta"), cfg.optim)))
     return 0
+
+
+def _auto_micro_batch_lines(cfg: Config) -> list[str]:
+    """train.micro_batch_size=auto: the rule, and what it picks for the planned device (set in `cfg`)."""
+    from app.trainer import layout, memory
+
+    world, cuda = memory.planned_world_size(cfg), memory.plans_for_cuda(cfg)
+    have, where = memory.device_memory_bytes(cfg)
+    if have is None:
+        have, where = (
+            (80 * memory.GB, "an 80 GB GPU")
+            if cuda
+            else (memory.host_memory_bytes(), "this machine's memory")
+        )
+        where += " (--gpu-type or train.device_memory_gb plans for yours)"
+    chosen = layout.fit_memory(cfg, world, int(have), cuda, "GPU" if cuda else "CPU")
+    cfg.train.micro_batch_size, cfg.train.activation_checkpointing = chosen.micro_batch, chosen.checkpointing
+    return [
+        "# micro-batch: auto = the largest divisor of batch_tokens / (seq_len x ranks) sequences whose memory "
+        "estimate fits 90% of the device,",
+        "#   the rest of batch_tokens by gradient accumulation; an out-of-memory error in the first steps "
+        "halves it; a resume keeps it",
+        f"#   planned for {where}: {chosen.describe()}",
+    ]

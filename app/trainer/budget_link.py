@@ -1,13 +1,9 @@
-"""The training loop's one door to the budget (app.budget): the loop asks three questions and never
-touches the budget's files itself.
+"""The training loop's one door to the budget (app.budget); the loop never touches the budget's files.
 
-- at start: is the budget already spent? (`BudgetExhausted`, every rank reads the ledger so all agree);
-  is the price above budget.max_price_per_gpu_hour? (`PriceAboveMax`); rank 0 also hosts the watcher
-  thread unless a sidecar watches (with no cap but a price ceiling, the thread checks the price alone);
-- at a checkpoint: what has been spent so far? (recorded in meta.json);
-- every few seconds on rank 0: should the WSD decay start now? (from the watcher's projection; the
-  answer goes through the stop agreement so every rank starts the decay at the same step).
-It also posts the trainer's own Kubernetes Events (app/budget/kube.py holds the client).
+At start every rank asks whether the price (`PriceAboveMax`) and the budget (`BudgetExhausted`) allow
+training, so all agree, and rank 0 hosts the watcher thread unless a sidecar watches. At a checkpoint: the
+spend so far (meta.json). Every few seconds on rank 0: whether the WSD decay should start (the answer goes
+through the stop agreement, so every rank starts it at the same step). And the trainer's own Events.
 """
 
 from __future__ import annotations
@@ -16,6 +12,8 @@ import logging
 import time
 from pathlib import Path
 
+from app.budget import check_not_exhausted, check_price_at_launch, read_budget_state, start_in_process
+from app.budget.kube import post_event
 from app.config import Config
 from app.trainer.schedule import budget_decay_steps
 
@@ -29,34 +27,21 @@ class BudgetLink:
         self.enabled = cfg.budget.cap_usd > 0
         self.watcher = None
         self.last_read = 0.0
-        if cfg.budget.max_price_per_gpu_hour > 0:
-            from app.budget import check_price_at_launch
-
-            check_price_at_launch(cfg.budget, self.run_dir, world_size, is_rank0)  # raises PriceAboveMax
-        guard_only = not self.enabled and cfg.budget.max_price_per_gpu_hour > 0
-        if not (self.enabled or guard_only):
-            return
-        from app.budget import check_not_exhausted, start_in_process
-
+        check_price_at_launch(cfg.budget, self.run_dir, world_size, is_rank0)  # raises PriceAboveMax
         if self.enabled:
             check_not_exhausted(cfg.budget, self.run_dir)  # raises BudgetExhausted
         if is_rank0 and cfg.budget.in_process:
-            # with no cap, the thread checks the price alone at every poll
+            # with no cap but a price ceiling, the thread checks the price alone at every poll
             self.watcher = start_in_process(cfg.budget, self.run_dir, stop_file, world_size)
-        elif is_rank0 and guard_only:
+        elif is_rank0 and not self.enabled and cfg.budget.max_price_per_gpu_hour > 0:
             log.warning(
                 "budget: max_price_per_gpu_hour is checked at launch only: with budget.in_process=false and "
                 "no cap no watcher runs (`pretrain watch` needs --cap-usd); set budget.cap_usd to stop on a "
                 "price rise mid-run"
             )
 
-    def _state(self) -> dict | None:
-        from app.budget import read_budget_state
-
-        return read_budget_state(self.run_dir)
-
     def spent_usd(self, previous: float | None) -> float | None:
-        state = self._state() if self.enabled else None
+        state = read_budget_state(self.run_dir) if self.enabled else None
         return state.get("spent_usd") if state else previous
 
     def decay_proposal(self, step: int, step_seconds: float, decaying: bool) -> int:
@@ -68,7 +53,7 @@ class BudgetLink:
         if now - self.last_read < READ_EVERY_SECONDS:
             return 0
         self.last_read = now
-        state = self._state()
+        state = read_budget_state(self.run_dir)
         if not state or state.get("seconds_to_stop") is None:
             return 0
         # seconds_to_stop: when the watcher's graceful stop fires (checkpoint and margin already reserved)
@@ -79,11 +64,8 @@ class BudgetLink:
     def event(self, reason: str, message: str, warn) -> bool:
         """A Warning Event on the job (a stop the budget watcher does not post, e.g. LowMFU), in a cluster;
         True when posted (else the watcher relays it from status.json)."""
-        from app.budget.kube import post_event
-
         return post_event(self.cfg.budget, reason, message, warn)
 
     def close(self) -> None:
         if self.watcher is not None:
-            self.watcher.close()
-            self.watcher = None
+            self.watcher.close()  # idempotent

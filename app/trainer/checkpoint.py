@@ -1,21 +1,7 @@
-"""Checkpoints: one directory per step, written by every rank in parallel, committed atomically, verified
-on resume, no pickle.
-
-    checkpoints/step_000123/
-      model-rank<R>.safetensors      rank R's pieces of the weights (its FSDP shards, or its share of the
-      optimizer-rank<R>.safetensors  rows under DDP) and of the optimizer state
-      model.index.json               which box of which tensor lies in which file (checkpoint_format.py);
-      optimizer.index.json           tied weights stored once; optimizer param groups and scalars
-      trainer_state.json             step, tokens, loader position, schedule, early stopping, best val loss
-      rng_rank<R>.json               python / numpy / torch RNG states of rank R
-      tokenizer.json                 so a checkpoint dir alone is enough to sample from or export
-      meta.json                      config, versions, step, val loss, world size, sha256 + size of every file
-
-A save goes to `checkpoints/.tmp-step_000123/`; every rank writes and fsyncs its own files (hashing them
-as it writes), then rank 0 merges the index, writes meta.json last and renames the dir into place
-(app/trainer/checkpoint_writer.py, which also runs saves in the background). A crash at any moment
-leaves either the old set of checkpoints or the new one complete; leftover temp dirs are removed at the
-next start. `latest` and `best` are found by scanning and verifying, never from a pointer file.
+"""Checkpoints: one directory per step, written by every rank in parallel, committed atomically
+(app/trainer/checkpoint_writer.py), verified on resume, no pickle. `latest` and `best` are found by
+scanning and verifying, never from a pointer file, so a crash at any moment leaves a valid set.
+The directory's files: docs/architecture.md ("The run directory").
 """
 
 from __future__ import annotations
@@ -26,29 +12,32 @@ import os
 import platform
 import re
 import shutil
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from app.errors import UserError
+from app.errors import print_stderr as warn_stderr
 from app.files import sha256_file
-from app.files import write_json_durable as write_json
-from app.trainer.checkpoint_format import OPTIMIZER_INDEX, ShardReader
+from app.trainer.checkpoint_format import MODEL_INDEX, OPTIMIZER_INDEX, ShardReader, write_json_file
 
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
 STEP_DIR = re.compile(r"^step_\d{6,}$")
 META = "meta.json"
 FORMAT_VERSION = 2
+REFIT = "use the config it was trained with, or a new --out (or --resume never --overwrite to move that run aside)"
 
 
 def step_dir_name(step: int) -> str:
     return f"{PREFIX}{step:06d}"
+
+
+def step_of(step_dir: Path) -> int:
+    return int(step_dir.name[len(PREFIX) :])
 
 
 def checkpoints_root(run_dir: Path) -> Path:
@@ -65,9 +54,6 @@ def versions() -> dict:
         "cuda": torch.version.cuda,
         "numpy": np.__version__,
     }
-
-
-# ---------------------------------------------------------------- temp dirs
 
 
 def clean_temp_dirs(run_dir: Path) -> None:
@@ -155,10 +141,6 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted((p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)), reverse=True)
-
-
-def warn_stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def finite_val_loss(meta: dict | None) -> float | None:
@@ -265,41 +247,25 @@ def open_reader(info: CheckpointInfo, kind: str = "model") -> ShardReader:
     """kind: model | optimizer. Use as a context manager; reads boxes of tensors in any format."""
     if kind == "optimizer" and not info.has_optimizer:
         raise ValueError(f"{info.path} has no optimizer state")
-    return ShardReader.open(info.path, kind)
+    index = MODEL_INDEX if kind == "model" else OPTIMIZER_INDEX
+    return ShardReader(info.path, json.loads((info.path / index).read_text()))
 
 
 def load_model_shapes(info: CheckpointInfo) -> dict[str, torch.Tensor]:
-    """The checkpoint's weight names and shapes as meta tensors, from the index (or safetensors header)
-    only: lets every rank run check_compatible before reading anything."""
-    with open_reader(info) as r:
-        shapes = {name: torch.empty(r.shape(name), device="meta") for name in r.names()}
-        for alias, target in r.tied.items():
-            shapes[alias] = shapes[target]
-    return shapes
+    """The checkpoint's weight names and shapes as meta tensors, from the index only: lets every rank run
+    check_compatible before reading anything."""
+    return _by_name(info, lambda r, name: torch.empty(r.shape(name), device="meta"))
 
 
 def load_model_state(info: CheckpointInfo) -> dict[str, torch.Tensor]:
     """The full weights by name (tied names share one tensor): the whole model in memory, one process."""
+    return _by_name(info, lambda r, name: r.full(name))
+
+
+def _by_name(info: CheckpointInfo, get: Callable[[ShardReader, str], torch.Tensor]) -> dict:
     with open_reader(info) as r:
-        state = {name: r.full(name) for name in r.names()}
-        for alias, target in r.tied.items():
-            state[alias] = state[target]
-    return state
-
-
-def load_optimizer_state(info: CheckpointInfo) -> dict | None:
-    """The full optimizer state keyed by parameter name: {"state": {name: {state: value}},
-    "param_groups": [...]} (for inspection and tests; training loads shards with load_optimizer)."""
-    if not info.has_optimizer:
-        return None
-    with open_reader(info, "optimizer") as r:
-        state: dict[str, dict[str, Any]] = {}
-        for name in r.names():
-            pname, key = name.split("/", 1)
-            state.setdefault(pname, {})[key] = r.full(name)
-        for pname, entry in r.scalars.items():
-            state.setdefault(pname, {}).update(entry)
-        return {"state": state, "param_groups": r.param_groups}
+        tensors = {name: get(r, name) for name in r.names()}
+        return tensors | {alias: tensors[target] for alias, target in r.tied.items()}
 
 
 def load_trainer_state(info: CheckpointInfo) -> dict:
@@ -318,18 +284,14 @@ def check_compatible(model: torch.nn.Module, state: dict[str, torch.Tensor], pat
     extra = sorted(set(state) - set(own))
     if missing or extra:
         what = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"
-        raise UserError(
-            f"checkpoint {path} does not fit the configured model ({what}); "
-            "use the config it was trained with, or a new --out (or --resume never --overwrite to move that run aside)"
-        )
+        raise UserError(f"checkpoint {path} does not fit the configured model ({what}); {REFIT}")
     for name, t in own.items():
         if tuple(state[name].shape) != tuple(t.shape):
             hint = " (vocab size differs)" if name == "tok_emb.weight" else ""
-            raise UserError(
-                f"checkpoint {path} does not fit the configured model: {name} is "
-                f"{tuple(state[name].shape)} there, {tuple(t.shape)} here{hint}; "
-                "use the config it was trained with, or a new --out (or --resume never --overwrite to move that run aside)"
-            )
+            if name == "tok_emb.weight" and state[name].shape[0] == model.cfg.vocab_size != t.shape[0]:
+                hint = " (written before vocabulary padding: resume it with --set model.vocab_multiple=1)"
+            what = f"{name} is {tuple(state[name].shape)} there, {tuple(t.shape)} here{hint}"
+            raise UserError(f"checkpoint {path} does not fit the configured model: {what}; {REFIT}")
 
 
 # ---------------------------------------------------------------- retention
@@ -338,38 +300,28 @@ def check_compatible(model: torch.nn.Module, state: dict[str, torch.Tensor], pat
 def apply_retention(run_dir: Path, keep_last: int, keep_best: bool, drop_optimizer_older: bool) -> list[Path]:
     """Keep the newest `keep_last` complete checkpoints and the best; returns the removed dirs. Checks
     sizes only (no hashing); a checkpoint that fails even that is left alone and takes no slot."""
-    paths = list_checkpoints(run_dir)
-    metas = {p: read_meta(p) for p in paths}
-    complete = [p for p in paths if metas[p] is not None and verify(p, "size")[0] is not None]
-    keep = set(complete[:keep_last])
-    if keep_best:
-        scored = [(v, p) for p in complete if (v := finite_val_loss(metas[p])) is not None]
-        if scored:
-            keep.add(min(scored)[1])
-    removed = []
-    for p in complete:
-        if p not in keep:
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
-    if drop_optimizer_older and complete:
-        for p in sorted(keep, reverse=True)[1:]:
-            _drop_optimizer(p, metas[p])
+    complete = [info for p in list_checkpoints(run_dir) if (info := verify(p, "size")[0]) is not None]
+    keep = {info.path for info in complete[:keep_last]}
+    scored = [(v, info.path) for info in complete if (v := finite_val_loss(info.meta)) is not None]
+    if keep_best and scored:
+        keep.add(min(scored)[1])
+    removed = [info.path for info in complete if info.path not in keep]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    if drop_optimizer_older:
+        for info in [info for info in complete if info.path in keep][1:]:  # all but the newest
+            _drop_optimizer(info.path, info.meta)
     return removed
-
-
-def optimizer_files(meta: dict) -> list[str]:
-    """The files of a checkpoint that hold optimizer state."""
-    return [f for f in meta.get("files", {}) if not for_inference(f)]
 
 
 def _drop_optimizer(path: Path, meta: dict) -> None:
     """Rewrite meta.json first (atomically), then delete: a crash between leaves a valid checkpoint."""
-    drop = optimizer_files(meta)
+    drop = [f for f in meta.get("files", {}) if not for_inference(f)]
     if not drop:
         return
     meta = {**meta, "files": {k: v for k, v in meta["files"].items() if k not in drop}}
     tmp = path / f".{META}.tmp"
-    write_json(tmp, meta)
+    write_json_file(tmp, meta)
     os.replace(tmp, path / META)
     for f in drop:
         (path / f).unlink(missing_ok=True)
@@ -381,7 +333,7 @@ def set_aside_newer(run_dir: Path, step: int, warn=warn_stderr) -> list[Path]:
     so they neither shadow the run's new checkpoints nor take a retention slot."""
     moved = []
     for path in list_checkpoints(run_dir):
-        if int(path.name[len(PREFIX) :]) > step:
+        if step_of(path) > step:
             dest = path.with_name(f"corrupt-{path.name}")
             if dest.exists():
                 shutil.rmtree(dest, ignore_errors=True)

@@ -1,24 +1,8 @@
-"""The sharded checkpoint format: every rank writes its own safetensors files, a JSON index says which
-box of which tensor lies in which file. No pickle; a checkpoint written at any world size reads at any
-other, and in one process.
-
-    model-rank00000.safetensors       rank 0's pieces of the weights (a piece: one box of one tensor)
-    optimizer-rank00000.safetensors   rank 0's pieces of the optimizer state, keyed "<param name>/<state>"
-    model.index.json                  {"tensors": {name: {"dtype", "shape", "chunks": [chunk, ...]}},
-                                       "tied": {alias: name}}
-    optimizer.index.json              the same for "<param name>/<state>", plus "param_groups" (parameters
-                                       by name) and "scalars" (non-tensor state)
-
-    chunk = {"file": "model-rank00001.safetensors", "key": "tok_emb.weight",
-             "offsets": [4096, 0], "shape": [4096, 768]}     (where the box starts, and its size)
-
-The writer streams each tensor from memory to disk in BLOCK pieces and hashes them on the way, on a
-second thread that the writer never waits for (no serialized copy, no second read for the sha256, and the
-hash overlaps the final fsync; see benchmarks/bench_checkpoint.py). The reader fills any box of a tensor
-from the chunks that overlap it, reading only those bytes, so a rank never holds more of a tensor than the
-box it asked for; a box that is whole rows of a stored tensor (every shard and whole tensor here) is read
-with one pread straight into its destination, with no intermediate copy and no mapping of the file into
-the process.
+"""The sharded checkpoint format: every rank writes its own safetensors files, and a JSON index says
+which box of which tensor lies in which file. No pickle, and a checkpoint written at any world size reads
+at any other, and in one process. Writes stream and hash each tensor in one pass; reads fill a box from
+the chunks that overlap it, so no rank holds more of a tensor than it keeps. The file layout and the
+index fields: docs/parallel.md ("Checkpoints: sharded per rank, any world size, in the background").
 """
 
 from __future__ import annotations
@@ -26,11 +10,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import struct
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,13 +48,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_of(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in a checkpoint index")
-    return dt
-
-
 def shard_file(kind: str, rank: int) -> str:
     """kind: model | optimizer."""
     return f"{kind}-rank{rank:05d}.safetensors"
@@ -80,74 +58,13 @@ class FileEntry:
     sha256: str
     bytes: int
 
-    def to_json(self) -> dict:
-        return {"sha256": self.sha256, "bytes": self.bytes}
-
 
 # ---------------------------------------------------------------- writing
 
 
 def _raw(t: torch.Tensor) -> memoryview:
-    """The bytes of a CPU tensor, without a copy when it is contiguous."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous().reshape(-1)
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
-
-
-class _HashingFile:
-    """A file written block by block while a second thread hashes the same blocks (hashlib releases the
-    GIL), so the sha256 costs no extra pass over the data. The writer never waits for the hash: the blocks
-    are views of tensors the caller holds, so a hash that lags costs no memory, and its backlog is worked
-    off during the final fsync, which then overlaps the hashing instead of following it (with the writer
-    held within 8 blocks of the hash, one writer reached 60% of a plain write here, unheld 85%, the
-    sha256's own speed: benchmarks/bench_checkpoint.py). `drain()` waits for the hash to catch up: after
-    a tensor whose bytes were a private copy (a device or non-contiguous tensor), so only one such copy
-    is ever alive."""
-
-    def __init__(self, path: Path, pool: ThreadPoolExecutor, cancel: Callable[[], None] | None) -> None:
-        self.f = open(path, "wb")  # noqa: SIM115 (closed in close())
-        self.h = hashlib.sha256()
-        self.pool = pool
-        self.cancel = cancel
-        self.pending: deque[Future] = deque()
-        self.n = 0
-
-    def write(self, data: memoryview | bytes) -> None:
-        view = memoryview(data)
-        for i in range(0, len(view), BLOCK):
-            if self.cancel is not None:
-                self.cancel()  # raises to abandon the write
-            block = view[i : i + BLOCK]
-            self.pending.append(self.pool.submit(self.h.update, block))  # one worker: updates in order
-            self.f.write(block)
-            while self.pending and self.pending[0].done():
-                self.pending.popleft().result()
-        self.n += len(view)
-
-    def drain(self) -> None:
-        while self.pending:
-            self.pending.popleft().result()
-
-    def close(self) -> FileEntry:
-        self.f.flush()
-        os.fsync(self.f.fileno())  # the hash thread works off its backlog meanwhile
-        self.f.close()
-        self.drain()
-        return FileEntry(self.h.hexdigest(), self.n)
-
-    def abort(self) -> None:
-        self.f.close()
-        for fut in self.pending:
-            fut.cancel()  # the hash of an abandoned file is not needed: only a running update is waited for
-        for fut in self.pending:
-            if not fut.cancelled():
-                with contextlib.suppress(Exception):
-                    fut.result()
-        self.pending.clear()
+    """A tensor's bytes in host memory: its own (writable) when it is contiguous on the CPU, else a copy's."""
+    return memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def _header(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None) -> bytes:
@@ -156,7 +73,7 @@ def _header(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dic
     for key, dtype, shape in specs:
         if dtype not in _TAGS:
             raise ValueError(f"cannot store {key} of dtype {dtype} in safetensors")
-        n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         header[key] = {"dtype": _TAGS[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     head = json.dumps(header, separators=(",", ":")).encode()
@@ -171,20 +88,44 @@ def _stream(
     cancel: Callable[[], None] | None = None,
     transient: bool = False,
 ) -> FileEntry:
-    """`transient`: the tensors are made for this write (nobody else holds them), so each one's hash must
-    finish before the next is made, or they would all stay alive."""
-    with ThreadPoolExecutor(1, thread_name_prefix="sha256") as pool:
-        out = _HashingFile(Path(path), pool, cancel)
+    """Write `head` then the tensors' bytes block by block while a second thread hashes the same blocks
+    (hashlib releases the GIL), so the sha256 costs no extra pass over the data. The writer never waits for
+    the hash (the blocks are views of tensors the caller holds): its backlog is worked off during the final
+    fsync (held within 8 blocks, one writer reached 60% of a plain write, unheld 85%:
+    benchmarks/bench_checkpoint.py). It waits only after a tensor whose bytes were a private copy (made by
+    _raw, or `transient`: made for this write), so only one is alive. `cancel` may raise to abandon it."""
+    h, pending = hashlib.sha256(), deque()
+
+    def drain() -> None:
+        while pending:
+            pending.popleft().result()
+
+    def write(view: memoryview) -> None:
+        for i in range(0, len(view), BLOCK):
+            if cancel is not None:
+                cancel()  # raises to abandon the write
+            block = view[i : i + BLOCK]
+            pending.append(pool.submit(h.update, block))  # one worker: updates in order
+            f.write(block)
+            while pending and pending[0].done():
+                pending.popleft().result()
+
+    with ThreadPoolExecutor(1, thread_name_prefix="sha256") as pool, open(path, "wb") as f:
         try:
-            out.write(head)
+            write(memoryview(head))
             for t in tensors:
-                out.write(_raw(t))
+                write(_raw(t))
                 if transient or t.device.type != "cpu" or not t.is_contiguous():  # _raw made a copy
-                    out.drain()
+                    drain()
+            size = f.tell()
+            f.flush()
+            os.fsync(f.fileno())  # the hash thread works off its backlog meanwhile
+            drain()
         except BaseException:
-            out.abort()
+            for fut in pending:
+                fut.cancel()  # an abandoned file's hash is not needed: only a running update is waited for
             raise
-        return out.close()
+    return FileEntry(h.hexdigest(), size)
 
 
 def write_safetensors(
@@ -200,14 +141,13 @@ def write_safetensors(
     return _stream(path, head, (t for _, t in items), cancel)
 
 
+def write_bytes(path: Path, raw: bytes) -> FileEntry:
+    """`raw` written, hashed and fsync'd in place (inside a temp dir that is renamed as a whole)."""
+    return _stream(path, raw, ())
+
+
 def write_json_file(path: Path, data: Any) -> FileEntry:
-    """JSON written and fsync'd in place (inside a temp dir that is renamed as a whole)."""
-    raw = (json.dumps(data, indent=1) + "\n").encode()
-    with open(path, "wb") as f:
-        f.write(raw)
-        f.flush()
-        os.fsync(f.fileno())
-    return FileEntry(hashlib.sha256(raw).hexdigest(), len(raw))
+    return write_bytes(path, (json.dumps(data, indent=1) + "\n").encode())
 
 
 def chunk(file: str, key: str, offsets, shape) -> dict:
@@ -225,19 +165,12 @@ def merge_chunks(parts: list[dict]) -> dict[str, dict]:
                 raise ValueError(f"ranks disagree on the shape or dtype of {name}")
             have["chunks"] += entry["chunks"]
     for name, entry in tensors.items():
-        total = _numel(entry["shape"])
-        got = sum(_numel(c["shape"]) for c in entry["chunks"])
+        total = math.prod(entry["shape"])
+        got = sum(math.prod(c["shape"]) for c in entry["chunks"])
         if got != total:
             raise ValueError(f"the pieces of {name} hold {got} of its {total} elements")
         entry["chunks"].sort(key=lambda c: c["offsets"])
     return dict(sorted(tensors.items()))
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 # ---------------------------------------------------------------- reading
@@ -253,26 +186,13 @@ class ShardReader:
         self.param_groups: list[dict] = index.get("param_groups", [])
         self.scalars: dict[str, dict] = index.get("scalars", {})
         self._stack = contextlib.ExitStack()
-        self._open: dict[str, Any] = {}
         self._plain: dict[str, tuple[int, int, dict]] = {}  # file -> (fd, data start, safetensors header)
-
-    # -- construction from a checkpoint dir
-
-    @classmethod
-    def open(cls, root: Path, kind: str) -> ShardReader:
-        """kind: model | optimizer."""
-        index = Path(root) / (MODEL_INDEX if kind == "model" else OPTIMIZER_INDEX)
-        return cls(Path(root), json.loads(index.read_text()))
 
     def __enter__(self) -> ShardReader:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
         self._stack.close()
-        self._open.clear()
         self._plain.clear()
 
     # -- what is there
@@ -284,20 +204,16 @@ class ShardReader:
         return tuple(self.tensors[name]["shape"])
 
     def dtype(self, name: str) -> torch.dtype:
-        return dtype_of(self.tensors[name]["dtype"])
+        dtype = getattr(torch, self.tensors[name]["dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {self.tensors[name]['dtype']!r} in a checkpoint index")
+        return dtype
 
     # -- reading
 
-    def _file(self, name: str):
-        if name not in self._open:
-            from safetensors import safe_open
-
-            self._open[name] = self._stack.enter_context(safe_open(str(self.root / name), framework="pt"))
-        return self._open[name]
-
     def read(self, name: str, out: torch.Tensor, offsets=None) -> torch.Tensor:
         """Fill `out` with the box of tensor `name` that starts at `offsets` (default: the origin) and has
-        out's shape, from the chunks that overlap it; each piece read is at most the overlap's size."""
+        out's shape, from the chunks that overlap it, reading only the rows of each chunk the box spans."""
         entry = self.tensors[name]
         offsets = tuple(offsets or (0,) * out.dim())
         if len(offsets) != len(entry["shape"]) or out.dim() != len(entry["shape"]):
@@ -312,15 +228,7 @@ class ShardReader:
             if any(a >= b for a, b in zip(lo, hi, strict=True)):
                 continue
             dst = out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets, strict=True))]
-            if not self._read_into(c, lo, hi, dst):
-                src = self._file(c["file"])
-                if out.dim() == 0:
-                    piece = src.get_tensor(c["key"])
-                else:
-                    piece = src.get_slice(c["key"])[
-                        tuple(slice(a - co, b - co) for a, b, co in zip(lo, hi, c["offsets"], strict=True))
-                    ]
-                dst.copy_(piece.reshape(dst.shape))
+            self._read_into(c, lo, hi, dst)
             filled += dst.numel()
         if filled != out.numel():
             raise ValueError(f"{name}: the checkpoint's chunks cover {filled} of the {out.numel()} asked for")
@@ -335,31 +243,27 @@ class ShardReader:
         return self._plain[file]
 
     def _read_into(self, c: dict, lo: list[int], hi: list[int], dst: torch.Tensor) -> bool:
-        """Read the box [lo, hi) of chunk `c` with one pread straight into `dst`, when that box is one run of
-        bytes in the file (rows of the stored tensor, as FSDP and DDP shards and whole tensors are) and
-        `dst` is contiguous host memory of the same dtype. No intermediate tensor and no mapping of the
-        file into this process (the file's pages never count in its RSS). False: use the general path."""
-        if dst.device.type != "cpu" or not dst.is_contiguous() or dst.numel() == 0:
-            return False
+        """Read the box [lo, hi) of chunk `c` into `dst` with one pread of the rows it spans: straight into
+        `dst` (True) when the box is whole rows (as FSDP and DDP shards and whole tensors are) and `dst` is
+        contiguous host memory of the stored dtype, else into a buffer `dst` copies from (another device or
+        dtype, a box of columns). No mapping of the file into this process (its pages never count in RSS)."""
         fd, start, header = self._header_of(c["file"])
-        entry = header.get(c["key"])
-        if not isinstance(entry, dict) or _FROM_TAG.get(entry.get("dtype")) != dst.dtype:
-            return False
-        shape = [int(x) for x in entry["shape"]]
-        if shape != [int(x) for x in c["shape"]]:
-            return False
-        rel_lo = [a - co for a, co in zip(lo, c["offsets"], strict=True)]
-        rel_hi = [b - co for b, co in zip(hi, c["offsets"], strict=True)]
-        if any(rel_lo[d] != 0 or rel_hi[d] != shape[d] for d in range(1, len(shape))):
-            return False  # not whole rows: not one run of bytes
-        row = _numel(shape[1:]) * dst.element_size()
-        begin, end = (int(x) for x in entry["data_offsets"])
-        first = start + begin + (rel_lo[0] * row if shape else 0)
-        nbytes = dst.numel() * dst.element_size()
-        if end - begin != _numel(shape) * dst.element_size() or first + nbytes > start + end:
-            return False
-        _pread_into(fd, memoryview(dst.reshape(-1).view(torch.uint8).numpy()).cast("B"), first)
-        return True
+        entry = header.get(c["key"]) or {}
+        dtype = _FROM_TAG.get(entry.get("dtype"))
+        shape = [int(x) for x in entry.get("shape", ())]
+        begin, end = (int(x) for x in entry.get("data_offsets", (0, -1)))
+        if dtype is None or shape != c["shape"] or end - begin != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"{c['file']}: {c['key']} does not match the checkpoint's index")
+        box = [slice(a - co, b - co) for a, b, co in zip(lo, hi, c["offsets"], strict=True)]
+        rows = box[0] if shape else slice(0, 1)
+        whole_rows = all(b.start == 0 and b.stop == n for b, n in zip(box[1:], shape[1:], strict=True))
+        direct = whole_rows and dst.device.type == "cpu" and dst.is_contiguous() and dst.dtype == dtype
+        buf = dst if direct else torch.empty((rows.stop - rows.start, *shape[1:]), dtype=dtype)
+        first = start + begin + rows.start * math.prod(shape[1:]) * dtype.itemsize
+        _pread_into(fd, _raw(buf), first)  # buf is contiguous host memory: read in place
+        if not direct:
+            dst.copy_(buf[(slice(None), *box[1:])].reshape(dst.shape))
+        return direct
 
     def full(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
         out = torch.empty(self.shape(name), dtype=self.dtype(name), device=device)
@@ -390,4 +294,4 @@ def write_consolidated(
     names = reader.names()
     head = _header([(n, reader.dtype(n), reader.shape(n)) for n in names], metadata)
     entry = _stream(path, head, (reader.full(n) for n in names), transient=True)
-    return entry, sum(_numel(reader.shape(n)) for n in names)
+    return entry, sum(math.prod(reader.shape(n)) for n in names)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import base64
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,6 +25,23 @@ from app.trainer import checkpoint as ckpt
 from app.trainer.distributed import DistEnv
 from app.trainer.parallelize import unwrap
 from app.trainer.schedule import DecayPlan, resume_change
+
+
+@dataclass
+class TrainerState:
+    """Everything besides weights and optimizer that exact resume needs (trainer_state.json)."""
+
+    step: int = 0
+    tokens: int = 0
+    elapsed_seconds: float = 0.0  # training wall time over all restarts
+    loader: dict = field(default_factory=dict)
+    best_val_loss: float | None = None
+    last_val_loss: float | None = None
+    early_stopping: dict = field(default_factory=dict)
+    spikes: dict = field(default_factory=dict)
+    bad_steps: dict = field(default_factory=dict)
+    budget_decay: dict | None = None  # DecayPlan once the budget started the decay
+    spent_usd: float | None = None
 
 
 @dataclass
@@ -212,7 +229,7 @@ def load_into(
     return []
 
 
-def find_checkpoint(run_dir, spec: str, verify: str, env: DistEnv, warn, log) -> ckpt.CheckpointInfo | None:
+def find_checkpoint(run_dir, spec: str, verify: str, env: DistEnv, warn) -> ckpt.CheckpointInfo | None:
     """`--resume auto`: the newest checkpoint of the run dir that verifies (rank 0 sets newer, unusable
     step dirs aside so they shadow nothing); `never`: None; else a run dir or step dir. Collective: the
     ranks share the sha256 checks, each hashing 1/world of the files, and agree on the answer."""
@@ -225,9 +242,8 @@ def find_checkpoint(run_dir, spec: str, verify: str, env: DistEnv, warn, log) ->
             ckpt.set_aside_newer(run_dir, info.step if info else -1, warn=warn)
     else:
         info = ckpt.resolve(spec, verify, warn, shared)
-    if info is not None and info.step == 0:
-        # Older versions saved step 0; nothing was learned and its optimizer state is not real.
-        log(f"ignoring {info.path}: a step-0 checkpoint holds nothing a fresh start does not")
+    if info is not None and info.step == 0:  # older versions saved step 0: nothing learned, stale optimizer
+        warn(f"ignoring {info.path}: a step-0 checkpoint holds nothing a fresh start does not")
         return None
     return info
 

@@ -1,26 +1,10 @@
-"""Saving a checkpoint: every rank writes its own pieces in parallel, rank 0 commits; in the background
-when `checkpoint.async_save` is on.
+"""Saving a checkpoint: every rank writes its own pieces in parallel and rank 0 commits, in the background
+when `checkpoint.async_save` is on, so a save costs the loop only the copy to host memory.
 
-    save(step)   every rank, on the loop's thread
-      wait for the previous save (its error, if any, surfaces here)
-      rank 0 prepares checkpoints/.tmp-step_N/; every rank waits for it
-      pieces = this rank's boxes of the weights and optimizer state (views, parallel.model_pieces ...)
-      async: copy the pieces to host memory (staging: 1/world of the state), return to the loop
-      sync:  write straight from the live tensors (no copy; the loop waits for the whole save)
-    write        a background thread when async
-      model-rank<R>.safetensors, optimizer-rank<R>.safetensors, rng_rank<R>.json and part-rank<R>.json
-      (its chunks, the sha256 of its files, hashed while writing), each fsync'd
-      all ranks agree (MIN of ok) on a gloo group of the writer's own, so it never interleaves with
-      the loop's agreements
-      rank 0: merge the parts into model.index.json + optimizer.index.json, write meta.json (sha256 of
-      every file) last, fsync, rename into place, fsync the parent; then retention
-
-A crash or SIGKILL anywhere before the rename leaves only a temp dir (removed at the next start) and the
-previous checkpoint is still the latest valid one. A save that fails on some rank removes its temp dir; one
-that fails for space (ENOSPC, EDQUOT) raises OutOfSpace (exit 6, one line). Rank 0 warns while the volume
-lacks the room the next checkpoints need (an estimate before the first save, then the last one's size).
-The loop calls `wait()` before the next save, at a stop and at exit; `abandon()` (an immediate stop, a
-crash) cancels a pending write without committing.
+The commit is atomic (temp dir, meta.json last, rename): a crash before the rename leaves the previous
+checkpoint the latest. The writer agrees on its own gloo group because it agrees from its own thread, and
+collectives on one group must not interleave. A save that fails for space raises OutOfSpace (exit 6).
+Details: docs/parallel.md ("Checkpoints: sharded per rank, any world size, in the background").
 """
 
 from __future__ import annotations
@@ -31,7 +15,7 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -39,7 +23,7 @@ import torch.distributed as dist
 
 from app.config import CheckpointConfig
 from app.errors import EXIT_OUT_OF_SPACE, UserError
-from app.files import fsync_dir, fsync_file, sha256_file
+from app.files import fsync_dir
 from app.trainer import checkpoint as ckpt
 from app.trainer.checkpoint_format import (
     MODEL_INDEX,
@@ -49,6 +33,7 @@ from app.trainer.checkpoint_format import (
     dtype_name,
     merge_chunks,
     shard_file,
+    write_bytes,
     write_json_file,
     write_safetensors,
 )
@@ -68,6 +53,11 @@ class OutOfSpace(UserError):
 
 class Cancelled(Exception):
     pass
+
+
+def _snapshot(data):
+    """A deep copy of JSON data: the loop goes on changing the original while the save is written."""
+    return json.loads(json.dumps(data))
 
 
 def _gb(n: float) -> str:
@@ -90,7 +80,7 @@ class _Job:
     step: int
     tmp: Path
     model: list[Piece]
-    optimizer: list[Piece] | None
+    optimizer: list[Piece]  # [] without an optimizer
     aliases: dict[str, str]
     structure: dict | None
     trainer_state: dict
@@ -100,8 +90,7 @@ class _Job:
     reason: str
     started: float
     final: bool = False
-    background: bool = False
-    blocking: float = 0.0  # set when staged for the background
+    blocking: float | None = None  # how long the loop stood still, when staged for the background
 
 
 class CheckpointWriter:
@@ -157,24 +146,20 @@ class CheckpointWriter:
         started = time.monotonic()
         tmp = self.root / f".tmp-{ckpt.step_dir_name(step)}"
         if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir()
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed save of this step
+            tmp.mkdir(parents=True)
         agree([0])  # every rank waits for the temp dir
         mp, aliases = model_pieces(model, self.rank, self.world)
-        op, structure = (None, None)
-        if optimizer is not None:
-            op, structure = optimizer_pieces(model, optimizer, self.rank, self.world)
+        op, structure = optimizer_pieces(model, optimizer, self.rank, self.world) if optimizer else ([], None)
         job = _Job(
             step=step,
             tmp=tmp,
             model=mp,
             optimizer=op,
             aliases=aliases,
-            structure=json.loads(json.dumps(structure)) if structure is not None else None,
-            trainer_state=json.loads(json.dumps(trainer_state)),  # a snapshot: the loop goes on
-            meta=json.loads(json.dumps(meta)),
+            structure=_snapshot(structure),
+            trainer_state=_snapshot(trainer_state),
+            meta=_snapshot(meta),
             extra_files=[Path(p) for p in extra_files],
             rng=rng_state(),
             reason=reason,
@@ -182,14 +167,14 @@ class CheckpointWriter:
             final=final,
         )
         if not self.expect_bytes:  # no estimate: this rank's share of the state times the ranks
-            self.expect_bytes = self.world * sum(p.tensor.nbytes for p in mp + (op or []))
+            self.expect_bytes = self.world * sum(p.tensor.nbytes for p in mp + op)
         self._cancel.clear()
         if not background:
             self._run(job)
             return self.wait()
         job.model = stage(job.model, self._staging)
-        job.optimizer = stage(job.optimizer, self._staging) if job.optimizer is not None else None
-        job.background, job.blocking = True, time.monotonic() - started
+        job.optimizer = stage(job.optimizer, self._staging)
+        job.blocking = time.monotonic() - started
         self._thread = threading.Thread(target=self._run, args=(job,), name="checkpoint-writer", daemon=True)
         self._thread.start()
         return None
@@ -200,9 +185,7 @@ class CheckpointWriter:
 
     def poll(self) -> SaveResult | None:
         """The result of a finished background save, once; None while one runs or none finished."""
-        if self.pending:
-            return None
-        return self.wait()
+        return None if self.pending else self.wait()
 
     def wait(self) -> SaveResult | None:
         """Block until the pending save is committed; its result (once), or raise its error."""
@@ -215,8 +198,8 @@ class CheckpointWriter:
         if error is not None:
             raise CheckpointError(f"checkpoint save failed: {error}") from error
         result, self._result = self._result, None
-        if result is not None:
-            self.expect_bytes = result.bytes if self.rank == 0 else self.expect_bytes
+        if result is not None and self.rank == 0:
+            self.expect_bytes = result.bytes
             self.check_space()
         return result
 
@@ -285,10 +268,8 @@ class CheckpointWriter:
                 raise error or CheckpointError("another rank failed to write its part")
             if self.rank == 0 and (c := self.config) is not None:
                 ckpt.apply_retention(self.run_dir, c.keep_last, c.keep_best, c.drop_optimizer_older)
-            if job.background:
-                blocking, write = job.blocking, time.monotonic() - t0
-            else:
-                blocking, write = time.monotonic() - job.started, 0.0
+            now = time.monotonic()
+            blocking, write = (now - job.started, 0.0) if job.blocking is None else (job.blocking, now - t0)
             self._result = SaveResult(path, job.step, blocking + write, blocking, write, nbytes, job.reason)
         except BaseException as e:  # noqa: BLE001
             self._error = e
@@ -319,11 +300,8 @@ class CheckpointWriter:
         if self.rank == 0:
             files["trainer_state.json"] = write_json_file(job.tmp / "trainer_state.json", job.trainer_state)
             for extra in job.extra_files:
-                shutil.copyfile(extra, job.tmp / extra.name)
-                fsync_file(job.tmp / extra.name)
-                copy = job.tmp / extra.name
-                files[extra.name] = FileEntry(sha256_file(copy), copy.stat().st_size)
-        part["files"] = {k: v.to_json() for k, v in files.items()}
+                files[extra.name] = write_bytes(job.tmp / extra.name, extra.read_bytes())
+        part["files"] = {k: asdict(v) for k, v in files.items()}
         write_json_file(job.tmp / f"part-rank{self.rank:05d}.json", part)
         return part
 
@@ -340,14 +318,12 @@ class CheckpointWriter:
         parts = [own] + [
             json.loads((job.tmp / f"part-rank{r:05d}.json").read_text()) for r in range(1, self.world)
         ]
-        files = {}
-        for part in parts:
-            files.update(part["files"])
+        files = {name: entry for part in parts for name, entry in part["files"].items()}
         model_index = {"tensors": merge_chunks([p["model"] for p in parts]), "tied": job.aliases}
-        files[MODEL_INDEX] = write_json_file(job.tmp / MODEL_INDEX, model_index).to_json()
+        files[MODEL_INDEX] = asdict(write_json_file(job.tmp / MODEL_INDEX, model_index))
         if job.structure is not None:
             opt_index = {"tensors": merge_chunks([p["optimizer"] for p in parts]), **job.structure}
-            files[OPTIMIZER_INDEX] = write_json_file(job.tmp / OPTIMIZER_INDEX, opt_index).to_json()
+            files[OPTIMIZER_INDEX] = asdict(write_json_file(job.tmp / OPTIMIZER_INDEX, opt_index))
         for r in range(self.world):
             (job.tmp / f"part-rank{r:05d}.json").unlink(missing_ok=True)
         meta = {
@@ -363,23 +339,19 @@ class CheckpointWriter:
         write_json_file(job.tmp / ckpt.META, meta)
         fsync_dir(job.tmp)
         final = self.root / ckpt.step_dir_name(job.step)
+        old = self.root / f".old-{final.name}-{os.getpid()}"
         if final.exists():  # re-saving a step (e.g. a stop right after a resume): swap atomically
-            old = self.root / f".old-{final.name}-{os.getpid()}"
             os.replace(final, old)
-            os.replace(job.tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(job.tmp, final)
+        os.replace(job.tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
         fsync_dir(self.root)
         return final, sum(f["bytes"] for f in files.values())
 
 
 def stage(pieces: list[Piece], buffers: dict[str, torch.Tensor]) -> list[Piece]:
     """Copies of the pieces in host memory, so the loop can change the live tensors while they are
-    written. The buffers are kept in `buffers` and reused by the next save (after its wait for this one):
-    allocating (and on CUDA pinning) 1/world of the state every save would cost more than the copy. So an
-    asynchronous writer holds that much host memory between saves. On CUDA the copies are all in flight
-    at once, then one synchronize (not exercised here: no GPU in CI)."""
+    written. The buffers are reused by the next save: allocating (and on CUDA pinning) 1/world of the
+    state every save would cost more than the copy, so an asynchronous writer holds that much between saves."""
     cuda = any(p.tensor.device.type == "cuda" for p in pieces)
     out = []
     for p in pieces:

@@ -1,14 +1,8 @@
-"""The processes of a run and how they agree.
-
-Ranks agree in one way only: `agree`, an all-reduce of a small host tensor over gloo. Under NCCL that is
-a second process group (the control group), so a decision never waits for the GPU's queue to drain.
-The loop's decisions (stop, save now, the budget decay), the resume checks and the barriers use the
-control group; the checkpoint writer, which agrees from its own thread, uses a gloo group of its own
-(collectives on one group must not interleave between threads).
-
-A peer lost without a signal (OOM kill, spot reclaim, kernel panic) costs a retry, not the run: `PeerWatch`
-finds it in LOST_AFTER_SECONDS at any step time, apart from the (long) collective timeout, and every rank
-exits 144 with one line. A rank also dies with its launcher (PR_SET_PDEATHSIG): no orphans.
+"""The processes of a run and how they agree: `agree`, an all-reduce of a small host tensor over gloo (a
+control group under NCCL, so a decision never waits for the GPU's queue). `PeerWatch` finds a peer lost
+without a signal in bounded time (exit 144), and a rank dies with its launcher (PR_SET_PDEATHSIG): a lost
+node costs a retry, not the run. Details: docs/architecture.md ("Processes") and docs/kubernetes.md
+("A lost node").
 """
 
 from __future__ import annotations
@@ -48,10 +42,6 @@ class DistEnv:
     @property
     def is_rank0(self) -> bool:
         return self.rank == 0
-
-    @property
-    def is_local_rank0(self) -> bool:
-        return self.local_rank == 0
 
     @property
     def distributed(self) -> bool:
@@ -142,13 +132,17 @@ class PeerWatch:
         self.store.set(f"node/{self.rank}", f"node {os.environ.get('GROUP_RANK', '?')} ({host})")
         self.store.add(f"beat/{self.rank}", 1)  # seen from now on, even if stopped at once
         atexit.register(self.end)
-        threading.Thread(target=self._watch, name="peer-watch", daemon=True).start()
-        threading.Thread(target=self._deadman, name="peer-watch-store", daemon=True).start()
+        self.threads = [threading.Thread(target=self._watch, name="peer-watch", daemon=True),
+                        threading.Thread(target=self._deadman, name="peer-watch-store", daemon=True)]  # fmt: skip
+        for t in self.threads:
+            t.start()
 
     def end(self) -> None:  # at exit: this rank ended on purpose, it is not lost (a crash reports itself)
         with contextlib.suppress(Exception):
             self.store.set(f"done/{self.rank}", "1")
         self.ended.set()
+        for t in self.threads:  # no store call in flight while the interpreter tears the store down
+            t.join(timeout=2 * PULSE_SECONDS)
 
     def _deadman(self) -> None:
         while not self.ended.wait(PULSE_SECONDS):  # a store call never returns: node 0 vanished silently

@@ -1,13 +1,7 @@
 """FP8 training with torchao's float8 linear layers: train.fp8=true on H100-class GPUs, train.fp8=emulate
 anywhere (torchao's emulation: the same scaling and float8 rounding, the matmul in software; what CI runs).
-
-Why torchao and not TransformerEngine: torchao swaps nn.Linear for Float8Linear in place (same parameter
-names, same fp32 master weights, same checkpoints), composes with FSDP2 and torch.compile, and needs no
-change to the training step; TransformerEngine needs its own modules and an fp8_autocast around forwards.
-
-Dynamic tensorwise scaling (torchao's default recipe). The output head stays in bf16 (logits are
-sensitive and, for small vocabularies, too narrow), as does any layer whose sizes are not multiples of
-16 (an FP8 GEMM requirement). Best compiled (train.compile: auto is on for CUDA), which fuses the casts.
+docs/parallel.md ("FP8") says why torchao and not TransformerEngine. The output head stays in bf16 (logits
+are sensitive), as does any layer whose sizes are not multiples of 16 (an FP8 GEMM requirement).
 """
 
 from __future__ import annotations
@@ -77,7 +71,6 @@ def convert_to_fp8(
     config = float8.Float8LinearConfig(emulate=mode == "emulate")
     float8.convert_to_float8_training(model, config=config, module_filter_fn=_fp8_ok)
     converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
-    log(
-        f"fp8: {converted} of {before} linear layers run in float8 (torchao{', emulated' if mode == 'emulate' else ''})"
-    )
+    emulated = ", emulated" if mode == "emulate" else ""
+    log(f"fp8: {converted} of {before} linear layers run in float8 (torchao{emulated})")
     return converted

@@ -11,19 +11,17 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from app.trainer.model import GPT, Block
+from app.trainer.model import GPT, Block, apply_rope
 
 
 class LayerKV:
     """One attention call's keys and values for the positions seen so far (preallocated to the window)."""
 
-    def __init__(self, batch: int, n_kv: int, seq_len: int, head_dim: int, device, dtype) -> None:
-        self.k = torch.zeros(batch, n_kv, seq_len, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v  # (batch, kv heads, window, head dim)
         self.n = 0  # positions filled
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this call's keys/values; return those of every position so far."""
         t = k.size(2)
         self.k[:, :, self.n : self.n + t] = k
         self.v[:, :, self.n : self.n + t] = v
@@ -40,8 +38,8 @@ def run_order(model: GPT) -> list[Block]:
 def new_cache(model: GPT, batch: int) -> list[LayerKV]:
     """An empty KV cache: one LayerKV per block run (a recurrent block sees new inputs each loop)."""
     cfg, w = model.cfg, model.tok_emb.weight
-    hd = cfg.d_model // cfg.n_head
-    return [LayerKV(batch, cfg.kv_heads, cfg.seq_len, hd, w.device, w.dtype) for _ in run_order(model)]
+    shape = (batch, cfg.kv_heads, cfg.seq_len, cfg.d_model // cfg.n_head)
+    return [LayerKV(w.new_zeros(shape), w.new_zeros(shape)) for _ in run_order(model)]
 
 
 def decode(model: GPT, idx: torch.Tensor, cache: list[LayerKV], every: bool = False) -> torch.Tensor:
@@ -53,7 +51,7 @@ def decode(model: GPT, idx: torch.Tensor, cache: list[LayerKV], every: bool = Fa
     h = model.tok_emb(idx)
     for block, kv in zip(run_order(model), cache, strict=True):
         h = block(h, cos, sin, kv)
-    return model.head(model.norm(h)) if every else model.head(model.norm(h[:, -1:]))[:, -1]
+    return model.logits(h) if every else model.logits(h[:, -1:])[:, -1]
 
 
 class SlotCache:
@@ -68,11 +66,8 @@ class SlotCache:
 
     def prefill(self, slot: int, ids: list[int], every: bool = False) -> torch.Tensor:
         """Encode a prompt into `slot`; the logits after its last token (1, vocab), or after each."""
-        views = []
-        for layer in self.layers:  # a batch-1 cache whose tensors are this slot's rows
-            view = LayerKV.__new__(LayerKV)
-            view.k, view.v, view.n = layer.k[slot : slot + 1], layer.v[slot : slot + 1], 0
-            views.append(view)
+        # a batch-1 cache whose tensors are this slot's rows
+        views = [LayerKV(layer.k[slot : slot + 1], layer.v[slot : slot + 1]) for layer in self.layers]
         self.lengths[slot] = len(ids)
         return decode(self.model, torch.tensor([ids], device=self.lengths.device), views, every)
 
@@ -83,26 +78,24 @@ class SlotCache:
         """tokens (n,): the last token of slots 0..n-1; active (n,) bool. Logits (n, vocab)."""
         model, n = self.model, tokens.size(0)
         pos = self.lengths[:n]
-        cos, sin = model.rope_cos[pos][:, None, None], model.rope_sin[pos][:, None, None]
+        cos, sin = model.rope_cos[pos], model.rope_sin[pos]
+
+        def rope(x: torch.Tensor) -> torch.Tensor:  # x (n, heads, 1, head_dim): one position per row
+            return apply_rope(x.transpose(0, 2), cos, sin).transpose(0, 2)
+
         rows, window = torch.arange(n, device=pos.device), self.layers[0].k.size(2)
         mask = (torch.arange(window, device=pos.device) <= pos[:, None])[:, None, None]
         h = model.tok_emb(tokens[:, None])
         for block, kv in zip(run_order(model), self.layers, strict=True):
             a, x = block.attn, block.attn_norm(h)
-            q = rope(a.wq(x).view(n, a.n_head, 1, a.head_dim), cos, sin)
-            kv.k[rows, :, pos] = rope(a.wk(x).view(n, a.n_kv, 1, a.head_dim), cos, sin)[:, :, 0]
+            q = rope(a.wq(x).view(n, a.n_head, 1, a.head_dim))
+            kv.k[rows, :, pos] = rope(a.wk(x).view(n, a.n_kv, 1, a.head_dim))[:, :, 0]
             kv.v[rows, :, pos] = a.wv(x).view(n, a.n_kv, a.head_dim)
             y = F.scaled_dot_product_attention(q, kv.k[:n], kv.v[:n], mask, enable_gqa=a.n_kv != a.n_head)
             h = h + a.wo(y.reshape(n, 1, -1))
             h = h + block.mlp(block.mlp_norm(h))
         self.lengths[:n] += active
-        return model.head(model.norm(h))[:, -1]
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """model.apply_rope with a position per row (cos, sin: (B, 1, 1, head_dim / 2))."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+        return model.logits(h)[:, -1]
 
 
 @torch.no_grad()
@@ -153,8 +146,8 @@ def sample_next(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """One token per row from logits (B, vocab): greedy at temperature 0, else softmax(logits / T)
-    restricted to the k likeliest tokens and to the smallest set whose probability reaches top_p."""
+    """One token per row from logits (B, vocab): greedy at temperature 0, else softmax(logits / T) over
+    the top_k likeliest tokens (0 or None: all) within the smallest set whose probability reaches top_p."""
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float() / temperature

@@ -1,21 +1,24 @@
-"""Batch layout for a GPU type and count: the micro-batch x gradient accumulation that keeps the preset's
-global batch (train.batch_tokens) and fits each GPU's memory by the estimate in app/trainer/memory.py.
-Pure arithmetic, no torch: `pretrain plan` prints it, `pretrain train --gpu-type T --gpus N` applies it.
+"""Batch layout: the micro-batch x gradient accumulation that keeps the global batch (train.batch_tokens)
+and fits each GPU's memory by the estimate in app/trainer/memory.py. `pretrain plan` prints it,
+`pretrain train --gpu-type T` and train.micro_batch_size=auto apply it (docs/performance.md).
 
 Rule: the largest micro-batch (a divisor of the sequences each rank handles per step) whose estimate
-fits 90% of the GPU's memory in the parallel mode the trainer would run (train.parallel; auto picks
-FSDP when DDP does not fit); if none fits, the same search with activation checkpointing on; if still
-none, the layout does not fit.
+fits 90% of the device in the parallel mode the trainer would run; if none fits, the same search with
+activation checkpointing on; if still none, the layout does not fit.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from app.budget.pricing import normalize
 from app.config import Config
 from app.errors import UserError
+from app.files import atomic_write_json
 from app.trainer.memory import GB, GPU_MEMORY_GB, HEADROOM, choose, estimates
 
 
@@ -39,10 +42,12 @@ class Layout:
         if not self.fits:
             return f"{head}: does not fit even at micro-batch 1 with activation checkpointing"
         ac = ", activation checkpointing" if self.checkpointing else ""
-        return (
-            f"{head}: micro-batch {self.micro_batch} x accumulation {self.accum} per rank, "
-            f"{self.mode.upper()}{ac}, {self.gb_per_gpu:.0f} of {self.device_gb:.0f} GB per GPU"
+        fits = (
+            f"{self.gb_per_gpu:.0f} of {self.device_gb:.0f} GB per GPU"
+            if self.device_gb
+            else "as checkpointed"
         )
+        return f"{head}: micro-batch {self.micro_batch} x accumulation {self.accum} per rank, {self.mode.upper()}{ac}, {fits}"
 
 
 def fit(cfg: Config, gpu_type: str, gpus: int) -> Layout:
@@ -54,7 +59,12 @@ def fit(cfg: Config, gpu_type: str, gpus: int) -> Layout:
         )
     if gpus < 1:
         raise UserError(f"--gpus must be >= 1, got {gpus}")
-    device = GPU_MEMORY_GB[key] * GB
+    return fit_memory(cfg, gpus, int(GPU_MEMORY_GB[key] * GB), True, key)
+
+
+def fit_memory(cfg: Config, gpus: int, device: int, cuda: bool, name: str, at_most: int = 0) -> Layout:
+    """The rule above for `gpus` devices of `device` bytes; `at_most` caps the micro-batch (an earlier
+    out-of-memory error)."""
     seq = cfg.model.seq_len
     t = cfg.train
     if t.batch_tokens:
@@ -64,24 +74,41 @@ def fit(cfg: Config, gpu_type: str, gpus: int) -> Layout:
                 f"use a multiple of {seq * gpus}"
             )
         per_rank = t.batch_tokens // (seq * gpus)
-        micros = [d for d in range(per_rank, 0, -1) if per_rank % d == 0]
+        micros = [d for d in range(per_rank, 0, -1) if per_rank % d == 0 and d <= (at_most or d)]
     else:
         per_rank = t.micro_batch_size  # no global batch fixed: keep the micro-batch, no accumulation
         micros = [per_rank]
     trial = copy.deepcopy(cfg)
-    trial.train.device_memory_gb = GPU_MEMORY_GB[key]
+    trial.train.device_memory_gb = device / GB
     for checkpointing in [t.activation_checkpointing] + ([] if t.activation_checkpointing else [True]):
         trial.train.activation_checkpointing = checkpointing
         for micro in micros:
             trial.train.micro_batch_size = micro
-            est = estimates(trial, gpus, cuda=True)
-            mode, _ = choose(t.parallel, est["ddp"], est["fsdp"], int(device), gpus)
+            est = estimates(trial, gpus, cuda=cuda)
+            mode, _ = choose(t.parallel, est["ddp"], est["fsdp"], device, gpus)
             need = est[mode].total
             if need <= device * HEADROOM:
                 return Layout(
-                    key, gpus, micro, per_rank // micro, mode, checkpointing, need / GB, device / GB
+                    name, gpus, micro, per_rank // micro, mode, checkpointing, need / GB, device / GB
                 )
-    return Layout(key, gpus, 0, 0, t.parallel, True, 0.0, device / GB)
+    return Layout(name, gpus, 0, 0, t.parallel, True, 0.0, device / GB)
+
+
+def auto_micro_batch(cfg: Config, world_size: int, device, keep: int = 0, at_most: int = 0) -> Layout:
+    """train.micro_batch_size=auto for this run: `keep` (the resumed checkpoint's micro-batch: a resume
+    keeps its layout) while it still divides each rank's share of train.batch_tokens; else the rule above
+    for this device's memory (CUDA: the GPU's; CPU: this machine's, shared by its ranks)."""
+    from app.trainer.memory import device_memory_bytes, host_memory_bytes
+
+    per_rank = cfg.train.batch_tokens // (cfg.model.seq_len * world_size)
+    cuda = getattr(device, "type", device) == "cuda"
+    if keep and per_rank % keep == 0 and per_rank * cfg.model.seq_len * world_size == cfg.train.batch_tokens:
+        return Layout("ranks (resumed)", world_size, keep, per_rank // keep, cfg.train.parallel,
+                      cfg.train.activation_checkpointing, 0.0, 0.0)  # fmt: skip
+    have, _ = device_memory_bytes(cfg, device)
+    if have is None:
+        have = host_memory_bytes() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return fit_memory(cfg, world_size, have, cuda, "GPU" if cuda else "CPU", at_most)
 
 
 def apply(cfg: Config, layout: Layout) -> None:
@@ -93,3 +120,47 @@ def apply(cfg: Config, layout: Layout) -> None:
     cfg.train.micro_batch_size = layout.micro_batch
     cfg.train.activation_checkpointing = layout.checkpointing
     cfg.train.device_memory_gb = layout.device_gb
+
+
+OOM_RECORD = "oom.json"  # in the run dir: the micro-batch an out-of-memory error left (auto only)
+
+
+def for_run(cfg: Config, world_size: int, device, resumed, run_dir: Path | None, log) -> bool:
+    """train.micro_batch_size=auto at start (False: a fixed micro-batch): a resume keeps its checkpoint's
+    micro-batch; else the largest that fits, at most what an earlier out-of-memory error recorded. Applied
+    to `cfg` (an int from here on, so the checkpoint records it)."""
+    if cfg.train.micro_batch_size != "auto":
+        return False
+    saved = (resumed.meta.get("config") or {}) if resumed is not None else {}
+    keep = (saved.get("train") or {}).get("micro_batch_size")
+    record = run_dir / OOM_RECORD if run_dir else None
+    at_most = json.loads(record.read_text())["micro_batch_size"] if record and record.is_file() else 0
+    chosen = auto_micro_batch(cfg, world_size, device, keep if isinstance(keep, int) else 0, at_most)
+    apply(cfg, chosen)
+    log(f"batch layout (train.micro_batch_size=auto): {chosen.describe()}")
+    return True
+
+
+def halve_after_oom(cfg: Config, world_size: int, run_dir: Path, warn) -> int:
+    """The next smaller micro-batch after an out-of-memory error (0: none), recorded for the next start."""
+    t = cfg.train
+    per_rank = t.batch_tokens // (cfg.model.seq_len * world_size)
+    smaller = next((d for d in range(t.micro_batch_size // 2, 0, -1) if per_rank % d == 0), 0)
+    if smaller:
+        atomic_write_json(run_dir / OOM_RECORD, {"micro_batch_size": smaller})
+        warn(f"out of memory at micro-batch {t.micro_batch_size}: from now on at most {smaller} "
+             f"({run_dir / OOM_RECORD})")  # fmt: skip
+    return smaller
+
+
+def oom_drill(limit: int):
+    """train.inject_oom_above: a forward pre-hook that fails like a full GPU on micro-batches above
+    `limit` sequences (tests the auto fallback on a CPU)."""
+
+    def hook(_module, args):
+        import torch
+
+        if args[0].size(0) > limit:
+            raise torch.OutOfMemoryError(f"injected: micro-batch {args[0].size(0)} > {limit}")
+
+    return hook

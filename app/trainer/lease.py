@@ -1,26 +1,11 @@
 """RUN_DIR/lease.json: only one trainer writes a run dir.
 
-Two trainers meet on one run dir when a restarted pod starts while the terminating one still saves its
-checkpoint on a ReadWriteMany volume, or when someone starts a second job on the same --out. Both
-writing means deleted temp dirs, interleaved metrics.jsonl and a crash mid-save. flock is not reliable
-on NFS-type volumes (and is dropped across server failovers), so the lease is a file with a heartbeat:
+Why: a restarted pod can start while the terminating one still saves on a ReadWriteMany volume (or a
+second job may use the same --out), and two writers delete each other's temp dirs, interleave
+metrics.jsonl and crash mid-save. flock is not reliable on NFS-type volumes, so the lease is an
+O_CREAT|O_EXCL file with a heartbeat, taken by global rank 0 before anything in the run dir is written.
 
-- take: create lease.json with O_CREAT|O_EXCL (atomic on local filesystems and NFSv3+); global rank 0
-  holds it for the whole job, before anything in the run dir is written;
-- hold: a thread rewrites the heartbeat every `stale_seconds / 6` (in place, so another NFS client
-  sees it on its next open); a holder that finds the lease taken from it exits at once (code 142)
-  without writing another byte;
-- wait: a second trainer polls, logging who holds it, for up to `checkpoint.lease_wait_seconds`, then
-  exits 142 (>= 128, so the PyTorchJob ExitCode policy retries it later); SIGTERM while waiting exits
-  128 + 15 at once;
-- take over: a lease whose holder is gone (its heartbeat has not changed for
-  `checkpoint.lease_stale_seconds` as seen by the waiter's own clock, or is older than that by the
-  wall clock, or its process is dead on this same machine) is renamed aside (one renamer wins) and
-  replaced, with a log line;
-- release: the holder deletes it on exit.
-
-The budget ledger keeps its own lock (app/budget/ledger.py): a sidecar watcher charges a run dir that
-no trainer holds at that moment.
+Detail: docs/kubernetes.md, "Running the image" (One trainer per run dir); docs/contracts.md.
 """
 
 from __future__ import annotations
@@ -36,11 +21,11 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from app.errors import EXIT_LEASE_BUSY as BUSY_EXIT
 from app.errors import UserError
 from app.files import check_writable_dir, create_exclusive, read_lock_file
 
 LEASE = "lease.json"
-BUSY_EXIT = 142  # 128 + SIGALRM: the wait timed out; retryable, and distinct from preemption (143)
 
 
 class LeaseNotTaken(UserError):
@@ -59,11 +44,16 @@ def _read(path: str, default: str = "") -> str:
         return default
 
 
+def proc_stat(pid: int | str) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...); [] when it is gone."""
+    stat = _read(f"/proc/{pid}/stat")
+    return stat.rsplit(")", 1)[1].split() if stat else []
+
+
 def _start_ticks(pid: int | str) -> str:
     """A live process's start time (clock ticks after boot; tells it from a reused pid), "" if it is
     gone or a zombie (exited, not yet reaped)."""
-    stat = _read(f"/proc/{pid}/stat")
-    fields = stat.rsplit(")", 1)[1].split() if stat else []
+    fields = proc_stat(pid)
     return fields[19] if fields and fields[0] not in ("Z", "X") else ""
 
 
@@ -91,6 +81,44 @@ def holder_is_dead(lease: dict, me: dict) -> bool:
     return _start_ticks(int(lease.get("pid", 0))) != lease.get("start")
 
 
+class Staleness:
+    """Whether another process's lock file (the lease, the launcher's retry state lock) may be taken
+    over: its holder provably died on this machine, or the file has not changed for `stale_seconds` on
+    the waiter's own clock (holders on other machines are judged by that alone)."""
+
+    def __init__(self, me: dict, stale_seconds: float) -> None:
+        self.me, self.stale_seconds = me, stale_seconds
+        self.seen: dict | None = None
+        self.since = time.monotonic()
+
+    def why(self, held: dict, what: str = "it") -> str:
+        """Why `held` (the file's content now) may be taken over, or "" while its holder may live."""
+        now = time.monotonic()
+        if held != self.seen:
+            self.seen, self.since = held, now
+        if held and holder_is_dead(held, self.me):
+            return f"its process (pid {held.get('pid')} on this machine) is gone"
+        if now - self.since >= self.stale_seconds:
+            return f"{what} has not changed for {now - self.since:.0f} s"
+        return ""
+
+
+def move_aside(path: Path, stale: dict, tag: str) -> bool:
+    """Rename a stale lock file aside (only one taker's rename finds it) and delete it; if what moved is
+    not the content judged stale (a new holder's, created in between), put that back. False when gone."""
+    aside = path.with_name(f"{path.name}.stale-{tag}")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False
+    if stale and read_lock_file(aside) != stale:
+        with contextlib.suppress(OSError):
+            os.link(aside, path)  # fails if yet another holder exists: then it is theirs
+    with contextlib.suppress(OSError):
+        aside.unlink()
+    return True
+
+
 def describe(lease: dict) -> str:
     age = time.time() - float(lease.get("heartbeat_unix", 0))
     return f"pid {lease.get('pid')} on {lease.get('host')} (heartbeat {age:.0f} s ago)"
@@ -115,68 +143,44 @@ class RunLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    # ---------------------------------------------------------------- file ops
-
     def _content(self) -> str:
-        now = time.time()
         self.beats += 1
-        data = {"owner": self.owner, **self.me, "beat": self.beats, "heartbeat_unix": now}
+        data = {"owner": self.owner, **self.me, "beat": self.beats, "heartbeat_unix": time.time()}
         return json.dumps(data, sort_keys=True) + "\n"
 
-    def _read(self) -> dict | None:
-        return read_lock_file(self.path)
-
-    def _create(self, path: Path) -> bool:
-        return create_exclusive(path, self._content(), durable=True)
-
-    def _take_over(self) -> bool:
-        """Rename the stale lease aside (only one waiter's rename finds it) and create ours."""
-        aside = self.path.with_name(f"{LEASE}.stale-{self.owner}")
-        try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return False
-        with contextlib.suppress(OSError):
-            aside.unlink()
-        return self._create(self.path)
-
-    # ---------------------------------------------------------------- take, hold, release
+    def _create(self) -> bool:
+        return create_exclusive(self.path, self._content(), durable=True)
 
     def acquire(self) -> None:
         """Take the lease, waiting for a live holder; LeaseNotTaken when it cannot be had."""
         check_writable_dir(self.path.parent, "--out")
-        start = time.monotonic()
-        seen, changed, logged = None, start, -1e9
+        start, logged = time.monotonic(), -1e9
+        staleness = Staleness(self.me, self.stale_seconds)
         while True:
-            if self.signalled():
-                name = signal.Signals(self.signalled()).name
+            if signum := self.signalled():
+                name = signal.Signals(signum).name
                 raise LeaseNotTaken(
                     f"stopped by {name} while waiting for the lease on {self.path.parent}; nothing written",
-                    128 + self.signalled(),
+                    128 + signum,
                 )
-            if self._create(self.path):
+            if self._create():
                 break
-            lease = self._read()
+            lease = read_lock_file(self.path)
             if lease is None:
                 continue  # released between our create and read: try again at once
-            now = time.monotonic()
-            if lease != seen:
-                seen, changed = lease, now
-            why = ""
-            if lease and holder_is_dead(lease, self.me):
-                why = f"its process (pid {lease.get('pid')} on this machine) is gone"
-            elif now - changed >= self.stale_seconds:
-                why = f"its heartbeat has not changed for {now - changed:.0f} s"
-            elif lease and time.time() - float(lease.get("heartbeat_unix", 0)) >= self.stale_seconds:
-                why = f"its last heartbeat is {time.time() - float(lease['heartbeat_unix']):.0f} s old"
+            why = staleness.why(lease, "its heartbeat")
+            age = time.time() - float(lease.get("heartbeat_unix", 0)) if lease else 0.0
+            if not why and age >= self.stale_seconds:  # the holder's clock, for a waiter that just came
+                why = f"its last heartbeat is {age:.0f} s old"
             if why:
-                if self._take_over():
+                if move_aside(self.path, lease, self.owner) and self._create():
                     self.log(
                         f"lease: took over the run dir lease of {describe(lease)}: {why} "
                         f"(checkpoint.lease_stale_seconds={self.stale_seconds:g})"
                     )
                     break
                 continue
+            now = time.monotonic()
             waited = now - start
             holder = describe(lease) if lease else "another trainer"
             if waited >= self.wait_seconds:
@@ -198,7 +202,7 @@ class RunLease:
     def _hold(self) -> None:
         every = max(self.stale_seconds / 6, 0.2)
         while not self._stop.wait(every):
-            lease = self._read()
+            lease = read_lock_file(self.path)
             if lease == {}:
                 continue  # unreadable for a moment (an NFS hiccup): try at the next beat
             if lease is None or lease.get("owner") != self.owner:
@@ -223,7 +227,7 @@ class RunLease:
         self._stop.set()
         self._thread.join()
         self._thread = None
-        lease = self._read()
+        lease = read_lock_file(self.path)
         if lease and lease.get("owner") == self.owner:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()

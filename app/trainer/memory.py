@@ -1,20 +1,6 @@
-"""Memory per GPU before anything is allocated: weights, gradients, optimizer state and activations
-for DDP and for FSDP at a world size, and the `train.parallel=auto` decision built on it.
-
-The counts follow this repo's model and trainer exactly (app/trainer/model.py, AdamW, fp32 master weights):
-
-    weights      fp32 master weights                      DDP 4P      FSDP 4P/N
-    grads        fp32 gradients (DDP grads are bucket views) DDP 4P    FSDP 4P/N
-    optimizer    AdamW exp_avg + exp_avg_sq, fp32          DDP 8P      FSDP 8P/N
-                 (optim.name=muon: the block matrices M keep one fp32 momentum: 8P - 4M; under FSDP
-                 each step also gathers one full matrix and its bf16 Newton-Schulz copies: a buffer)
-    activations  tensors autograd keeps for backward at the configured micro-batch and sequence length,
-                 counted op by op (below); with activation checkpointing only each block's input, plus
-                 the larger of the read-out and one block being recomputed
-    buffers      transient: DDP under bf16 autocast keeps bf16 copies of the matmul weights; FSDP keeps
-                 unsharded parameters of the root and of the blocks in flight (current + prefetched) and
-                 one block's unsharded gradients; both hold the logits' gradients at the start of backward
-    overhead     CUDA context, NCCL and allocator slack (a fixed allowance on CUDA, 0 on CPU)
+"""Memory per GPU before anything is allocated (weights, gradients, optimizer state, activations, buffers,
+for DDP and FSDP at a world size) and the `train.parallel=auto` decision built on it. The terms and
+their check against torch's tracker: docs/parallel.md ("Memory estimate").
 
 Activations per token of one block (d = d_model, kv = KV width, f = SwiGLU width, h = heads; a = bytes
 of matmul inputs/outputs: 2 under bf16 autocast, 4 in fp32; the residual stream and RMSNorm stay fp32):
@@ -24,9 +10,8 @@ of matmul inputs/outputs: 2 under bf16 autocast, 4 in fp32; the residual stream 
                kernels save no T x T matrix), the re-laid-out output a*d
     MLP        input 4d, normalized 4d, linear inputs (4d, or 2 casts 2*2d), gate/up/silu/product 4*a*f
 
-The read-out adds the final norm, the logits (held by the output) and the fp32 log-softmax (4V), and the
-int64 inputs and targets. tests/test_memory.py checks all of it against torch's own allocation tracker
-on CPU; docs/parallel.md compares it with the seed's table.
+The read-out adds the final norm and the fp32 log-softmax (4V; the logits themselves are not kept: the
+loss is all the training step asks for), and the int64 inputs and targets.
 """
 
 from __future__ import annotations
@@ -36,6 +21,7 @@ from dataclasses import dataclass, fields
 
 from app.config import Config, ModelConfig
 from app.errors import UserError
+from app.trainer.supervision import readouts_and_blocks_run
 
 GB = 1e9
 GIB = 1 << 30
@@ -102,8 +88,8 @@ def param_split(m: ModelConfig) -> ParamSplit:
     d, kv, f = m.d_model, _kv(m), m.ffn_dim
     block_linear = d * d * 2 + 2 * d * kv + 3 * d * f  # wq, wo, wk, wv, w_gate, w_up, w_down
     block = block_linear + 2 * d  # two RMSNorm gains
-    root = m.vocab_size * d * (1 if m.tie_embeddings else 2) + d  # embedding, head, final norm
-    linear = m.n_blocks * block_linear + m.vocab_size * d  # the head's matmul weight, tied or not
+    root = m.padded_vocab * d * (1 if m.tie_embeddings else 2) + d  # embedding, head, final norm
+    linear = m.n_blocks * block_linear + m.padded_vocab * d  # the head's matmul weight, tied or not
     return ParamSplit(m.n_blocks * block + root, block, root, linear)
 
 
@@ -114,10 +100,8 @@ def activation_bytes(m: ModelConfig, micro_batch: int, autocast: bool, checkpoin
     # per token of one block, then of one read-out (final norm, logits, fp32 log-softmax): module docstring
     attention = 4 * d + 4 * d + (3 * 2 * d if autocast else 4 * d) + 3 * a * d + 2 * a * kv + 4 * h
     per_block = attention + 4 * d + 4 * d + (2 * 2 * d if autocast else 4 * d) + 4 * a * f
-    lp = m.loop
-    readouts = lp.recurrence if m.looped and lp.deep_supervision else 1
-    blocks_run = m.effective_depth + (readouts - 1) * lp.coda  # coda re-runs per extra read-out
-    readout = readouts * (4 * d + 4 * d + (2 * d if autocast else 4 * d) + a * v + 4 * v)
+    readouts, blocks_run = readouts_and_blocks_run(m)
+    readout = readouts * (4 * d + 4 * d + (2 * d if autocast else 4 * d) + 4 * v)
     if checkpointing:
         # each block keeps only its fp32 input; the peak is either the end of forward (the read-out's
         # tensors) or the recompute of one block in backward (the read-out's are freed by then)
@@ -247,8 +231,7 @@ def choose(
 def plan(cfg: Config, world_size: int, device=None, cuda: bool | None = None) -> ParallelChoice:
     """The estimates for this config and world size, and the mode the trainer runs. `cuda`: plan for
     CUDA (default: whether `device` is a CUDA device)."""
-    if cuda is None:
-        cuda = device is not None and getattr(device, "type", device) == "cuda"
+    cuda = getattr(device, "type", device) == "cuda" if cuda is None else cuda
     est = estimates(cfg, world_size, cuda)
     dev, source = device_memory_bytes(cfg, device)
     mode, reason = choose(cfg.train.parallel, est["ddp"], est["fsdp"], dev, world_size)

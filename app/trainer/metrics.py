@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from app.config import ModelConfig
+from app.trainer.supervision import readouts_and_blocks_run
 
 # Dense bf16 peak TFLOP/s per device (vendor datasheets, no sparsity).
 PEAK_TFLOPS = {
@@ -36,9 +37,7 @@ def detect_gpu_type(device_name: str) -> str:
 
 def peak_flops(gpu_type: str, override_tflops: float = 0.0) -> float:
     """Peak FLOP/s of one device; 0 when unknown (then MFU is not reported)."""
-    if override_tflops:
-        return override_tflops * 1e12
-    return PEAK_TFLOPS.get(gpu_type.lower(), 0.0) * 1e12
+    return (override_tflops or PEAK_TFLOPS.get(gpu_type.lower(), 0.0)) * 1e12
 
 
 def device_peak(gpu_type: str, override_tflops: float, device) -> tuple[str, float]:
@@ -51,22 +50,14 @@ def device_peak(gpu_type: str, override_tflops: float, device) -> tuple[str, flo
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs per token: 6 x (matmul parameters a token passes through) + attention.
-
-    Matmuls: q,o (d x d), k,v (d x kv_dim), SwiGLU 3 (d x ff) per block run, plus the output head
-    per read-out. Attention scores and values: 2 x 2 x T x d per layer forward, x3 with backward.
-    Embedding lookups are not matmuls and are not counted.
-    """
+    """Training FLOPs per token: 6 x the matmul parameters a token passes through (q,o d x d, k,v d x kv_dim,
+    SwiGLU 3 d x ff per block run, the output head per read-out; embedding lookups are no matmuls) plus
+    attention (scores and values 2 x 2 x T x d per layer forward, x3 with backward)."""
     d = cfg.d_model
     kv_dim = cfg.kv_heads * (d // cfg.n_head)
     block = 2 * d * d + 2 * d * kv_dim + 3 * d * cfg.ffn_dim
-    lp = cfg.loop
-    if cfg.looped:
-        readouts = lp.recurrence if lp.deep_supervision else 1
-        runs = lp.prelude + lp.recurrent * lp.recurrence + lp.coda * readouts
-    else:
-        readouts, runs = 1, cfg.n_layer
-    matmul_params = runs * block + readouts * d * cfg.vocab_size
+    readouts, runs = readouts_and_blocks_run(cfg)
+    matmul_params = runs * block + readouts * d * cfg.padded_vocab  # the head matmul as it runs
     attention = 12 * runs * cfg.seq_len * d
     return 6 * matmul_params + attention
 

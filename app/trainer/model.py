@@ -1,8 +1,10 @@
 """The GPT, top to bottom: RMSNorm, rotary positions, grouped-query attention, SwiGLU, and a looped
 variant whose middle blocks share weights and run several times.
 
-Plain model:   embed -> blocks[0 .. n_layer) -> norm -> head
-Looped model:  embed -> prelude -> (recurrent blocks) x r -> coda -> norm -> head
+Plain model:   embed -> blocks[0 .. n_layer) -> norm -> head -> loss
+Looped model:  embed -> prelude -> (recurrent blocks) x r -> coda -> norm -> head -> loss
+The embedding and head have model.padded_vocab rows (a multiple of 128: the head matmul runs at full
+speed); the pad logits are cut off before anything reads them, so every caller sees model.vocab_size.
 With deep supervision the coda, norm and head also read out after every recurrence, giving one loss
 per loop: a model that learns to refine its answer shows loss_0 > loss_1 > ... > loss_{r-1}. In training
 they combine into one objective (app/trainer/supervision.py); in eval mode the loss is the last read-out's.
@@ -107,7 +109,7 @@ class Block(nn.Module):
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor | None  # last read-out's logits (None when only the loss was asked for)
+    logits: torch.Tensor | None  # last read-out's logits, true vocab (None when targets are given)
     loss: torch.Tensor | None  # training: the objective (deep supervision: S - s*I); eval: last read-out's CE
     loop_losses: list[torch.Tensor] = field(default_factory=list)  # per recurrence, detached
 
@@ -118,7 +120,7 @@ class GPT(nn.Module):
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be set before building the model")
         self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.tok_emb = nn.Embedding(cfg.padded_vocab, cfg.d_model)
         # One flat list of distinct blocks (FSDP wraps each); the loop structure is index ranges.
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_blocks))
         lp = cfg.loop
@@ -126,7 +128,7 @@ class GPT(nn.Module):
         self.n_recurrent = lp.recurrent if cfg.looped else 0
         self.recurrence = lp.recurrence if cfg.looped else 0
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head = nn.Linear(cfg.d_model, cfg.padded_vocab, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
         cos, sin = rope_tables(cfg.seq_len, cfg.d_model // cfg.n_head, cfg.rope_base)
@@ -156,10 +158,19 @@ class GPT(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def _readout(self, h: torch.Tensor, cos, sin, last_only: bool = False) -> torch.Tensor:
+    def _coda(self, h: torch.Tensor, cos, sin) -> torch.Tensor:
         for block in self.blocks[self.n_prelude + self.n_recurrent :]:
             h = block(h, cos, sin)
-        return self.head(self.norm(h[:, -1:] if last_only else h))  # the coda attends to every position
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(h))[..., : self.cfg.vocab_size]  # pad logits never reach a caller
+
+    def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Final norm, head and cross-entropy in one function, which train.compile compiles whole: the
+        fp32 upcast fuses into the loss kernel instead of materialising fp32 logits."""
+        logits = self.logits(h)
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, last_only: bool = False
@@ -177,21 +188,17 @@ class GPT(nn.Module):
                 readouts.append(h)
         readouts.append(h)
         if targets is None:
-            logits = self._readout(h, cos, sin, last_only)
-            return ModelOutput(logits, None)
-        losses = []
-        logits = None
-        for r in readouts:
-            logits = self._readout(r, cos, sin)
-            losses.append(F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1)))
+            h = self._coda(h, cos, sin)  # the coda attends to every position
+            return ModelOutput(self.logits(h[:, -1:] if last_only else h), None)
+        losses = [self.loss(self._coda(r, cos, sin), targets) for r in readouts]
         if len(losses) == 1:
-            return ModelOutput(logits, losses[0])
+            return ModelOutput(None, losses[0])
         loop_losses = [li.detach() for li in losses]
         if not self.training:  # evaluation: the last read-out is the model's prediction (what sampling uses)
-            return ModelOutput(logits, losses[-1], loop_losses)
+            return ModelOutput(None, losses[-1], loop_losses)
         lp = self.cfg.loop  # deep supervision: weights and improvement term in app/trainer/supervision.py
         terms = objective(losses, loop_weights(lp, len(losses)), lp.improvement_reward_scale)
-        return ModelOutput(logits, terms.total, loop_losses)
+        return ModelOutput(None, terms.total, loop_losses)
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> GPT:
@@ -202,11 +209,13 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> GPT:
 
 @dataclass
 class ParamCounts:
-    total: int  # distinct parameters (tied weights counted once)
+    total: int  # distinct parameters (tied weights counted once), vocabulary padding included
     non_embedding: int  # without token embedding and output head
+    padding: int = 0  # of `total`: the pad rows of embedding and head (model.padded_vocab - vocab_size)
 
     def __str__(self) -> str:
-        return f"{self.total:,} parameters ({self.non_embedding:,} non-embedding)"
+        pad = f", {self.padding:,} of them vocabulary padding" if self.padding else ""
+        return f"{self.total:,} parameters ({self.non_embedding:,} non-embedding{pad})"
 
 
 def count_parameters(cfg_or_model: ModelConfig | nn.Module) -> ParamCounts:
@@ -214,5 +223,8 @@ def count_parameters(cfg_or_model: ModelConfig | nn.Module) -> ParamCounts:
     model = build_model(cfg_or_model, "meta") if isinstance(cfg_or_model, ModelConfig) else cfg_or_model
     total = sum(p.numel() for p in model.parameters())  # .parameters() already dedups tied weights
     emb = model.tok_emb.weight.numel()
-    head = 0 if model.head.weight is model.tok_emb.weight else model.head.weight.numel()
-    return ParamCounts(total, total - emb - head)
+    tied = model.head.weight is model.tok_emb.weight
+    head = 0 if tied else model.head.weight.numel()
+    cfg = model.cfg
+    padding = (cfg.padded_vocab - cfg.vocab_size) * cfg.d_model * (1 if tied else 2)
+    return ParamCounts(total, total - emb - head, padding)

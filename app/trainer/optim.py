@@ -1,29 +1,8 @@
 """The optimizer: AdamW for every parameter (optim.name=adamw), or Muon for the hidden weight matrices and
-AdamW for the rest (optim.name=muon, nanochat's recipe). Either way one torch Optimizer with named
-parameter groups, each at its own peak LR, whose state dict has torch's standard shape.
-
-    group      parameters                                  adamw          muon           peak LR
-    matrix     2-D weights inside the blocks (attention,   AdamW, decay   Muon, decay    optim.matrix_lr
-               SwiGLU)
-    head       the output head when untied                 AdamW, decay   AdamW, decay   optim.head_lr
-    embedding  the token embedding (and a tied head)       AdamW          AdamW          optim.embedding_lr
-    other      norm gains, any bias                        AdamW          AdamW          optim.lr
-
-A group LR of 0 means optim.lr. The schedule scales every group alike: group LR = its peak x
-lr_at(step) / optim.lr (so it warms up and decays with the others, to peak x min_lr / lr). The group
-order is also the index order of optimizer state saved before parameter names were stored.
-
-Muon is torch.optim.Muon. Its LR is scaled per matrix by `adjust_lr_fn` (optim.muon_lr_adjust):
-match_rms_adamw (default) multiplies by 0.2 * sqrt(max(rows, cols)) so the update's RMS matches AdamW's
-and matrix_lr reads like an AdamW LR; original multiplies by sqrt(max(1, rows/cols)) (Keller Jordan's
-Muon, LRs around 0.02). Decoupled weight decay: W <- W (1 - lr * optim.weight_decay), as in AdamW.
-
-Under FSDP2 a matrix's gradient is a row shard on each rank, but Newton-Schulz orthogonalises the whole
-matrix. We gather: each rank all-gathers the momentum-updated gradient of one matrix at a time (one
-all-gather per matrix per step), runs torch's Newton-Schulz on the full matrix, and applies its own rows.
-The momentum buffer stays sharded. Every rank repeats the orthogonalisation (cheap next to a step at
-these sizes), and the update is bit-identical to the single-process one (tests/test_optim.py). Under DDP
-the gradients are already all-reduced, so torch's Muon runs unchanged on every rank.
+AdamW for the rest (optim.name=muon). Either way one torch Optimizer with four named parameter groups
+(GROUPS), each at its own peak LR, so checkpoints keep torch's standard state dict. Under FSDP2 Muon
+all-gathers one matrix at a time, because Newton-Schulz must see the whole matrix; the update is then
+bit-identical to the single-process one. Details: docs/recipes.md ("Optimizers and parameter groups").
 """
 
 from __future__ import annotations
@@ -38,53 +17,33 @@ from app.errors import UserError
 GROUPS = ("matrix", "head", "embedding", "other")
 
 
-def _group_of(gpt: torch.nn.Module) -> dict[int, str]:
-    """id(parameter) -> group name."""
-    emb = gpt.tok_emb.weight
-    head = gpt.head.weight
-    out = {}
-    for name, p in gpt.named_parameters():
-        if p is emb:
-            out[id(p)] = "embedding"
-        elif p is head:
-            out[id(p)] = "head"
-        elif p.dim() == 2 and name.startswith("blocks."):
-            out[id(p)] = "matrix"
-        else:
-            out[id(p)] = "other"
-    return out
-
-
-def group_lrs(cfg: OptimConfig) -> dict[str, float]:
-    return {
-        "matrix": cfg.matrix_lr or cfg.lr,
-        "head": cfg.head_lr or cfg.lr,
-        "embedding": cfg.embedding_lr or cfg.lr,
-        "other": cfg.lr,
-    }
+def _group(gpt: torch.nn.Module, name: str, p: torch.nn.Parameter) -> str:
+    if p is gpt.tok_emb.weight:
+        return "embedding"
+    if p is gpt.head.weight:
+        return "head"
+    return "matrix" if p.dim() == 2 and name.startswith("blocks.") else "other"
 
 
 def param_groups(gpt: torch.nn.Module, cfg: OptimConfig) -> list[dict]:
     """The named groups (empty ones left out), in GROUPS order; parameters in model order."""
-    of = _group_of(gpt)
-    lrs = group_lrs(cfg)
-    decay = {"matrix": cfg.weight_decay, "head": cfg.weight_decay, "embedding": 0.0, "other": 0.0}
-    groups = []
-    for name in GROUPS:
-        params = [p for p in gpt.parameters() if p.requires_grad and of[id(p)] == name]
-        if params:
-            kind = "muon" if name == "matrix" and cfg.name == "muon" else "adamw"
-            groups.append(
-                {
-                    "params": params,
-                    "name": name,
-                    "optimizer": kind,
-                    "lr": lrs[name],
-                    "lr_ratio": lrs[name] / cfg.lr,  # set_lr: group LR = scheduled LR x lr_ratio
-                    "weight_decay": decay[name],
-                }
-            )
-    return groups
+    members: dict[str, list] = {name: [] for name in GROUPS}
+    for name, p in gpt.named_parameters():
+        if p.requires_grad:
+            members[_group(gpt, name, p)].append(p)
+    lrs = {"matrix": cfg.matrix_lr, "head": cfg.head_lr, "embedding": cfg.embedding_lr, "other": 0.0}
+    return [
+        {
+            "params": params,
+            "name": name,
+            "optimizer": "muon" if name == "matrix" and cfg.name == "muon" else "adamw",
+            "lr": lrs[name] or cfg.lr,
+            "lr_ratio": (lrs[name] or cfg.lr) / cfg.lr,  # set_lr: group LR = scheduled LR x lr_ratio
+            "weight_decay": cfg.weight_decay if name in ("matrix", "head") else 0.0,
+        }
+        for name, params in members.items()
+        if params
+    ]
 
 
 # The fallback base keeps this module importable on a torch without Muon, so that such a torch is refused
@@ -132,31 +91,33 @@ class ShardedMuon(torch.optim.Muon if hasattr(torch.optim, "Muon") else torch.op
                     local_buf.copy_(torch.where(skip, kept[1], local_buf))
 
 
+def _adamw(groups: list[dict], cfg: OptimConfig, fused: bool) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None
+    )
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """One optimizer over two: ShardedMuon steps the groups marked "muon", torch's AdamW the others.
     They share this object's param group dicts and its state, so state_dict/load_state_dict (and
     torch.distributed.checkpoint's full state dicts) see one optimizer of the standard shape."""
 
     def __init__(self, groups: list[dict], cfg: OptimConfig, fused: bool) -> None:
-        adamw = [g for g in groups if g["optimizer"] == "adamw"]
-        muon = [g for g in groups if g["optimizer"] == "muon"]
-        self._adamw = torch.optim.AdamW(
-            adamw, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None
-        )
-        self._muon = (
-            ShardedMuon(
-                muon, lr=cfg.lr, momentum=cfg.muon_momentum, nesterov=True, adjust_lr_fn=cfg.muon_lr_adjust
+        of = {kind: [g for g in groups if g["optimizer"] == kind] for kind in ("adamw", "muon")}
+        self._children = {"adamw": _adamw(of["adamw"], cfg, fused)}
+        if of["muon"]:
+            self._children["muon"] = ShardedMuon(
+                of["muon"],
+                lr=cfg.lr,
+                momentum=cfg.muon_momentum,
+                nesterov=True,
+                adjust_lr_fn=cfg.muon_lr_adjust,
             )
-            if muon
-            else None
-        )
         super().__init__(groups, defaults={})  # the same dicts, now defaulted by each child
         self._link()
 
     def _link(self) -> None:
-        for child, kind in ((self._adamw, "adamw"), (self._muon, "muon")):
-            if child is None:
-                continue
+        for kind, child in self._children.items():
             child.param_groups = [g for g in self.param_groups if g["optimizer"] == kind]
             child.state = self.state
 
@@ -169,11 +130,10 @@ class MuonAdamW(torch.optim.Optimizer):
         with torch.enable_grad():
             loss = closure() if closure is not None else None
         found_inf = getattr(self, "found_inf", None)  # step_unless: both children skip on the device
-        for child in (self._adamw, self._muon):
-            if child is not None:
-                child.found_inf = found_inf
-                child.step()
-                del child.found_inf
+        for child in self._children.values():
+            child.found_inf = found_inf
+            child.step()
+            del child.found_inf
         return loss
 
 
@@ -188,23 +148,16 @@ def build_optimizer(gpt: torch.nn.Module, cfg: OptimConfig, device: torch.device
     groups = param_groups(gpt, cfg)
     if cfg.name == "muon":  # torch.optim.Muon is there: features.require checked at start-up
         return MuonAdamW(groups, cfg, fused)
-    return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None
-    )
-
-
-def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether step_unless needs no host read: fused AdamW takes `found_inf`, and so does MuonAdamW when
-    its AdamW is fused (its Muon part always does)."""
-    adamw = optimizer._adamw if isinstance(optimizer, MuonAdamW) else optimizer
-    return isinstance(adamw, torch.optim.AdamW) and bool(adamw.defaults.get("fused"))
+    return _adamw(groups, cfg, fused)
 
 
 def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
     """The optimizer step, skipped when `skip` (0-dim float on the parameters' device, 1.0 = skip) is set:
-    no parameter, moment or step count changes. Decided on the device (GradScaler's `found_inf`) when
-    skips_on_device, so the loop never waits for the GPU; otherwise read here (one device sync)."""
-    if not skips_on_device(optimizer):
+    no parameter, moment or step count changes. Decided on the device (GradScaler's `found_inf`) when the
+    AdamW is fused (Muon always takes `found_inf`), so the loop never waits for the GPU; otherwise read
+    here (one device sync)."""
+    adamw = optimizer._children["adamw"] if isinstance(optimizer, MuonAdamW) else optimizer
+    if not (isinstance(adamw, torch.optim.AdamW) and adamw.defaults.get("fused")):
         if not skip.item():
             optimizer.step()
         return
@@ -221,33 +174,19 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr * group.get("lr_ratio", 1.0)
 
 
-# ---------------------------------------------------------------- resuming another mode's state
-
-
-def _kind(entry: dict) -> str | None:
-    if "momentum_buffer" in entry:
-        return "muon"
-    if "exp_avg" in entry:
-        return "adamw"
-    return None
-
-
 def fit_state(state: dict, optimizer: torch.optim.Optimizer, gpt: torch.nn.Module) -> tuple[dict, list[str]]:
     """A checkpoint's optimizer state (keyed by parameter name) -> state for this optimizer, and lines to
     log. The param groups become this run's (so a checkpoint from another grouping or mode loads; with the
-    same config they equal the saved ones). Per parameter:
-
-      same optimizer     kept as is
-      AdamW -> Muon      exp_avg becomes the momentum buffer (both are moving averages of the gradient)
-      Muon -> AdamW      AdamW's moments start from zero (Muon keeps no second moment to convert)
-
-    Anything else (state of an unknown optimizer) is refused with one line."""
+    same config they equal the saved ones). Per parameter: the same optimizer's state is kept, AdamW's
+    exp_avg becomes Muon's momentum buffer, Muon -> AdamW starts the moments from zero; anything else is
+    refused in one line (docs/recipes.md, "Checkpoints and changing the optimizer")."""
     names = {id(p): n for n, p in gpt.named_parameters()}
     kind_of = {names[id(p)]: g.get("optimizer", "adamw") for g in optimizer.param_groups for p in g["params"]}
     out: dict[str, dict] = {}
     to_muon, to_adamw = 0, 0
     for fqn, entry in state["state"].items():
-        want, have = kind_of.get(fqn), _kind(entry)
+        have = "muon" if "momentum_buffer" in entry else "adamw" if "exp_avg" in entry else None
+        want = kind_of.get(fqn)
         if want is None or have is None:
             raise UserError(
                 f"the checkpoint's optimizer state for '{fqn}' ({sorted(entry)}) does not fit this run's "
@@ -260,11 +199,8 @@ def fit_state(state: dict, optimizer: torch.optim.Optimizer, gpt: torch.nn.Modul
             to_muon += 1
         else:
             buf = entry["momentum_buffer"]
-            out[fqn] = {
-                "step": torch.zeros((), dtype=torch.float32),
-                "exp_avg": torch.zeros_like(buf),
-                "exp_avg_sq": torch.zeros_like(buf),
-            }
+            zero = torch.zeros((), dtype=torch.float32)
+            out[fqn] = {"step": zero, "exp_avg": torch.zeros_like(buf), "exp_avg_sq": torch.zeros_like(buf)}
             to_adamw += 1
     notes = []
     if to_muon:
@@ -277,27 +213,17 @@ def fit_state(state: dict, optimizer: torch.optim.Optimizer, gpt: torch.nn.Modul
             f"warning: the checkpoint was trained with Muon; {to_adamw} matrices move to AdamW with moments "
             "starting from zero (Muon keeps no second moment)"
         )
-    groups = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-        for g in optimizer.param_groups
-    ]
+    groups = [{**g, "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
     return {"state": out, "param_groups": groups}, notes
 
 
-# ---------------------------------------------------------------- --print-config
-
-
 def describe_groups(gpt: torch.nn.Module, cfg: OptimConfig) -> list[str]:
-    """Which parameters go to which optimizer group, as YAML comments (works on a meta-device model)."""
-    n_blocks = len(gpt.blocks)
-    lines = [f"# optimizer groups (optim.name={cfg.name}; * = block 0..{n_blocks - 1}):"]
+    """Which parameters go to which optimizer group, as YAML comments for --print-config (works on a
+    meta-device model)."""
+    names = {id(p): n for n, p in gpt.named_parameters()}
+    lines = [f"# optimizer groups (optim.name={cfg.name}; * = block 0..{len(gpt.blocks) - 1}):"]
     for g in param_groups(gpt, cfg):
-        patterns = []
-        names = {id(p): n for n, p in gpt.named_parameters()}
-        for p in g["params"]:
-            pat = re.sub(r"^blocks\.\d+\.", "blocks.*.", names[id(p)])
-            if pat not in patterns:
-                patterns.append(pat)
+        patterns = dict.fromkeys(re.sub(r"^blocks\.\d+\.", "blocks.*.", names[id(p)]) for p in g["params"])
         kind = "Muon" if g["optimizer"] == "muon" else "AdamW"
         count = sum(p.numel() for p in g["params"])
         lines.append(

@@ -1,13 +1,7 @@
 """The model as a run trains it: optional FP8 layers, activation checkpointing, regional compilation,
-then DDP or FSDP2 (train.parallel; `auto` is resolved by app/trainer/memory.py before the model is built).
-
-    ddp   every rank holds the whole model, gradients are all-reduced (DistributedDataParallel);
-          one process: the plain model
-    fsdp  fully_shard on every transformer block, then on the root: parameters, gradients and optimizer
-          state are sharded over the ranks (fp32 master shards); on CUDA the blocks compute in bf16
-          (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)), on CPU in fp32
-
-None of these changes a parameter's name, so checkpoints are the same whatever the wrapping.
+then DDP (every rank holds the whole model) or FSDP2 (each block, then the root, sharded over the ranks;
+docs/parallel.md). None of these changes a parameter's name, so checkpoints are the same whatever the
+wrapping. train.parallel=auto is resolved by app/trainer/memory.py before the model is built.
 """
 
 from __future__ import annotations
@@ -52,14 +46,15 @@ def compile_mode_for(mode: str, fsdp: bool, log: Callable[[str], None] = print) 
     return mode
 
 
-def compile_blocks(model: torch.nn.Module, mode: str) -> int:
-    """Regional compilation: torch.compile each block's forward in place (names, hence checkpoints, do not
-    change). One graph per input shape for all blocks, so compile time is one block's; the module's hooks
-    (FSDP2's gathers, activation checkpointing) stay outside the graph."""
+def compile_blocks(model: torch.nn.Module, mode: str) -> None:
+    """Regional compilation: torch.compile each block's forward and the loss (final norm, head,
+    cross-entropy) in place, so names, hence checkpoints, do not change. One graph per input shape for all
+    blocks, so compile time is one block's; the module's hooks (FSDP2's gathers, activation checkpointing)
+    stay outside the graphs. fullgraph=True: a graph break is an error, not a silent slowdown."""
     kwargs = {} if mode == "default" else {"mode": mode}
     for block in model.blocks:
         block.forward = torch.compile(block.forward, fullgraph=True, **kwargs)
-    return len(model.blocks)
+    model.loss = torch.compile(model.loss, fullgraph=True, **kwargs)
 
 
 def apply_activation_checkpointing(model: torch.nn.Module) -> None:
@@ -125,12 +120,18 @@ def build_parallel_model(
     model = build_model(cfg.model, "meta" if meta_init else device)
     if fp8_mode(cfg.train.fp8) != "false":
         convert_to_fp8(model, device, log, fp8_mode(cfg.train.fp8))
+    if cfg.train.inject_oom_above:  # drill: out of memory above a micro-batch size (app/trainer/layout.py)
+        from app.trainer.layout import oom_drill
+
+        model.register_forward_pre_hook(oom_drill(cfg.train.inject_oom_above))
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile_enabled(cfg, device):
         compile_mode = compile_mode_for(cfg.train.compile_mode, fsdp, log)
         compile_blocks(model, compile_mode)
-        log(f"compile: {len(model.blocks)} blocks, mode {compile_mode} (compiled at the first step)")
+        log(
+            f"compile: {len(model.blocks)} blocks and the loss, mode {compile_mode} (compiled at the first step)"
+        )
     if fsdp:
         shard_model(model, device, cfg.train.dtype)
         if meta_init:

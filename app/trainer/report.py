@@ -30,7 +30,7 @@ class Reporter:
         self.reset_window()
         self.metrics: TrainerMetrics | None = None
         self.jsonl: JsonlLog | None = None
-        if cfg.metrics.port and env.is_local_rank0:
+        if cfg.metrics.port and env.local_rank == 0:
             try:
                 self.metrics = TrainerMetrics(
                     cfg.metrics.port,
@@ -42,8 +42,7 @@ class Reporter:
             except OSError as e:
                 raise UserError(
                     f"metrics port {cfg.metrics.addr or bind_address()}:{cfg.metrics.port} is not available "
-                    f"({e.strerror}); "
-                    "pick another --metrics-port, or 0 for none"
+                    f"({e.strerror}); pick another --metrics-port, or 0 for none"
                 ) from None
         if self.rank0:
             self.jsonl = JsonlLog(cut_torn_line(Path(run_dir) / "metrics.jsonl"))
@@ -65,20 +64,16 @@ class Reporter:
 
     # ------------------------------------------------------------ console
 
-    def log(self, msg: str) -> None:
+    def log(self, msg: str, file=None) -> None:
+        """A line on rank 0's console (stdout, or `file`), above the progress bar."""
         if self.rank0:
             if self.progress is not None:
-                self.progress.write(msg)
+                self.progress.write(msg, file=file)
             else:
-                print(msg, flush=True)
+                print(msg, file=file, flush=True)
 
     def warn(self, msg: str) -> None:
-        """Warnings go to stderr (rank 0), above the progress bar."""
-        if self.rank0:
-            if self.progress is not None:
-                self.progress.write(msg, file=sys.stderr)
-            else:
-                print(msg, file=sys.stderr, flush=True)
+        self.log(msg, sys.stderr)
 
     def reset_window(self) -> None:
         """Start measuring throughput afresh (after setup or the step-0 eval)."""
@@ -87,10 +82,9 @@ class Reporter:
     def window(self) -> tuple[float, float]:
         """(tokens/s, seconds per step) since the last call, then start a new window. Called when the
         step log is read, which waits for the device: the figures are the device's pace, not the host's."""
-        now = time.perf_counter()
-        seconds = max(now - self.window_start, 1e-9)
+        seconds = max(time.perf_counter() - self.window_start, 1e-9)
         tps, per_step = self.window_tokens / seconds, seconds / max(self.window_steps, 1)
-        self.window_tokens, self.window_steps, self.window_start = 0, 0, now
+        self.reset_window()
         return tps, per_step
 
     def mfu(self, tokens_per_second: float) -> float | None:
@@ -201,7 +195,6 @@ class Reporter:
         }
         if mfu is not None:
             row["mfu"] = mfu
-        terms = None
         if loops:  # the objective's terms, from this step's mean per-loop losses (app/trainer/supervision.py)
             lp = self.cfg.model.loop
             terms = supervision.objective(
@@ -228,11 +221,9 @@ class Reporter:
                 g.spikes.inc()
             for i, v in enumerate(loops):
                 g.loop_loss.labels(loop=str(i)).set(v)
-            if loops:
-                g.refinement.set(row["refinement"])
-                g.loop_monotone.set(1 if row["loop_monotone"] else 0)
-                g.supervision_loss.set(terms.supervision)
-                g.improvement_reward.set(terms.improvement)
+            if loops:  # the gauges bear the record's names
+                for key in ("refinement", "loop_monotone", "supervision_loss", "improvement_reward"):
+                    getattr(g, key).set(row[key])
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 g.gpu_mem.set(torch.cuda.max_memory_allocated())
         if self.progress is not None:
@@ -252,24 +243,15 @@ class Reporter:
             self.global_metrics.val_loss.set(val)
             self.global_metrics.val_bpb.set(bpb)
 
-    def checkpoint(self, save) -> None:
-        """A committed save (checkpoint_writer.SaveResult): `seconds` the whole save, of which the loop
+    def checkpoint(self, s) -> None:
+        """A committed save `s` (checkpoint_writer.SaveResult): `seconds` the whole save, of which the loop
         stood still `blocking_seconds` and `write_seconds` ran in the background."""
-        s = save
         how = f"loop blocked {s.blocking_seconds:.2f}s, " if s.write_seconds else ""
         self.log(
             f"checkpoint step {s.step} -> {s.path} ({s.bytes / 1e6:.1f} MB in {s.seconds:.2f}s, {how}{s.reason})"
         )
-        self.event(
-            "checkpoint",
-            s.step,
-            path=str(s.path),
-            seconds=s.seconds,
-            blocking_seconds=s.blocking_seconds,
-            write_seconds=s.write_seconds,
-            bytes=s.bytes,
-            reason=s.reason,
-        )
+        fields = ("seconds", "blocking_seconds", "write_seconds", "bytes", "reason")
+        self.event("checkpoint", s.step, path=str(s.path), **{k: getattr(s, k) for k in fields})
         g = self.global_metrics
         if g is not None:
             g.ckpt_seconds.set(s.seconds)

@@ -58,24 +58,19 @@ def describe(cfg: Config, cuda: bool) -> list[str]:
 
     t, o = cfg.train, cfg.optim
     device = torch.device("cuda" if cuda else "cpu")
-    autocast = autocast_for(cfg, device)
-    bf16 = isinstance(autocast, torch.autocast) and autocast.fast_dtype == torch.bfloat16
+    bf16 = isinstance(autocast_for(cfg, device), torch.autocast)  # its only autocast is bf16
     fused = fused_adamw(o, device)
     compiled = compile_enabled(cfg, device)
     return [
         f"# runtime ({device.type}): "
         + ("bf16 autocast over fp32 master weights" if bf16 else "fp32")
         + ("; TF32 for fp32 matmuls (float32_matmul_precision=high)" if cuda else ""),
-        f"# optimizer: {'Muon + ' if o.name == 'muon' else ''}{'fused' if fused else 'foreach'} AdamW"
-        + (
-            "; a non-finite step is skipped on the device"
-            if fused
-            else "; a non-finite step is checked on the host"
-        ),
+        f"# optimizer: {'Muon + ' if o.name == 'muon' else ''}{'fused' if fused else 'foreach'} AdamW; a "
+        f"non-finite step is {'skipped on the device' if fused else 'checked on the host'}",
         "# attention: scaled_dot_product_attention"
         + (" (flash / memory-efficient kernels)" if cuda else "")
         + ("; GQA without repeating K/V" if cfg.model.kv_heads != cfg.model.n_head else ""),
-        f"# compile: {'each transformer block, mode ' + t.compile_mode if compiled else 'off'} "
+        f"# compile: {'each transformer block and the loss, mode ' + t.compile_mode if compiled else 'off'} "
         f"(train.compile={t.compile}; auto = on for CUDA)",
         f"# data: {t.prefetch} micro-batches read ahead on a side thread"
         + (" into pinned memory, copied without blocking" if cuda else "")

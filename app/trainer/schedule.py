@@ -50,11 +50,9 @@ def lr_at(
 def budget_decay_steps(
     step: int, seconds_to_cap: float, step_seconds: float, reserve_seconds: float, decay_fraction: float
 ) -> int:
-    """Steps of budget-driven decay to start now, or 0 to keep the LR flat.
-
-    `seconds_to_cap` is what the watcher projects; `reserve_seconds` covers the final checkpoint and
-    margin. The remaining affordable steps are a fraction f of the run when remaining <= f/(1-f) * done.
-    """
+    """Steps of budget-driven decay to start now, or 0 to keep the LR flat. `seconds_to_cap`: the watcher's
+    projection; `reserve_seconds`: the final checkpoint and margin. The remaining affordable steps are a
+    fraction f of the run when remaining <= f/(1-f) * done."""
     if step <= 0 or step_seconds <= 0 or seconds_to_cap <= 0:
         return 0
     affordable = int(max(0.0, seconds_to_cap - reserve_seconds) / step_seconds)

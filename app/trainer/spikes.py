@@ -8,9 +8,7 @@ import torch
 
 class SpikeDetector:
     """Flags a step whose loss exceeds `factor` x the exponential moving average of earlier losses.
-
-    Spiking losses are not folded into the average, so one spike does not hide the next.
-    """
+    Spiking losses are not folded into the average, so one spike does not hide the next."""
 
     def __init__(self, factor: float, beta: float = 0.9, warmup: int = 10) -> None:
         self.factor, self.beta, self.warmup = factor, beta, warmup
@@ -18,11 +16,8 @@ class SpikeDetector:
         self.seen = 0
         self.count = 0
 
-    def is_spike(self, loss: float) -> bool:
-        return self.seen >= self.warmup and (loss != loss or loss > self.factor * self.avg)  # NaN too
-
     def update(self, loss: float) -> bool:
-        spike = self.is_spike(loss)
+        spike = self.seen >= self.warmup and (loss != loss or loss > self.factor * self.avg)  # NaN too
         if spike:
             self.count += 1
         else:

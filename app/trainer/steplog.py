@@ -40,6 +40,11 @@ class StepLog:
         self.rows.append(torch.cat([losses.float(), grad_norm.float().view(1), finite.float().view(1)]))
         self.steps.append((step, lr))
 
+    def discard(self, step: int) -> None:
+        """Forget `step`'s row (a step retried after an out-of-memory error)."""
+        if self.steps and self.steps[-1][0] == step:
+            self.rows.pop(), self.steps.pop()
+
     def read(self) -> list[StepRow]:
         """Collective when distributed: every rank calls it at the same steps."""
         if not self.rows:

@@ -1,13 +1,7 @@
-"""Why a run stops, and how all ranks agree to stop at the same step.
-
-Every rank computes a local stop code; one agreement (app/trainer/distributed.py: MAX over four integers,
-on the host, over gloo) gives every rank the same decision: the most severe cause wins. The others carry a
-proposal for the budget-driven LR decay (steps left), a request to checkpoint now, and how often to agree.
-It is one small host round trip that never waits for the GPU, but its latency grows with the ring, so it
-runs every k steps (train.stop_check_every; 0 = auto: k keeps its cost under 1% of the step time and the
-extra stop latency under MAX_STOP_DELAY seconds). Between agreements a rank only looks at the causes
-every rank sees alike (max steps/tokens, early stop, divergence): when one fires, all ranks agree at
-that step. A signal, a stop file or a time limit therefore waits for the next multiple of k.
+"""Why a run stops, and how all ranks agree to stop at the same step: one host-side MAX agreement
+(app/trainer/distributed.py) makes the most severe cause win on every rank. It runs every k steps
+(train.stop_check_every) to keep its cost under 1% of the step time. Details: docs/architecture.md
+("The stop protocol") and docs/performance.md ("The stop agreement and the preemption grace period").
 """
 
 from __future__ import annotations
@@ -22,14 +16,12 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
+from app.errors import EXIT_DIVERGED, EXIT_LOW_MFU
 from app.trainer.distributed import agree
 
 PROCESS_START = time.time()  # stop files older than this process are stale
 AGREEMENT_SHARE = 0.01  # auto k: the agreement may cost this share of a step
 MAX_STOP_DELAY = 2.0  # auto k: seconds a stop may wait for the next agreement
-EXIT_DIVERGED = 3  # permanent (1-127) under the PyTorchJob ExitCode policy: a restart would diverge again
-EXIT_LOW_MFU = 7  # permanent: a restart on the same node pool would burn the budget at the same pace
-STOP_FILE_MODES = ("graceful", "immediate")
 
 
 class StopCause(IntEnum):
@@ -52,8 +44,8 @@ SEVERITY = (StopCause.NONE, StopCause.PLANNED, StopCause.EARLY, StopCause.BUDGET
 @dataclass
 class StopDecision:
     cause: StopCause
-    detail: int = 0  # the signal number for PREEMPTED
     reason: str = ""
+    detail: int = 0  # the signal number for PREEMPTED
     label: str = ""  # how logs name the cause; default: the cause's name (a stop file names its own)
 
     @property
@@ -81,18 +73,14 @@ class StopDecision:
     def gauge_code(self) -> int:
         """pretrain_stop_state: the cause, except 7 for a graceful stop file not written by the budget
         watcher (a user's `touch`, or a malformed request), so a dashboard does not call it a budget stop."""
-        if self.cause == StopCause.BUDGET and self.name != "budget":
-            return 7
-        return int(self.cause)
+        return 7 if self.cause == StopCause.BUDGET and self.name != "budget" else int(self.cause)
 
     @property
     def exit_code(self) -> int:
         """0: done, Kubernetes must not restart; 128 + signal: preempted, the ExitCode policy retries."""
         if self.cause == StopCause.PREEMPTED:
             return 128 + self.detail
-        if self.cause == StopCause.DIVERGED:
-            return EXIT_DIVERGED
-        return EXIT_LOW_MFU if self.cause == StopCause.LOW_MFU else 0
+        return {StopCause.DIVERGED: EXIT_DIVERGED, StopCause.LOW_MFU: EXIT_LOW_MFU}.get(self.cause, 0)
 
     @property
     def event(self) -> str:
@@ -105,15 +93,11 @@ class StopDecision:
 
 
 class SignalFlag:
-    """Records SIGTERM/SIGINT instead of dying, so the loop can finish its step and checkpoint.
-
-    Later signals are recorded too but change nothing: a second SIGTERM during a save cannot
-    interrupt it. Only SIGKILL can, and saves are atomic, so that leaves the previous checkpoint.
-    """
+    """Records SIGTERM/SIGINT instead of dying, so the loop can finish its step and checkpoint. Later
+    signals change nothing: a second SIGTERM cannot interrupt a save (SIGKILL can; saves are atomic)."""
 
     def __init__(self) -> None:
         self.signum = 0
-        self.count = 0
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
@@ -126,7 +110,6 @@ class SignalFlag:
         self._previous.clear()
 
     def _handle(self, signum, _frame) -> None:
-        self.count += 1
         if not self.signum:
             self.signum = signum
 
@@ -143,30 +126,33 @@ def read_stop_file(path: Path, not_before: float = 0.0, warn=print) -> StopDecis
         return None
     except OSError as e:
         warn(f"warning: stop file {path} cannot be read ({e.strerror}); stopping gracefully")
-        return StopDecision(StopCause.BUDGET, 0, f"stop file {path} (unreadable): graceful stop", "stop-file")
+        return _graceful(f"stop file {path} (unreadable): graceful stop")
     if not raw.strip():  # touched
-        return StopDecision(StopCause.BUDGET, 0, f"stop file {path}: graceful stop", "stop-file")
+        return _graceful(f"stop file {path}: graceful stop")
     try:
         data = json.loads(raw)
     except json.JSONDecodeError:
         data = None
     if not isinstance(data, dict):
         warn(f"warning: stop file {path} is not a JSON object; stopping gracefully (see docs/contracts.md)")
-        return StopDecision(StopCause.BUDGET, 0, f"stop file {path} (not JSON): graceful stop", "stop-file")
+        return _graceful(f"stop file {path} (not JSON): graceful stop")
     written = data.get("written_unix")
     if isinstance(written, (int, float)) and written < not_before:
         return None
     mode = str(data.get("mode", "graceful"))
     cause = str(data.get("cause") or "stop-file")
     reason = str(data.get("reason") or f"stop file {path}")
-    if mode not in STOP_FILE_MODES:
+    if mode not in ("graceful", "immediate"):
         warn(
             f"warning: stop file {path} has unknown mode {mode!r} (graceful | immediate); stopping gracefully"
         )
-        return StopDecision(StopCause.BUDGET, 0, f"{cause}: {reason} (mode {mode!r}: graceful)", "stop-file")
-    if mode == "immediate":
-        return StopDecision(StopCause.IMMEDIATE, 0, f"{cause}: {reason}", cause)
-    return StopDecision(StopCause.BUDGET, 0, f"{cause}: {reason}", cause)
+        return _graceful(f"{cause}: {reason} (mode {mode!r}: graceful)")
+    kind = StopCause.IMMEDIATE if mode == "immediate" else StopCause.BUDGET
+    return StopDecision(kind, f"{cause}: {reason}", label=cause)
+
+
+def _graceful(reason: str) -> StopDecision:
+    return StopDecision(StopCause.BUDGET, reason, label="stop-file")
 
 
 @dataclass
@@ -177,12 +163,12 @@ class PlannedEnd:
 
     def check(self, step: int, tokens: int, elapsed_seconds: float) -> StopDecision | None:
         if step >= self.max_steps:
-            return StopDecision(StopCause.PLANNED, 0, f"planned end: reached max_steps={self.max_steps}")
+            return StopDecision(StopCause.PLANNED, f"planned end: reached max_steps={self.max_steps}")
         if self.max_tokens and tokens >= self.max_tokens:
-            return StopDecision(StopCause.PLANNED, 0, f"planned end: reached max_tokens={self.max_tokens}")
+            return StopDecision(StopCause.PLANNED, f"planned end: reached max_tokens={self.max_tokens}")
         if self.max_seconds and elapsed_seconds >= self.max_seconds:
             hours = self.max_seconds / 3600
-            return StopDecision(StopCause.PLANNED, 0, f"planned end: reached max_hours={hours:g}")
+            return StopDecision(StopCause.PLANNED, f"planned end: reached max_hours={hours:g}")
         return None
 
     def seconds_left(
@@ -214,7 +200,7 @@ class EarlyStopping:
     def check(self) -> StopDecision | None:
         if self.patience and self.bad_evals >= self.patience:
             return StopDecision(
-                StopCause.EARLY, 0, f"early stop: no val-loss improvement in {self.bad_evals} evals"
+                StopCause.EARLY, f"early stop: no val-loss improvement in {self.bad_evals} evals"
             )
         return None
 
@@ -253,7 +239,6 @@ class BadSteps:
         if self.in_a_row >= self.max_bad:
             return StopDecision(
                 StopCause.DIVERGED,
-                0,
                 f"diverged: {self.in_a_row} steps in a row with a non-finite loss or gradient (updates skipped); "
                 "lower optim.lr or raise schedule.warmup_steps, then resume from the last checkpoint",
             )
@@ -289,7 +274,6 @@ class MfuFloor:
         minutes = (now - self.low_since) / 60
         return StopDecision(
             StopCause.LOW_MFU,
-            0,
             f"MFU {self.last:.1%} under train.mfu_floor={self.floor:g} for {minutes:.1f} min after warm-up; "
             "check micro-batch size, compile, data wait and the node (GPU dashboard), then resume",
         )
@@ -319,15 +303,9 @@ class StopAgreement:
         say=print,
     ) -> None:
         self.stop_file = stop_file  # None on ranks that do not watch it (in Kubernetes: not the master pod)
-        self.planned, self.early, self.signals, self.bad_steps, self.warn = (
-            planned,
-            early,
-            signals,
-            bad_steps,
-            warn,
-        )
+        self.planned, self.early, self.signals, self.bad_steps = planned, early, signals, bad_steps
         self.mfu_floor = MfuFloor(*mfu_floor)
-        self.say = say
+        self.warn, self.say = warn, say
         self.fixed_every = every  # 0: auto
         self.every = max(every, 1)  # agreed by all ranks
         self.costs: list[float] = []  # seconds of the recent agreements
@@ -343,7 +321,7 @@ class StopAgreement:
         ]
         if self.signals.signum:
             name = signal.Signals(self.signals.signum).name
-            candidates.append(StopDecision(StopCause.PREEMPTED, self.signals.signum, f"preempted: {name}"))
+            candidates.append(StopDecision(StopCause.PREEMPTED, f"preempted: {name}", self.signals.signum))
         found = [c for c in candidates if c is not None]
         return max(found, key=lambda d: d.encode()) if found else StopDecision(StopCause.NONE)
 
@@ -378,7 +356,7 @@ class StopAgreement:
             return mine, decay, bool(save)
         cause, detail = SEVERITY[code // 1000], code % 1000
         return (
-            StopDecision(cause, detail, f"{cause.name.lower()} (agreed with another rank)"),
+            StopDecision(cause, f"{cause.name.lower()} (agreed with another rank)", detail),
             decay,
             bool(save),
         )

@@ -1,20 +1,11 @@
-"""Deep supervision of the looped model: how the per-loop losses become one objective, and the read-out
-metrics. The same functions serve the model (tensors, in the graph) and the report (floats, for logging).
+"""Deep supervision of the looped model: how the per-loop losses L_0 .. L_{R-1} of R read-outs become one
+objective, and the read-out metrics. The same functions serve the model (tensors, in the graph) and the
+report (floats, for logging). docs/recipes.md ("Deep supervision") derives the terms and their gradient:
 
-With R read-outs (one after every recurrence) whose cross-entropies are L_0 .. L_{R-1}:
+    loss = S - s * I     S = sum_i w_i L_i     I = 1/(R-1) * sum_{i=1..R-1} (1 - L_i / sg(L_{i-1}))
 
-    weights      w_i = b^i / (b^0 + ... + b^{R-1})        b = model.loop.supervision_weight_base
-                 (b = 1: equal weights; b > 1: later loops count more), or
-                 w_i = loss_weights[i] / sum(loss_weights)   when model.loop.loss_weights is set (override)
-    supervision  S = sum_i w_i L_i
-    improvement  I = 1/(R-1) * sum_{i=1..R-1} (1 - L_i / sg(L_{i-1}))
-                 the mean relative gain of each read-out over the one before it; sg() = no gradient, so
-                 the previous read-out is a fixed bar and the term never pays for making it worse
-    objective    loss = S - s * I                          s = model.loop.improvement_reward_scale
-
-The gradient of -s * I is s/(R-1) * sum_{i>=1} grad(L_i) / L_{i-1}: extra weight on every later read-out,
-larger where the previous read-out is already good. Metrics: refinement = (L_0 - L_{R-1}) / L_0 and
-monotone = L_0 > L_1 > ... > L_{R-1} (the order a refining model shows). docs/recipes.md has the same.
+w = loop_weights, s = model.loop.improvement_reward_scale, sg() = no gradient: the previous read-out is a
+fixed bar, so I never pays for making it worse.
 """
 
 from __future__ import annotations
@@ -22,14 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from app.config import LoopConfig
+from app.config import LoopConfig, ModelConfig
+
+
+def readouts_and_blocks_run(m: ModelConfig) -> tuple[int, int]:
+    """Per training forward: the read-outs (one after every recurrence under deep supervision, else one)
+    and the blocks run (each extra read-out passes through the coda again)."""
+    readouts = m.loop.recurrence if m.looped and m.loop.deep_supervision else 1
+    return readouts, m.effective_depth + (readouts - 1) * m.loop.coda
 
 
 def loop_weights(loop: LoopConfig, n: int) -> list[float]:
     """Normalised weights of n read-outs: the explicit loss_weights, else geometric in the loop index."""
-    raw = (
-        list(loop.loss_weights) if loop.loss_weights else [loop.supervision_weight_base**i for i in range(n)]
-    )
+    raw = list(loop.loss_weights) or [loop.supervision_weight_base**i for i in range(n)]
     total = sum(raw)
     return [w / total for w in raw]
 

@@ -1,21 +1,7 @@
-"""Experiment trackers (`metrics.trackers`): TensorBoard, MLflow and Weights & Biases, fed the same
-records as metrics.jsonl by app/trainer/report.py, on global rank 0 only.
-
-- train / eval / checkpoint rows -> scalars named `<kind>/<field>` at the optimizer step;
-- the resolved config -> TensorBoard text, MLflow params (dotted keys), W&B config;
-- events (start, stop, ...) -> TensorBoard text, MLflow tags `event.<NNNN>.<name>` (a history across
-  restarts), W&B summary `event/<name>` (the latest);
-- the final checkpoint of a run that ended with exit 0 -> an artifact (MLflow, W&B; not TensorBoard).
-
-A tracker must never cost a step or fail the run: writes go through a bounded queue to one background
-thread; a tracker that raises is warned about once (console and metrics.jsonl), every error is counted
-(pretrain_tracker_errors_total{tracker}) and training goes on.
-
-A restart continues the same tracker run (ids kept in RUN_DIR/trackers.json) and shows each step once:
-trackers start on the first record, the `start` event at the resumed step S. TensorBoard purges what a
-killed process wrote after S (purge_step); MLflow (which cannot delete) and W&B skip a step they already
-hold (an exact resume redoes it with the same values). Each checkpoint flushes TensorBoard's writer, so a
-kill loses nothing up to the checkpoint it resumes from.
+"""Experiment trackers (`metrics.trackers`: TensorBoard, MLflow, W&B), fed the records of metrics.jsonl on
+global rank 0. A tracker must never cost a step or fail the run, so writes go through a bounded queue to
+one background thread and errors are counted, not raised. A restart continues the same tracker run and
+shows each step once. Details: docs/observability.md ("Experiment trackers").
 """
 
 from __future__ import annotations
@@ -35,32 +21,21 @@ from typing import Any
 from app.errors import UserError
 from app.files import atomic_write_json
 
-# name -> (module it needs, the pyproject extra that installs it)
-TRACKERS = {
-    "tensorboard": ("tensorboard", "tensorboard"),
-    "mlflow": ("mlflow", "mlflow"),
-    "wandb": ("wandb", "wandb"),
-}
 IDS_FILE = "trackers.json"
 CLOSE_SECONDS = 120.0  # how long the end of a run waits for trackers to flush
 
 
-def _installed(module: str) -> bool:
-    if module in sys.modules:
-        return sys.modules[module] is not None
-    return importlib.util.find_spec(module) is not None
-
-
 def check_trackers(names: list[str]) -> None:
     """At start, on every rank: each tracker named is known and its package installed (else exit 2)."""
-    for name in names:
-        if name not in TRACKERS:
-            raise UserError(f"metrics.trackers: unknown tracker '{name}'; choose from: {', '.join(TRACKERS)}")
-        module, extra = TRACKERS[name]
-        if not _installed(module):
+    for name in names:  # each tracker's module and its pyproject extra bear its name
+        if name not in KINDS:
+            raise UserError(f"metrics.trackers: unknown tracker '{name}'; choose from: {', '.join(KINDS)}")
+        # a module set to None in sys.modules is one Python must not import (how tests hide one)
+        found = sys.modules[name] is not None if name in sys.modules else importlib.util.find_spec(name)
+        if not found:
             raise UserError(
-                f"metrics.trackers includes {name} but {module} is not installed: "
-                f"pip install 'pretrain[{extra}]' (or drop it from metrics.trackers)"
+                f"metrics.trackers includes {name} but {name} is not installed: "
+                f"pip install 'pretrain[{name}]' (or drop it from metrics.trackers)"
             )
 
 
@@ -118,11 +93,8 @@ class TensorBoard:
 
 class MLflow:
     def __init__(self, run_dir: Path, mcfg: Any, ids: dict, start: int | None) -> None:
-        uri = (
-            mcfg.mlflow_uri
-            or os.environ.get("MLFLOW_TRACKING_URI")
-            or (run_dir / "mlruns").resolve().as_uri()
-        )
+        local = (run_dir / "mlruns").resolve().as_uri()
+        uri = mcfg.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI") or local
         if uri.startswith("file:"):  # MLflow 3 keeps its file store behind an opt-in; it is what we want here
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         from mlflow.tracking import MlflowClient

@@ -296,7 +296,7 @@ per pod; plus the GPUs and trainer.network.fabricResources in requests and limit
 {{- end }}
 
 {{/* The preset's batch must split over the GPUs (the trainer's rule: train.batch_tokens a multiple of
-micro_batch_size x seq_len x world size); checked here, before any pod is scheduled. The preset table is
+micro_batch_size x seq_len x world size; with micro_batch_size auto, of seq_len x world size); checked here, before any pod is scheduled. The preset table is
 generated from app/presets by scripts/chart_presets.py. Presets the table does not know are left to the
 trainer. */}}
 {{- define "pretrain.checkBatch" -}}
@@ -325,7 +325,9 @@ trainer. */}}
 {{- $train := default dict $cfg.train -}}
 {{- $model := default dict $cfg.model -}}
 {{- $batch := int (index $sets "train.batch_tokens" | default (dig "batch_tokens" $base.batch_tokens $train)) -}}
-{{- $micro := int (index $sets "train.micro_batch_size" | default (dig "micro_batch_size" $base.micro_batch_size $train)) -}}
+{{- $microSet := index $sets "train.micro_batch_size" | default (dig "micro_batch_size" $base.micro_batch_size $train) -}}
+{{- $auto := eq (toString $microSet) "auto" -}}{{/* auto picks a divisor: the batch must split into seq_len x GPUs */}}
+{{- $micro := $auto | ternary 1 (int $microSet) -}}
 {{- $seq := int (index $sets "model.seq_len" | default (dig "seq_len" $base.seq_len $model)) -}}
 {{- $gpus := int .Values.gpus -}}
 {{- $per := mul $micro $seq -}}
@@ -334,7 +336,7 @@ trainer. */}}
 {{- range $n := untilStep 1 513 1 -}}
 {{- if eq (mod $batch (mul $per $n)) 0 }}{{ $ok = append $ok (toString $n) }}{{ end -}}
 {{- end -}}
-{{- fail (printf "gpus=%d: the %s preset's global batch (train.batch_tokens=%d) does not split into micro_batch_size %d x seq_len %d x %d GPUs, so the %s would exit 2 after the pods were scheduled; it splits over %s GPUs. Use one of those, or set config.train.batch_tokens to a multiple of %d (or another config.train.micro_batch_size)" $gpus $preset $batch $micro $seq $gpus (.Values.bench.enabled | ternary "benchmark" "trainer") (join ", " $ok) (mul $per $gpus)) -}}
+{{- fail (printf "gpus=%d: the %s preset's global batch (train.batch_tokens=%d) does not split into micro_batch_size %s x seq_len %d x %d GPUs, so the %s would exit 2 after the pods were scheduled; it splits over %s GPUs. Use one of those, or set config.train.batch_tokens to a multiple of %d (or another config.train.micro_batch_size)" $gpus $preset $batch ($auto | ternary "auto (a divisor)" (toString $micro)) $seq $gpus (.Values.bench.enabled | ternary "benchmark" "trainer") (join ", " $ok) (mul $per $gpus)) -}}
 {{- end -}}
 {{- end -}}
 {{- end }}

@@ -1,0 +1,125 @@
+"""Issue #25's step on CPU: the loss path compiled without a graph break (compiled = eager and compiled
+exact resume: tests/test_performance.py), a padded vocabulary that no caller sees, and
+train.micro_batch_size=auto with its out-of-memory fallback."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from app.config import ModelConfig, config_from_dict, load_config
+from app.trainer import layout
+from app.trainer.memory import GB
+from app.trainer.model import build_model, count_parameters
+from tests.conftest import FAST, losses_by_step, pretrain
+from tests.test_resume import assert_same_run, weights
+
+
+def small(**kw) -> ModelConfig:
+    return ModelConfig(**{"vocab_size": 250, "seq_len": 32, "n_layer": 2, "d_model": 64, "n_head": 4, **kw})
+
+
+def test_the_loss_path_and_a_block_compile_as_one_graph_each():
+    model = build_model(small())
+    h, y = torch.randn(2, 32, 64), torch.randint(0, 250, (2, 32))
+    loss = torch._dynamo.explain(model.loss)(h, y)
+    block = torch._dynamo.explain(model.blocks[0])(h, model.rope_cos, model.rope_sin)
+    assert (loss.graph_count, loss.graph_break_count) == (1, 0), loss.break_reasons
+    assert (block.graph_count, block.graph_break_count) == (1, 0), block.break_reasons
+
+
+def test_padded_vocabulary_is_invisible_to_callers():
+    torch.manual_seed(0)
+    cfg = small()
+    model = build_model(cfg)
+    assert cfg.padded_vocab == 256 and model.tok_emb.weight.shape == (256, 64)
+    x, y = torch.randint(0, 250, (2, 32)), torch.randint(0, 250, (2, 32))
+    assert model(x).logits.shape == (2, 32, 250)  # sampling, serving and eval see the true vocabulary
+    model(x, y).loss.backward()
+    assert model.tok_emb.weight.grad[250:].abs().sum() == 0  # pad rows never win, never learn
+    counts = count_parameters(cfg)
+    assert (
+        counts.padding == 6 * 64 and counts.total == count_parameters(small(vocab_multiple=1)).total + 6 * 64
+    )
+    assert build_model(small(vocab_multiple=1)).head.weight.shape == (250, 64)
+
+
+def test_a_checkpoint_config_from_before_padding_reads_as_unpadded():
+    cfg = load_config("tiny").to_dict()
+    del cfg["model"]["vocab_multiple"]
+    assert config_from_dict(cfg).model.vocab_multiple == 1  # sample/serve/eval/export build it as written
+
+
+def test_resuming_an_unpadded_checkpoint_is_refused_in_one_line(tmp_path):
+    char = [*FAST, "--set", "data.tokenizer=char", "--set", "checkpoint.every_steps=2"]
+    run = tmp_path / "run"
+    old = pretrain("train", "--out", str(run), "--max-steps", "2", *char, "--set", "model.vocab_multiple=1")
+    assert old.returncode == 0, old.stderr
+    resumed = pretrain("train", "--out", str(run), "--max-steps", "4", *char)
+    assert resumed.returncode == 2
+    assert len(resumed.stderr.strip().splitlines()) == 1, resumed.stderr
+    assert "before vocabulary padding" in resumed.stderr and "model.vocab_multiple=1" in resumed.stderr
+    ok = pretrain("train", "--out", str(run), "--max-steps", "4", *char, "--set", "model.vocab_multiple=1")
+    assert ok.returncode == 0 and "resumed from" in ok.stdout
+
+
+def test_auto_micro_batch_is_the_largest_that_fits_and_keeps_batch_tokens():
+    cfg = load_config("x1-50m")
+    cfg.model.vocab_size = 50257
+    big = layout.fit_memory(cfg, 1, int(80 * GB), True, "GPU")
+    small_gpu = layout.fit_memory(cfg, 1, int(24 * GB), True, "GPU")
+    per_rank = cfg.train.batch_tokens // cfg.model.seq_len
+    assert big.fits and small_gpu.fits and small_gpu.micro_batch < big.micro_batch
+    for chosen in (big, small_gpu):
+        assert chosen.micro_batch * chosen.accum == per_rank  # the global batch is kept
+        assert chosen.gb_per_gpu <= 0.9 * chosen.device_gb
+    assert layout.fit_memory(cfg, 1, int(80 * GB), True, "GPU", at_most=8).micro_batch == 8
+
+
+def test_print_config_shows_padded_vocab_and_the_auto_rule():
+    out = pretrain("train", "--preset", "x1-50m", "--print-config").stdout
+    assert "micro_batch_size: auto" in out and "vocab_multiple: 128" in out
+    assert "# vocabulary: 50,257 tokens; embedding and head padded to 50,304 rows" in out
+    assert "# micro-batch: auto = the largest divisor of batch_tokens" in out
+
+
+def test_micro_batch_auto_needs_a_global_batch():
+    proc = pretrain("train", "--set", "train.micro_batch_size=auto", "--print-config")
+    assert proc.returncode == 2 and "set train.batch_tokens" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_out_of_memory_halves_the_micro_batch_and_retries_the_same_data(tmp_path):
+    """An injected out-of-memory error above micro-batch 2: the auto run retries step 1 at 4, then 2, and
+    trains exactly what a fixed micro-batch of 2 trains; the resume keeps 2 (and the record caps it)."""
+    batch = ["--set", f"train.batch_tokens={8 * 64}", "--set", "checkpoint.every_steps=3"]
+    fixed, auto = tmp_path / "fixed", tmp_path / "auto"
+    ref = pretrain("train", "--out", str(fixed), "--max-steps", "6", *FAST, *batch,
+                   "--set", "train.micro_batch_size=2")  # fmt: skip
+    assert ref.returncode == 0, ref.stderr
+    drill = [*FAST, *batch, "--set", "train.micro_batch_size=auto", "--set", "train.inject_oom_above=2"]
+    first = pretrain("train", "--out", str(auto), "--max-steps", "3", *drill)
+    assert first.returncode == 0, first.stderr
+    assert "micro-batch 8 x accumulation 1" in first.stdout  # the estimate's choice on this machine
+    assert "out of memory at micro-batch 8 (step 1): retrying it at micro-batch 4" in first.stdout
+    assert "retrying it at micro-batch 2 x accumulation 4, same data" in first.stdout
+    assert json.loads((auto / layout.OOM_RECORD).read_text()) == {"micro_batch_size": 2}
+    (auto / layout.OOM_RECORD).unlink()  # the checkpoint alone must keep the layout
+    second = pretrain("train", "--out", str(auto), "--max-steps", "6", *FAST, *batch,
+                      "--set", "train.micro_batch_size=auto")  # fmt: skip
+    assert second.returncode == 0, second.stderr
+    assert "micro-batch 2 x accumulation 4 per rank" in second.stdout and "out of memory" not in second.stdout
+    assert_same_run(fixed, auto, 6)
+    assert weights(auto, 6).keys() == weights(fixed, 6).keys() and len(losses_by_step(auto)) == 6
+
+
+def test_bench_reports_the_padded_vocab_and_the_chosen_micro_batch(tmp_path):
+    from tests.test_performance import _bench
+
+    r = _bench(tmp_path, "--set", "model.vocab_size=1000", "--set", "train.micro_batch_size=auto",
+               "--set", f"train.batch_tokens={4 * 32 * 128}")  # fmt: skip
+    assert r["vocab"] == {"size": 1000, "padded": 1024} and 0 < r["head_flops_share"] < 1
+    lay = r["layout"]
+    assert lay["micro_batch_rule"] == "auto" and lay["micro_batch_size"] * lay["accum"] == 4 * 32
+    assert r["tokens_per_step"] == 4 * 32 * 128 and r["stop_check_every"] >= 1
