@@ -123,3 +123,12 @@ def test_bench_reports_the_padded_vocab_and_the_chosen_micro_batch(tmp_path):
     lay = r["layout"]
     assert lay["micro_batch_rule"] == "auto" and lay["micro_batch_size"] * lay["accum"] == 4 * 32
     assert r["tokens_per_step"] == 4 * 32 * 128 and r["stop_check_every"] >= 1
+
+
+def test_a_layout_kept_from_a_checkpoint_keeps_the_configured_device_memory():
+    cfg = load_config("x1-50m", overrides=["train.device_memory_gb=40"])
+    cfg.model.vocab_size = 50257
+    kept = layout.auto_micro_batch(cfg, 1, "cpu", keep=8)
+    assert (kept.micro_batch, kept.accum) == (8, 64)
+    layout.apply(cfg, kept)
+    assert cfg.train.micro_batch_size == 8 and cfg.train.device_memory_gb == 40

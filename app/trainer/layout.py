@@ -119,7 +119,8 @@ def apply(cfg: Config, layout: Layout) -> None:
         )
     cfg.train.micro_batch_size = layout.micro_batch
     cfg.train.activation_checkpointing = layout.checkpointing
-    cfg.train.device_memory_gb = layout.device_gb
+    if layout.device_gb:  # a layout kept from a checkpoint measured nothing: the config keeps its own
+        cfg.train.device_memory_gb = layout.device_gb
 
 
 OOM_RECORD = "oom.json"  # in the run dir: the micro-batch an out-of-memory error left (auto only)
