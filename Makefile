@@ -55,8 +55,10 @@ test-slow: $(STAMP)  ## the slow tests (CI runs them after `make test`)
 	$(PY) -m pytest -m slow $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]  # 5: none marked slow
 
 lint: $(STAMP)  ## ruff, vulture (dead code) and hadolint
-	$(VENV)/bin/ruff check app tests benchmarks
-	$(VENV)/bin/ruff format --check app tests benchmarks
+	$(VENV)/bin/ruff check app tests benchmarks scripts
+	$(VENV)/bin/ruff format --check app tests benchmarks scripts
+	@# The formatter owns the layout: no region is exempt from it.
+	@! grep -rn "fmt: \(skip\|off\)" app tests benchmarks scripts --include='*.py' || (echo "lint: remove the fmt: skip/off markers above"; exit 1)
 	$(VENV)/bin/vulture app scripts/vulture_whitelist.py --min-confidence 80
 	$(VENV)/bin/hadolint Dockerfile
 

@@ -32,10 +32,21 @@ def _switch(value: str) -> str:
 
 # Every number is >= 0 and below 2**53 (so JSON, numpy seeds and int64 tensors hold it);
 # these must be > 0. Sizes that would not fit the machine are refused at start (memory.plan_for_training).
-POSITIVE = ["model.d_model", "model.n_head", "model.seq_len", "train.max_steps",
-            "checkpoint.lease_stale_seconds", "train.collective_timeout_minutes", "train.log_every",
-            "train.eval_batches", "model.norm_eps", "model.rope_base", "budget.poll_seconds",
-            "model.vocab_multiple", "train.mfu_floor_minutes"]  # fmt: skip
+POSITIVE = [
+    "model.d_model",
+    "model.n_head",
+    "model.seq_len",
+    "train.max_steps",
+    "checkpoint.lease_stale_seconds",
+    "train.collective_timeout_minutes",
+    "train.log_every",
+    "train.eval_batches",
+    "model.norm_eps",
+    "model.rope_base",
+    "budget.poll_seconds",
+    "model.vocab_multiple",
+    "train.mfu_floor_minutes",
+]
 CHOICES = {
     "optim.name": ("adamw", "muon"),
     "optim.muon_lr_adjust": ("match_rms_adamw", "original"),
@@ -79,8 +90,11 @@ def validate(cfg: Config) -> None:
     for key, value in _numbers(cfg):
         _check(0 <= value < 2**53, f"{key} must be >= 0 and below 2**53, got {value}")
     if t.micro_batch_size == "auto":
-        _check(t.batch_tokens > 0, "train.micro_batch_size=auto keeps the global batch: set train.batch_tokens "
-                                   "(tokens per optimizer step), or give train.micro_batch_size a number")  # fmt: skip
+        _check(
+            t.batch_tokens > 0,
+            "train.micro_batch_size=auto keeps the global batch: set train.batch_tokens "
+            "(tokens per optimizer step), or give train.micro_batch_size a number",
+        )
     else:
         _check(
             t.micro_batch_size > 0, f"train.micro_batch_size must be > 0 or auto, got {t.micro_batch_size}"

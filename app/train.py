@@ -106,8 +106,10 @@ class Trainer:
         configure_device(self.device)
         _, peak = device_peak(cfg.metrics.gpu_type, cfg.metrics.peak_tflops, self.device)
         if t.mfu_floor and not peak:
-            raise UserError(f"train.mfu_floor needs the device's peak to measure MFU, and {self.device.type} "
-                            "has none: set --gpu-type or metrics.peak_tflops, or drop train.mfu_floor")  # fmt: skip
+            raise UserError(
+                f"train.mfu_floor needs the device's peak to measure MFU, and {self.device.type} "
+                "has none: set --gpu-type or metrics.peak_tflops, or drop train.mfu_floor"
+            )
         self.report = Reporter(cfg, env, self.run_dir, peak)  # first: a busy port fails before the data
         self.log, self.warn = self.report.log, self.report.warn
         self.data_dir = resolve_data_dir(cfg.data, self.log)
@@ -133,33 +135,65 @@ class Trainer:
         self.spikes = SpikeDetector(factor=t.spike_factor)
         self.bad_steps = BadSteps(max_bad=t.max_bad_steps)
         resumed_unix = self._resume(info)
-        self.writer = CheckpointWriter(self.run_dir, env.rank, env.world_size, cfg.checkpoint,
-                                       expect_bytes=checkpoint_bytes(cfg), warn=self.warn)  # fmt: skip
+        self.writer = CheckpointWriter(
+            self.run_dir,
+            env.rank,
+            env.world_size,
+            cfg.checkpoint,
+            expect_bytes=checkpoint_bytes(cfg),
+            warn=self.warn,
+        )
         self.autocast = autocast_for(cfg, self.device)
         self.batches = self.new_batches()  # after resume: from its position
         self.stop_file = self.args.stop_file or self.run_dir / "stop.json"
         self.planned = PlannedEnd(t.max_steps, t.max_tokens, t.max_hours * 3600)
-        self.stopper = StopAgreement(stop_file=self.stop_file if env.is_rank0 else None,  # only the master pod's
-                                     planned=self.planned, early=self.early, signals=self.signals,
-                                     bad_steps=self.bad_steps, mfu_floor=(t.mfu_floor, t.mfu_floor_minutes),
-                                     every=t.stop_check_every, say=self.log, warn=self.warn)  # fmt: skip
+        self.stopper = StopAgreement(
+            stop_file=self.stop_file if env.is_rank0 else None,  # only the master pod's
+            planned=self.planned,
+            early=self.early,
+            signals=self.signals,
+            bad_steps=self.bad_steps,
+            mfu_floor=(t.mfu_floor, t.mfu_floor_minutes),
+            every=t.stop_check_every,
+            say=self.log,
+            warn=self.warn,
+        )
         flops = flops_per_token(cfg.model)
-        self.report.started(counts=self.counts, flops_per_token=flops, tokens=self.state.tokens,
-                            checkpoint_step=self.last_saved_step, checkpoint_unix=resumed_unix)  # fmt: skip
+        self.report.started(
+            counts=self.counts,
+            flops_per_token=flops,
+            tokens=self.state.tokens,
+            checkpoint_step=self.last_saved_step,
+            checkpoint_unix=resumed_unix,
+        )
         self.log(
             f"data {self.data_dir} (vocab {self.manifest.vocab_size}, "
             f"{sum(s.tokens for s in self.manifest.train):,} train tokens); device {self.device}, "
             f"world size {env.world_size}, {self.tokens_per_step:,} tokens/step ({t.micro_batch_size} x "
             f"{cfg.model.seq_len} x {env.world_size} ranks x {self.accum} accum), {flops / 1e6:.1f} MFLOPs/token"
         )
-        self.report.event("event", self.state.step, event="start", preset=cfg.preset,
-                          parameters=self.counts.total, non_embedding=self.counts.non_embedding,
-                          world_size=env.world_size, tokens_per_step=self.tokens_per_step)  # fmt: skip
+        self.report.event(
+            "event",
+            self.state.step,
+            event="start",
+            preset=cfg.preset,
+            parameters=self.counts.total,
+            non_embedding=self.counts.non_embedding,
+            world_size=env.world_size,
+            tokens_per_step=self.tokens_per_step,
+        )
 
     def new_loader(self) -> TrainLoader:
         t, m, env = self.cfg.train, self.cfg.model, self.env
-        return TrainLoader(data_dir=self.data_dir, seq_len=m.seq_len, micro_batch_size=t.micro_batch_size,
-                           rank=env.rank, world_size=env.world_size, seed=t.seed, vocab_size=m.vocab_size)  # fmt: skip
+        return TrainLoader(
+            data_dir=self.data_dir,
+            seq_len=m.seq_len,
+            micro_batch_size=t.micro_batch_size,
+            rank=env.rank,
+            world_size=env.world_size,
+            seed=t.seed,
+            vocab_size=m.vocab_size,
+        )
 
     def new_batches(self) -> Prefetcher:
         """The loader's micro-batches on the device, through the spike drill when it is on."""
@@ -188,8 +222,10 @@ class Trainer:
         self.loader = self.new_loader()
         self.loader.state.micro_steps = first_micro * old // smaller  # the same samples next
         self.batches = self.new_batches()
-        self.log(f"out of memory at micro-batch {old} (step {step + 1}): retrying it at micro-batch {smaller} "
-                 f"x accumulation {self.accum}, same data")  # fmt: skip
+        self.log(
+            f"out of memory at micro-batch {old} (step {step + 1}): retrying it at micro-batch {smaller} "
+            f"x accumulation {self.accum}, same data"
+        )
 
     def _resume(self, info) -> float:
         """Restore the newest usable checkpoint (per --resume); returns its save time (0: none)."""
@@ -238,9 +274,18 @@ class Trainer:
             lr = lr_at(st.step, cfg.schedule, cfg.optim, cfg.train.max_steps, decay_plan)
             first_micro = self.loader.state.micro_steps
             try:
-                train_step(model=self.model, optimizer=self.optimizer, batches=self.batches, accum=self.accum,
-                           autocast=self.autocast, grad_clip=cfg.optim.grad_clip, step=st.step + 1, lr=lr,
-                           log=self.steplog, skip_update=skip_spikes)  # fmt: skip
+                train_step(
+                    model=self.model,
+                    optimizer=self.optimizer,
+                    batches=self.batches,
+                    accum=self.accum,
+                    autocast=self.autocast,
+                    grad_clip=cfg.optim.grad_clip,
+                    step=st.step + 1,
+                    lr=lr,
+                    log=self.steplog,
+                    skip_update=skip_spikes,
+                )
             except torch.OutOfMemoryError as error:
                 self.retry_smaller(error, st.step, first_micro)
                 continue
@@ -254,8 +299,13 @@ class Trainer:
             if cfg.train.eval_every and (st.step % cfg.train.eval_every == 0 or last):
                 self.evaluate()
             if cfg.train.sample_every and st.step % cfg.train.sample_every == 0:
-                text = sample_text(self.model, self.data_dir, cfg.train.seed + st.step, self.device,
-                                   fsdp=self.parallel.mode == "fsdp")  # fmt: skip  # every rank: FSDP gathers
+                text = sample_text(
+                    self.model,
+                    self.data_dir,
+                    cfg.train.seed + st.step,
+                    self.device,
+                    fsdp=self.parallel.mode == "fsdp",
+                )  # every rank: FSDP gathers
                 self.log(f"sample at step {st.step}: {text!r}")
             if cfg.checkpoint.every_steps and st.step % cfg.checkpoint.every_steps == 0:
                 self.save("every_steps")
@@ -284,9 +334,17 @@ class Trainer:
             if r.step % t.log_every == 0 or spike or bad:
                 injected = self.drill is not None and self.drill.covers(r.step - 1)
                 tokens = st.tokens - (st.step - r.step) * self.tokens_per_step
-                self.report.train(r, tokens=tokens, tokens_per_second=tps, step_seconds=seconds,
-                                  data_wait_seconds=data_wait, spike=spike, bad=bad, injected=injected,
-                                  seconds_to_planned_end=planned_in)  # fmt: skip
+                self.report.train(
+                    r,
+                    tokens=tokens,
+                    tokens_per_second=tps,
+                    step_seconds=seconds,
+                    data_wait_seconds=data_wait,
+                    spike=spike,
+                    bad=bad,
+                    injected=injected,
+                    seconds_to_planned_end=planned_in,
+                )
         return bad, spike
 
     def skip_if_spike(self) -> bool:
@@ -295,8 +353,15 @@ class Trainer:
 
     def evaluate(self) -> None:
         cfg, st = self.cfg, self.state
-        val, bpb = validation_loss(self.model, self.data_dir, cfg, self.env, self.device, self.autocast,
-                                   self.manifest.bytes_per_token("val"))  # fmt: skip
+        val, bpb = validation_loss(
+            self.model,
+            self.data_dir,
+            cfg,
+            self.env,
+            self.device,
+            self.autocast,
+            self.manifest.bytes_per_token("val"),
+        )
         st.last_val_loss = val
         if math.isfinite(val) and (st.best_val_loss is None or val < st.best_val_loss):
             st.best_val_loss = val
@@ -356,8 +421,14 @@ class Trainer:
             self.report_save(self.writer.wait())  # a stop ends on a complete, committed checkpoint
         else:
             self.writer.abandon()  # immediate: exit now; a pending write is cancelled, its temp dir removed
-        self.report.event("event", st.step, event="stop", cause=decision.name, reason=decision.reason,
-                          exit_code=decision.exit_code)  # fmt: skip
+        self.report.event(
+            "event",
+            st.step,
+            event="stop",
+            cause=decision.name,
+            reason=decision.reason,
+            exit_code=decision.exit_code,
+        )
         if self.env.is_rank0 and decision.consumes_stop_file:
             self.stopper.consume_stop_file()
         if self.env.is_rank0 and decision.event:  # posted here, or relayed by the watcher (heartbeat)

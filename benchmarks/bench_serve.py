@@ -41,10 +41,27 @@ PROMPTS = [
 def train_tiny(run: Path) -> None:
     """A real tiny-preset checkpoint (a few steps: speed does not depend on how well it is trained)."""
     subprocess.run(
-        [sys.executable, "-m", "app.cli", "train", "--out", str(run), "--max-steps", "10",
-         "--set", "train.eval_every=0", "--set", "metrics.progress=false", "--set", "checkpoint.every_minutes=0"],
-        cwd=REPO, check=True, capture_output=True, timeout=900,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "train",
+            "--out",
+            str(run),
+            "--max-steps",
+            "10",
+            "--set",
+            "train.eval_every=0",
+            "--set",
+            "metrics.progress=false",
+            "--set",
+            "checkpoint.every_minutes=0",
+        ],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=900,
+    )
 
 
 def bare_tokens_per_second(run: Path) -> tuple[float, float]:
@@ -93,10 +110,26 @@ def sample_seconds(run: Path, tokens: int = 200) -> str:
 
 def start_server(run: Path, max_batch: int) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--checkpoint", str(run), "--port", "0", "--model-name", "tiny",
-         "--max-batch", str(max_batch)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **ONE_THREAD},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "serve",
+            "--checkpoint",
+            str(run),
+            "--port",
+            "0",
+            "--model-name",
+            "tiny",
+            "--max-batch",
+            str(max_batch),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **ONE_THREAD},
+    )
     lines = []
     while not (m := re.search(r"(http://127\.0\.0\.1:\d+)/v1", lines[-1] if lines else "")):
         lines.append(proc.stdout.readline())

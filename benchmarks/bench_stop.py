@@ -27,9 +27,27 @@ SETTINGS = {"k=1": "1", "k=auto": "0", "k=8": "8"}
 def one_run(workdir: Path, every: str) -> tuple[float, float, str]:
     """(seconds from SIGTERM to exit, median tokens/s, the trainer's line about k or "")."""
     run = workdir / f"k{every}-{time.monotonic_ns()}"
-    cmd = [sys.executable, "-m", "app.launch", "--standalone", "--nproc-per-node=2", "-m", "app.train",
-           "--out", str(run), "--max-steps", "100000", "--set", "train.eval_every=0", "--set", "train.log_every=1",
-           "--set", "metrics.progress=false", "--set", f"train.stop_check_every={every}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "app.launch",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "app.train",
+        "--out",
+        str(run),
+        "--max-steps",
+        "100000",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "metrics.progress=false",
+        "--set",
+        f"train.stop_check_every={every}",
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

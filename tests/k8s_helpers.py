@@ -328,12 +328,30 @@ def qos_class(spec: dict[str, Any]) -> str:
 
 
 BASELINE_CAPS = {
-    "AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD", "NET_BIND_SERVICE",
-    "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT",
-}  # fmt: skip
+    "AUDIT_WRITE",
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "FOWNER",
+    "FSETID",
+    "KILL",
+    "MKNOD",
+    "NET_BIND_SERVICE",
+    "SETFCAP",
+    "SETGID",
+    "SETPCAP",
+    "SETUID",
+    "SYS_CHROOT",
+}
 RESTRICTED_VOLUMES = {
-    "configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret",
-}  # fmt: skip
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
 
 
 def psa_violations(spec: dict[str, Any], level: str) -> list[str]:
@@ -396,12 +414,21 @@ class FakeCluster:
         "monitoring.coreos.com/v1": ["podmonitors", "servicemonitors", "prometheusrules"],
     }
     KINDS = {
-        "configmaps": "ConfigMap", "serviceaccounts": "ServiceAccount", "persistentvolumeclaims":
-        "PersistentVolumeClaim", "services": "Service", "pods": "Pod", "events": "Event", "roles": "Role",
-        "rolebindings": "RoleBinding", "jobs": "Job", "poddisruptionbudgets": "PodDisruptionBudget",
-        "pytorchjobs": "PyTorchJob", "podmonitors": "PodMonitor", "servicemonitors": "ServiceMonitor",
+        "configmaps": "ConfigMap",
+        "serviceaccounts": "ServiceAccount",
+        "persistentvolumeclaims": "PersistentVolumeClaim",
+        "services": "Service",
+        "pods": "Pod",
+        "events": "Event",
+        "roles": "Role",
+        "rolebindings": "RoleBinding",
+        "jobs": "Job",
+        "poddisruptionbudgets": "PodDisruptionBudget",
+        "pytorchjobs": "PyTorchJob",
+        "podmonitors": "PodMonitor",
+        "servicemonitors": "ServiceMonitor",
         "prometheusrules": "PrometheusRule",
-    }  # fmt: skip
+    }
 
     def __init__(self, tmp: Path):
         import threading
@@ -455,18 +482,27 @@ class FakeCluster:
             return 200, {"kind": "APIVersions", "versions": ["v1"]}
         if path == "/apis":
             groups = [
-                {"name": gv.split("/")[0], "versions": [{"groupVersion": gv, "version": gv.split("/")[1]}],
-                 "preferredVersion": {"groupVersion": gv, "version": gv.split("/")[1]}}
-                for gv in self.GROUPS if "/" in gv
-            ]  # fmt: skip
+                {
+                    "name": gv.split("/")[0],
+                    "versions": [{"groupVersion": gv, "version": gv.split("/")[1]}],
+                    "preferredVersion": {"groupVersion": gv, "version": gv.split("/")[1]},
+                }
+                for gv in self.GROUPS
+                if "/" in gv
+            ]
             return 200, {"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}
         gv = path.removeprefix("/apis/").removeprefix("/api/") if path != "/api/v1" else "v1"
         if gv in self.GROUPS:
             resources = [
-                {"name": r, "singularName": self.KINDS[r].lower(), "namespaced": True, "kind": self.KINDS[r],
-                 "verbs": ["get", "list", "create", "update", "patch", "delete"]}
+                {
+                    "name": r,
+                    "singularName": self.KINDS[r].lower(),
+                    "namespaced": True,
+                    "kind": self.KINDS[r],
+                    "verbs": ["get", "list", "create", "update", "patch", "delete"],
+                }
                 for r in self.GROUPS[gv]
-            ]  # fmt: skip
+            ]
             return 200, {
                 "kind": "APIResourceList",
                 "apiVersion": "v1",

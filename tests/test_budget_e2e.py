@@ -66,16 +66,53 @@ def test_sidecar_stops_an_out_of_process_trainer(tmp_path):
     stop.parent.mkdir()
     env = cli_env()
     watcher = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "watch", "--cap-usd", "0.02", "--price-per-gpu-hour", "3.6", "--gpus", "1",
-         "--run-dir", str(run), "--stop-file", str(stop), "--poll-seconds", "0.5", "--margin-seconds", "1",
-         "--metrics-port", "0", "--kube", "off"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "watch",
+            "--cap-usd",
+            "0.02",
+            "--price-per-gpu-hour",
+            "3.6",
+            "--gpus",
+            "1",
+            "--run-dir",
+            str(run),
+            "--stop-file",
+            str(stop),
+            "--poll-seconds",
+            "0.5",
+            "--margin-seconds",
+            "1",
+            "--metrics-port",
+            "0",
+            "--kube",
+            "off",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         p = pretrain(
-            "train", "--out", str(run), "--stop-file", str(stop), "--max-steps", "1000000", *FAST, *FAST_BUDGET,
-            "--budget-cap-usd", "0.02", "--set", "budget.in_process=false", timeout=180,
-        )  # fmt: skip
+            "train",
+            "--out",
+            str(run),
+            "--stop-file",
+            str(stop),
+            "--max-steps",
+            "1000000",
+            *FAST,
+            *FAST_BUDGET,
+            "--budget-cap-usd",
+            "0.02",
+            "--set",
+            "budget.in_process=false",
+            timeout=180,
+        )
         assert p.returncode == 0, p.stdout + p.stderr
         out, _ = watcher.communicate(timeout=30)  # exits once status.json says done
     finally:

@@ -321,8 +321,14 @@ def test_the_job_kind_comes_from_the_config_or_the_environment(monkeypatch):
 def test_the_watcher_relays_the_trainers_event_once_when_the_trainer_could_not_post_it(api, tmp_path, posted):
     """In the chart's pods the trainer has no API token: its LowMFU stop reaches the job's Events through
     status.json and the watcher; a trainer that posted it itself is not echoed."""
-    w = Watcher(BudgetConfig(cap_usd=100.0, poll_seconds=5.0, kube="on"), run_dir=tmp_path,
-                stop_file=tmp_path / "stop.json", static_rate_usd_per_hour=1.0, kube=actions(api), now=T)  # fmt: skip
+    w = Watcher(
+        BudgetConfig(cap_usd=100.0, poll_seconds=5.0, kube="on"),
+        run_dir=tmp_path,
+        stop_file=tmp_path / "stop.json",
+        static_rate_usd_per_hour=1.0,
+        kube=actions(api),
+        now=T,
+    )
     heartbeat(tmp_path, T + 10)
     w.tick(T + 10)
     event = {"reason": "LowMFU", "message": "MFU 12.0% under train.mfu_floor=0.3", "posted": posted}

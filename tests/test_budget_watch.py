@@ -46,9 +46,21 @@ def test_sidecar_serves_metrics_writes_the_stop_file_and_exits_when_the_trainer_
     run, port = tmp_path / "run", free_port()
     # $36/h = $0.01/s against a $0.05 cap; horizon 0.2 s poll + 1 s margin: graceful at about $0.038 (3.8 s)
     proc = watch(
-        "--cap-usd", "0.05", "--price-per-gpu-hour", "36", "--gpus", "1", "--run-dir", str(run),
-        "--poll-seconds", "0.2", "--margin-seconds", "1", "--metrics-port", str(port),
-    )  # fmt: skip
+        "--cap-usd",
+        "0.05",
+        "--price-per-gpu-hour",
+        "36",
+        "--gpus",
+        "1",
+        "--run-dir",
+        str(run),
+        "--poll-seconds",
+        "0.2",
+        "--margin-seconds",
+        "1",
+        "--metrics-port",
+        str(port),
+    )
     try:
         wait_for(lambda: metrics(port).get("pretrain_budget_cap_usd") == 0.05, timeout=30)
         m = metrics(port)
@@ -97,9 +109,19 @@ def test_sidecar_serves_metrics_writes_the_stop_file_and_exits_when_the_trainer_
 def test_sigterm_closes_the_ledger_and_exits_0(tmp_path):
     run, port = tmp_path / "run", free_port()
     proc = watch(
-        "--cap-usd", "100", "--gpu-type", "h100-sxm", "--gpus", "8", "--run-dir", str(run),
-        "--poll-seconds", "0.2", "--metrics-port", str(port),
-    )  # fmt: skip
+        "--cap-usd",
+        "100",
+        "--gpu-type",
+        "h100-sxm",
+        "--gpus",
+        "8",
+        "--run-dir",
+        str(run),
+        "--poll-seconds",
+        "0.2",
+        "--metrics-port",
+        str(port),
+    )
     try:
         wait_for(lambda: "pretrain_budget_spent_usd" in metrics(port), timeout=30)
         assert metrics(port)["pretrain_budget_rate_usd_per_hour"] == 8 * 2.99  # the built-in price table
@@ -154,9 +176,21 @@ def test_dry_run_prints_thresholds_and_writes_nothing(tmp_path, capsys):
 
 def test_dry_run_with_a_failing_source_says_what_it_falls_back_to(tmp_path, capsys):
     code, out, err = run_watch(
-        capsys, "--cap-usd", "35", "--price-per-gpu-hour", "2", "--gpus", "4", "--run-dir", str(tmp_path),
-        "--source", "file", "--source-path", str(tmp_path / "missing.json"), "--dry-run-budget",
-    )  # fmt: skip
+        capsys,
+        "--cap-usd",
+        "35",
+        "--price-per-gpu-hour",
+        "2",
+        "--gpus",
+        "4",
+        "--run-dir",
+        str(tmp_path),
+        "--source",
+        "file",
+        "--source-path",
+        str(tmp_path / "missing.json"),
+        "--dry-run-budget",
+    )
     assert code == 0, err
     assert "source    file: FAILED (" in out and "would fall back to $8.00/h" in out
 

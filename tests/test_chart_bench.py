@@ -110,14 +110,22 @@ def test_the_bench_command_measures_the_training_run():
     assert not {"--out", "--stop-file", "--budget-cap-usd", "--metrics-port"} & set(
         args[: args.index("--steps")]
     )
-    tuned = bench_args(pytorch(bench_job(h.render({
-        **ON,
-        "extraTrainArgs": ["--set", "train.parallel=fsdp", "--max-steps", "100"],
-        "bench.preset": "gpt2-124m",
-        "bench.set": ["train.micro_batch_size=4", "train.parallel=ddp"],
-        "bench.steps": 50,
-        "bench.warmup": 0,
-    }))))  # fmt: skip
+    tuned = bench_args(
+        pytorch(
+            bench_job(
+                h.render(
+                    {
+                        **ON,
+                        "extraTrainArgs": ["--set", "train.parallel=fsdp", "--max-steps", "100"],
+                        "bench.preset": "gpt2-124m",
+                        "bench.set": ["train.micro_batch_size=4", "train.parallel=ddp"],
+                        "bench.steps": 50,
+                        "bench.warmup": 0,
+                    }
+                )
+            )
+        )
+    )
     assert flag(tuned, "--preset") == "gpt2-124m"
     assert sets(tuned) == [
         "train.parallel=fsdp",
@@ -136,8 +144,13 @@ def test_the_bench_pods_are_the_trainer_pods(gpus):
     values = {
         "gpus": gpus,
         "trainer.nodeSelector": {"pool": "h100"},
-        "trainer.affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
-            {"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"x": "y"}}}]}},
+        "trainer.affinity": {
+            "podAntiAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": [
+                    {"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"x": "y"}}}
+                ]
+            }
+        },
         "trainer.network.fabric": "efa",
         "trainer.network.fabricResources": {"vpc.amazonaws.com/efa": 32},
         "trainer.network.socketIfname": "eth0",
@@ -146,7 +159,7 @@ def test_the_bench_pods_are_the_trainer_pods(gpus):
         "trainer.qos": "Guaranteed",
         "job.priorityClassName": "training-high",
         "image.repository": "registry.example.com/pretrain",
-    }  # fmt: skip
+    }
     train = h.one(h.render(values), "PyTorchJob")
     docs = h.render({**values, **ON})
     h.validate_all(docs)
@@ -157,8 +170,15 @@ def test_the_bench_pods_are_the_trainer_pods(gpus):
     for rtype, spec in train["spec"]["pytorchReplicaSpecs"].items():
         assert bench["spec"]["pytorchReplicaSpecs"][rtype]["replicas"] == spec["replicas"]
         t_pod, b_pod = h.pod_spec(train, rtype), h.pod_spec(bench, rtype)
-        for key in ("nodeSelector", "tolerations", "affinity", "securityContext", "priorityClassName",
-                    "terminationGracePeriodSeconds", "serviceAccountName"):  # fmt: skip
+        for key in (
+            "nodeSelector",
+            "tolerations",
+            "affinity",
+            "securityContext",
+            "priorityClassName",
+            "terminationGracePeriodSeconds",
+            "serviceAccountName",
+        ):
             assert b_pod.get(key) == t_pod.get(key), key
         t, b = pytorch(train, rtype), pytorch(bench, rtype)
         assert b["resources"] == t["resources"] and b["resources"]["limits"]["nvidia.com/gpu"] == min(gpus, 8)
@@ -194,8 +214,17 @@ def test_bad_bench_values_are_refused(values, message):
 
 def test_the_notes_say_how_to_read_the_result(tmp_path):
     env = {**os.environ, "KUBECONFIG": str(tmp_path / "none")}
-    cmd = [h.helm_binary(), "install", "bench", str(h.CHART), "--dry-run=client", "--set", "gpus=8",
-           "--set", "bench.enabled=true"]  # fmt: skip
+    cmd = [
+        h.helm_binary(),
+        "install",
+        "bench",
+        str(h.CHART),
+        "--dry-run=client",
+        "--set",
+        "gpus=8",
+        "--set",
+        "bench.enabled=true",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     notes = proc.stdout.split("NOTES:", 1)[1]
@@ -259,8 +288,14 @@ def test_the_launcher_runs_the_bench_module(tmp_path):
     for code in (0, 3):
         env = pods.clean_env(CODE=str(code), ARGV_FILE=str(tmp_path / "argv.json"), OMP_NUM_THREADS="1")
         env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{h.REPO}"
-        proc = subprocess.run([sys.executable, "-m", "app.launch", *args], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "app.launch", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == code, proc.stdout + proc.stderr
         assert json.loads((tmp_path / "argv.json").read_text()) == args[i + 2 :]
         result = json.loads((tmp_path / "run" / "bench.json").read_text())

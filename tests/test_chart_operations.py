@@ -315,13 +315,25 @@ def test_3_the_volume_permission_step_hands_the_mount_points_to_uid_1000(tmp_pat
     [
         ({}, True),  # ReadWriteMany: fsGroup is not applied by most CSI drivers
         ({"storage.data.existingClaim": "team-data"}, True),
-        ({"storage.data.accessModes": ["ReadWriteOnce"], "storage.checkpoints.accessModes": ["ReadWriteOnce"]}, False),
+        (
+            {
+                "storage.data.accessModes": ["ReadWriteOnce"],
+                "storage.checkpoints.accessModes": ["ReadWriteOnce"],
+            },
+            False,
+        ),
         ({"volumePermissions.enabled": False}, False),
-        ({"volumePermissions.enabled": True, "storage.checkpoints.accessModes": ["ReadWriteOnce"],
-          "storage.data.accessModes": ["ReadWriteOnce"]}, True),
+        (
+            {
+                "volumePermissions.enabled": True,
+                "storage.checkpoints.accessModes": ["ReadWriteOnce"],
+                "storage.data.accessModes": ["ReadWriteOnce"],
+            },
+            True,
+        ),
     ],
     ids=["rwx", "existing-claim", "rwo", "off", "forced"],
-)  # fmt: skip
+)
 def test_3_volume_permissions_auto(values, on):
     docs = h.render(values)
     for where, spec in h.pod_specs(docs):
@@ -483,8 +495,12 @@ def test_6_gpus_the_preset_cannot_split_are_refused_before_scheduling():
 
 
 def test_6_the_preset_table_matches_the_trainer_presets():
-    proc = subprocess.run([sys.executable, str(h.REPO / "scripts" / "chart_presets.py"), "--check"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(h.REPO / "scripts" / "chart_presets.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -534,13 +550,15 @@ def test_9_service_account_labels_and_pod_security():
     assert h.one(docs, "RoleBinding")["subjects"][0]["name"] == "ml-runner"
     assert h.pod_spec(h.one(docs, "PyTorchJob"), "Master")["serviceAccountName"] == "ml-runner"
     # commonLabels/Annotations reach every pod; the prepare pod takes its own too
-    docs = h.render({
-        "gpus": 16,
-        "commonLabels": {"team": "llm"},
-        "commonAnnotations": {"cost-center": "42"},
-        "prepare.podLabels": {"pool": "cpu"},
-        "prepare.podAnnotations": {"note": "tokenize"},
-    })  # fmt: skip
+    docs = h.render(
+        {
+            "gpus": 16,
+            "commonLabels": {"team": "llm"},
+            "commonAnnotations": {"cost-center": "42"},
+            "prepare.podLabels": {"pool": "cpu"},
+            "prepare.podAnnotations": {"note": "tokenize"},
+        }
+    )
     h.validate_all(docs)
     metas = dict(h.pod_templates(docs))
     assert len(metas) == 4  # Master, Worker, prepare, helm test
@@ -571,8 +589,10 @@ def test_9_a_release_name_must_start_with_a_letter():
 
 def test_10_resources_scale_per_gpu_and_qos():
     one = trainer(h.render({"gpus": 1}))["resources"]
-    assert one == {"requests": {"cpu": "1", "memory": "8Gi", "nvidia.com/gpu": 1},
-                   "limits": {"memory": "32Gi", "nvidia.com/gpu": 1}}  # fmt: skip
+    assert one == {
+        "requests": {"cpu": "1", "memory": "8Gi", "nvidia.com/gpu": 1},
+        "limits": {"memory": "32Gi", "nvidia.com/gpu": 1},
+    }
     eight = trainer(h.render({"gpus": 16}), "Worker")["resources"]
     assert eight["requests"] == {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 8}
     half = trainer(h.render({"gpus": 1, "trainer.resourcesPerGpu.cpu": "0.5"}))["resources"]
@@ -592,13 +612,15 @@ def test_10_resources_scale_per_gpu_and_qos():
 
 
 def test_10_network_fabric_and_capabilities_of_the_trainer_alone():
-    docs = h.render({
-        "gpus": 16,
-        "trainer.network.socketIfname": "eth0",
-        "trainer.network.fabric": "efa",
-        "trainer.network.fabricResources": {"vpc.amazonaws.com/efa": 32},
-        "trainer.network.ncclDebug": "INFO",
-    })  # fmt: skip
+    docs = h.render(
+        {
+            "gpus": 16,
+            "trainer.network.socketIfname": "eth0",
+            "trainer.network.fabric": "efa",
+            "trainer.network.fabricResources": {"vpc.amazonaws.com/efa": 32},
+            "trainer.network.ncclDebug": "INFO",
+        }
+    )
     h.validate_all(docs)
     for rtype in ("Master", "Worker"):
         spec = h.pod_spec(h.one(docs, "PyTorchJob"), rtype)
@@ -706,11 +728,21 @@ def test_10_helm_test_checks_the_image_user(tmp_path):
         assert h.env_map(c)["EXPECTED_UID"] == str(uid)
     assert c["command"][:2] == ["sh", "-c"]
     me = os.getuid()
-    ok = subprocess.run([*c["command"], "image-user"], env={"EXPECTED_UID": str(me), "PATH": os.environ["PATH"]},
-                        capture_output=True, text=True, timeout=10)  # fmt: skip
+    ok = subprocess.run(
+        [*c["command"], "image-user"],
+        env={"EXPECTED_UID": str(me), "PATH": os.environ["PATH"]},
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
     assert ok.returncode == 0 and f"uid {me}" in ok.stdout, ok.stderr
-    bad = subprocess.run([*c["command"], "image-user"], env={"EXPECTED_UID": str(me + 1), "PATH": os.environ["PATH"]},
-                         capture_output=True, text=True, timeout=10)  # fmt: skip
+    bad = subprocess.run(
+        [*c["command"], "image-user"],
+        env={"EXPECTED_UID": str(me + 1), "PATH": os.environ["PATH"]},
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
     assert bad.returncode == 1
     line = pods.one_line(bad.stderr)
     assert f"the image runs as uid {me}" in line and f"runs its pods as uid {me + 1}" in line
@@ -750,11 +782,14 @@ def test_10_notes_warn_before_the_pods_hang(tmp_path):
     assert "cannot do ReadWriteMany" in notes and "efs-sc" in notes
     assert "volumePermissions is on" in notes
     assert "6 failures in a row without a new checkpoint (trainer.maxRestarts=5)" in notes
-    quiet = _notes(tmp_path, {
-        "image.repository": "registry.example.com/team/pretrain",
-        "storage.data.storageClass": "efs-sc",
-        "storage.checkpoints.storageClass": "efs-sc",
-    })  # fmt: skip
+    quiet = _notes(
+        tmp_path,
+        {
+            "image.repository": "registry.example.com/team/pretrain",
+            "storage.data.storageClass": "efs-sc",
+            "storage.checkpoints.storageClass": "efs-sc",
+        },
+    )
     assert "WARNING" not in quiet
 
 

@@ -306,8 +306,14 @@ def test_watcher_startup_probe_per_node():
 
 
 def test_node_0_services_prepare_affinity_and_notes(tmp_path):
-    docs = h.render({**TJ, "gpus": 4, "metrics.serviceMonitor.enabled": True,
-                     "storage.data.accessModes": ["ReadWriteOnce"]})  # fmt: skip
+    docs = h.render(
+        {
+            **TJ,
+            "gpus": 4,
+            "metrics.serviceMonitor.enabled": True,
+            "storage.data.accessModes": ["ReadWriteOnce"],
+        }
+    )
     h.validate_all(docs)
     pod_labels = node_pod(docs)["metadata"]["labels"]
     budget = [s for s in h.by_kind(docs, "Service") if s["metadata"]["name"] == "pretrain-budget"][0]
@@ -321,10 +327,22 @@ def test_node_0_services_prepare_affinity_and_notes(tmp_path):
 
     env = {**os.environ, "KUBECONFIG": str(tmp_path / "none")}
     proc = subprocess.run(
-        [h.helm_binary(), "install", "pretrain", str(h.CHART), "--dry-run=client", "--set", "gpus=16",
-         "--set", "scheduler=trainjob"],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
+        [
+            h.helm_binary(),
+            "install",
+            "pretrain",
+            str(h.CHART),
+            "--dry-run=client",
+            "--set",
+            "gpus=16",
+            "--set",
+            "scheduler=trainjob",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     notes = proc.stdout.split("NOTES:", 1)[1]
     assert "TrainJob pretrain (Kubeflow Trainer v2, TrainingRuntime pretrain): 2 node(s) x 8 GPU(s)" in notes

@@ -158,8 +158,24 @@ def test_lm_eval_tasks_give_the_known_accuracy(known, tmp_path, monkeypatch, cap
     data = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in DOCS])
     (tasks / "rolling_ppl.yaml").write_text(ROLLING_YAML.format(data=data))
     out = tmp_path / "results.json"
-    assert cli_main(["eval", "--checkpoint", str(run), "--tasks", "greedy_mc,decoy_mc,greedy_gen,rolling_ppl",
-                     "--include-path", str(tasks), "--output", str(out), "--device", "cpu"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "eval",
+                "--checkpoint",
+                str(run),
+                "--tasks",
+                "greedy_mc,decoy_mc,greedy_gen,rolling_ppl",
+                "--include-path",
+                str(tasks),
+                "--output",
+                str(out),
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     from lm_eval.utils import make_table
 
     res = json.loads(out.read_text())

@@ -38,10 +38,26 @@ def start_node(run: Path, node: int, port: int, pause: str = "", pause_dir: Path
         env.update(PET_MASTER_ADDR="127.0.0.1")
         shape = ["--max-restarts=0"]
     else:
-        shape = ["--nnodes=2", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
-                 f"--rdzv-endpoint=127.0.0.1:{port}", f"--local-addr=127.0.0.{node + 1}"]  # fmt: skip
-    cmd = [sys.executable, "-m", "app.launch", *shape, "-m", "tests.pause_at", "app.train", "--out", str(run),
-           *TRAIN]  # fmt: skip
+        shape = [
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            "--max-restarts=0",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--local-addr=127.0.0.{node + 1}",
+        ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "app.launch",
+        *shape,
+        "-m",
+        "tests.pause_at",
+        "app.train",
+        "--out",
+        str(run),
+        *TRAIN,
+    ]
     log = open(run.parent / f"{run.name}-node{node}-{port}.log", "w")  # noqa: SIM115 - the process keeps it
     return subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

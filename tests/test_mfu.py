@@ -95,8 +95,9 @@ def test_out_of_memory_halves_the_micro_batch_and_retries_the_same_data(tmp_path
     trains exactly what a fixed micro-batch of 2 trains; the resume keeps 2 (and the record caps it)."""
     batch = ["--set", f"train.batch_tokens={8 * 64}", "--set", "checkpoint.every_steps=3"]
     fixed, auto = tmp_path / "fixed", tmp_path / "auto"
-    ref = pretrain("train", "--out", str(fixed), "--max-steps", "6", *FAST, *batch,
-                   "--set", "train.micro_batch_size=2")  # fmt: skip
+    ref = pretrain(
+        "train", "--out", str(fixed), "--max-steps", "6", *FAST, *batch, "--set", "train.micro_batch_size=2"
+    )
     assert ref.returncode == 0, ref.stderr
     drill = [*FAST, *batch, "--set", "train.micro_batch_size=auto", "--set", "train.inject_oom_above=2"]
     first = pretrain("train", "--out", str(auto), "--max-steps", "3", *drill)
@@ -106,8 +107,9 @@ def test_out_of_memory_halves_the_micro_batch_and_retries_the_same_data(tmp_path
     assert "retrying it at micro-batch 2 x accumulation 4, same data" in first.stdout
     assert json.loads((auto / layout.OOM_RECORD).read_text()) == {"micro_batch_size": 2}
     (auto / layout.OOM_RECORD).unlink()  # the checkpoint alone must keep the layout
-    second = pretrain("train", "--out", str(auto), "--max-steps", "6", *FAST, *batch,
-                      "--set", "train.micro_batch_size=auto")  # fmt: skip
+    second = pretrain(
+        "train", "--out", str(auto), "--max-steps", "6", *FAST, *batch, "--set", "train.micro_batch_size=auto"
+    )
     assert second.returncode == 0, second.stderr
     assert "micro-batch 2 x accumulation 4 per rank" in second.stdout and "out of memory" not in second.stdout
     assert_same_run(fixed, auto, 6)
@@ -117,8 +119,15 @@ def test_out_of_memory_halves_the_micro_batch_and_retries_the_same_data(tmp_path
 def test_bench_reports_the_padded_vocab_and_the_chosen_micro_batch(tmp_path):
     from tests.test_performance import _bench
 
-    r = _bench(tmp_path, "--set", "model.vocab_size=1000", "--set", "train.micro_batch_size=auto",
-               "--set", f"train.batch_tokens={4 * 32 * 128}")  # fmt: skip
+    r = _bench(
+        tmp_path,
+        "--set",
+        "model.vocab_size=1000",
+        "--set",
+        "train.micro_batch_size=auto",
+        "--set",
+        f"train.batch_tokens={4 * 32 * 128}",
+    )
     assert r["vocab"] == {"size": 1000, "padded": 1024} and 0 < r["head_flops_share"] < 1
     lay = r["layout"]
     assert lay["micro_batch_rule"] == "auto" and lay["micro_batch_size"] * lay["accum"] == 4 * 32

@@ -110,9 +110,16 @@ def test_export_after_a_corrupt_newest_describes_the_checkpoint_it_exports(tmp_p
 
     # sample --which best (the resolution eval and serve use too) skips it as well, with a warning
     best = pretrain(
-        "sample", "--checkpoint", str(run), "--which", "best", "--max-new-tokens", "4",
-        "--consolidate", str(tmp_path / "best"),
-    )  # fmt: skip
+        "sample",
+        "--checkpoint",
+        str(run),
+        "--which",
+        "best",
+        "--max-new-tokens",
+        "4",
+        "--consolidate",
+        str(tmp_path / "best"),
+    )
     assert best.returncode == 0, best.stderr
     assert "step_000006" in best.stderr and "fails its sha256 check" in best.stderr
     sampled = load_file(str(tmp_path / "best" / "final.safetensors"))

@@ -194,12 +194,32 @@ def test_every_dashboard_query_returns_data_from_a_real_scrape(tmp_path):
         "model.loop.coda=1",
         "model.loop.recurrence=2",
     )
-    args = ["train", "--out", str(run), "--max-steps", "1000000", *FAST,
-            *sets(*looped, "model.loop.deep_supervision=true", "train.eval_every=100", "train.eval_batches=2",
-                  "checkpoint.every_steps=150", "metrics.peak_tflops=1", "metrics.trackers=tensorboard"),
-            "--metrics-port", str(trainer_port),
-            "--budget-cap-usd", "1000", "--price-per-gpu-hour", "1", "--gpus", "1",
-            *sets(f"budget.metrics_port={budget_port}", "budget.poll_seconds=1", "budget.stale_seconds=5")]  # fmt: skip
+    args = [
+        "train",
+        "--out",
+        str(run),
+        "--max-steps",
+        "1000000",
+        *FAST,
+        *sets(
+            *looped,
+            "model.loop.deep_supervision=true",
+            "train.eval_every=100",
+            "train.eval_batches=2",
+            "checkpoint.every_steps=150",
+            "metrics.peak_tflops=1",
+            "metrics.trackers=tensorboard",
+        ),
+        "--metrics-port",
+        str(trainer_port),
+        "--budget-cap-usd",
+        "1000",
+        "--price-per-gpu-hour",
+        "1",
+        "--gpus",
+        "1",
+        *sets(f"budget.metrics_port={budget_port}", "budget.poll_seconds=1", "budget.stale_seconds=5"),
+    ]
     scrape = [
         {
             "job_name": "pretrain-e2e",
@@ -300,10 +320,26 @@ def test_token_counter_counts_every_step_not_only_the_logged_ones(tmp_path):
     log = tmp_path / "trainer.log"
     with open(log, "w") as out:
         trainer = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "train", "--out", str(run), "--max-steps", "1000000", *FAST,
-             "--set", "train.log_every=5", "--metrics-port", str(port)],
-            cwd=REPO, env=cli_env(), stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "app.cli",
+                "train",
+                "--out",
+                str(run),
+                "--max-steps",
+                "1000000",
+                *FAST,
+                "--set",
+                "train.log_every=5",
+                "--metrics-port",
+                str(port),
+            ],
+            cwd=REPO,
+            env=cli_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not any(r.get("step", 0) >= 20 for r in train_rows(run)):

@@ -32,12 +32,29 @@ def alive(pid: int) -> bool:
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_ranks_end_when_the_launcher_is_killed(tmp_path, launcher, when):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", LAUNCHERS[launcher], "--standalone", "--nproc-per-node=2", "-m", "app.train",
-           "--out", str(run), *FAST, "--max-steps", "100000"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        LAUNCHERS[launcher],
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "app.train",
+        "--out",
+        str(run),
+        *FAST,
+        "--max-steps",
+        "100000",
+    ]
     proc = subprocess.Popen(
-        cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cmd,
+        cwd=REPO,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,  # its own process group, as `setsid torchrun ...`
-    )  # fmt: skip
+    )
     try:
         ranks: list[int] = []
         deadline = time.monotonic() + 120

@@ -39,8 +39,20 @@ def guard(run: Path) -> dict | None:
 
 def test_static_price_above_the_ceiling_does_not_start(tmp_path, capsys):
     run = tmp_path / "run"
-    code = cli_main(["train", "--out", str(run), *FAST, "--price-per-gpu-hour", "2.0", "--gpus", "4",
-                     "--max-price-per-gpu-hour", "1.40"])  # fmt: skip
+    code = cli_main(
+        [
+            "train",
+            "--out",
+            str(run),
+            *FAST,
+            "--price-per-gpu-hour",
+            "2.0",
+            "--gpus",
+            "4",
+            "--max-price-per-gpu-hour",
+            "1.40",
+        ]
+    )
     assert code == 0  # a deliberate wait, not a failure
     out = capsys.readouterr().out
     assert "price guard: price $2.0000/GPU-h (static) is above budget.max_price_per_gpu_hour $1.4000" in out
@@ -55,8 +67,19 @@ def test_static_price_above_the_ceiling_does_not_start(tmp_path, capsys):
 def test_file_source_price_is_its_rate_per_gpu(tmp_path, capsys):
     """$12/h over 8 GPUs is $1.50/GPU-h: above 1.40; at $8/h ($1.00) the run trains."""
     run, bill = tmp_path / "run", billing(tmp_path / "bill.json", 12.0)
-    args = ["train", "--out", str(run), *FAST, "--max-steps", "2", "--gpus", "8", "--max-price-per-gpu-hour", "1.4",
-            *sets("budget.source=file", f"budget.source_path={bill}")]  # fmt: skip
+    args = [
+        "train",
+        "--out",
+        str(run),
+        *FAST,
+        "--max-steps",
+        "2",
+        "--gpus",
+        "8",
+        "--max-price-per-gpu-hour",
+        "1.4",
+        *sets("budget.source=file", f"budget.source_path={bill}"),
+    ]
     assert cli_main(args) == 0
     assert "price $1.5000/GPU-h (file)" in capsys.readouterr().out
     assert guard(run)["state"] == "not_started"
@@ -68,8 +91,15 @@ def test_file_source_price_is_its_rate_per_gpu(tmp_path, capsys):
 
 def test_a_price_rise_at_a_poll_stops_gracefully_with_event_and_metrics(tmp_path):
     bill = billing(tmp_path / "bill.json", 8.0)  # 8 GPUs: $1.00/GPU-h
-    cfg = BudgetConfig(cap_usd=1000, gpus=8, source="file", source_path=str(bill), poll_seconds=60,
-                       max_price_per_gpu_hour=1.4, kube="off")  # fmt: skip
+    cfg = BudgetConfig(
+        cap_usd=1000,
+        gpus=8,
+        source="file",
+        source_path=str(bill),
+        poll_seconds=60,
+        max_price_per_gpu_hour=1.4,
+        kube="off",
+    )
     stop = tmp_path / "stop.json"
     handle = start_in_process(cfg, tmp_path, stop, world_size=1)
     api = FakeApiServer()
@@ -107,9 +137,25 @@ def test_a_price_rise_at_a_poll_stops_gracefully_with_event_and_metrics(tmp_path
 @pytest.mark.slow  # a real trainer stopped by a real price rise, then relaunched twice (~20 s)
 def test_trainer_stops_on_a_price_rise_waits_and_resumes(tmp_path):
     run, bill = tmp_path / "run", billing(tmp_path / "bill.json", 1.0)
-    args = ["--out", str(run), *FAST, "--gpus", "1", "--budget-cap-usd", "1000", "--max-price-per-gpu-hour", "1.4",
-            *sets("budget.source=file", f"budget.source_path={bill}", "budget.poll_seconds=0.5",
-                  "budget.stale_seconds=600", "budget.kube='off'", "train.max_steps=100000")]  # fmt: skip
+    args = [
+        "--out",
+        str(run),
+        *FAST,
+        "--gpus",
+        "1",
+        "--budget-cap-usd",
+        "1000",
+        "--max-price-per-gpu-hour",
+        "1.4",
+        *sets(
+            "budget.source=file",
+            f"budget.source_path={bill}",
+            "budget.poll_seconds=0.5",
+            "budget.stale_seconds=600",
+            "budget.kube='off'",
+            "train.max_steps=100000",
+        ),
+    ]
     proc = spawn_train(*args)
     wait_for_step(run, 3, proc)
     billing(bill, 3.0)
@@ -138,8 +184,16 @@ def test_without_a_cap_the_watcher_thread_checks_the_price_alone(tmp_path):
     """budget.cap_usd=0 with a ceiling: the in-process thread still polls the source for the price (and only
     that: no spend is charged), stops gracefully once, posts the Event and counts the stop."""
     bill = billing(tmp_path / "bill.json", 8.0)  # 8 GPUs: $1.00/GPU-h
-    cfg = BudgetConfig(cap_usd=0, gpus=8, source="file", source_path=str(bill), poll_seconds=0.1,
-                       stale_seconds=600, max_price_per_gpu_hour=1.4, kube="off")  # fmt: skip
+    cfg = BudgetConfig(
+        cap_usd=0,
+        gpus=8,
+        source="file",
+        source_path=str(bill),
+        poll_seconds=0.1,
+        stale_seconds=600,
+        max_price_per_gpu_hour=1.4,
+        kube="off",
+    )
     stop = tmp_path / "stop.json"
     stop.write_text(json.dumps({"mode": "graceful", "cause": "budget", "reason": "an earlier run's"}))
     handle = start_in_process(cfg, tmp_path, stop, world_size=1)
@@ -175,10 +229,24 @@ def test_trainer_without_a_cap_stops_on_a_price_rise(tmp_path):
     from tests.prom_helpers import free_port
 
     run, bill, port = tmp_path / "run", billing(tmp_path / "bill.json", 1.0), free_port()
-    args = ["--out", str(run), *FAST, "--gpus", "1", "--max-price-per-gpu-hour", "1.4",
-            *sets("budget.source=file", f"budget.source_path={bill}", "budget.poll_seconds=0.5",
-                  "budget.stale_seconds=600", "budget.kube='off'", f"budget.metrics_port={port}",
-                  "train.max_steps=100000")]  # fmt: skip
+    args = [
+        "--out",
+        str(run),
+        *FAST,
+        "--gpus",
+        "1",
+        "--max-price-per-gpu-hour",
+        "1.4",
+        *sets(
+            "budget.source=file",
+            f"budget.source_path={bill}",
+            "budget.poll_seconds=0.5",
+            "budget.stale_seconds=600",
+            "budget.kube='off'",
+            f"budget.metrics_port={port}",
+            "train.max_steps=100000",
+        ),
+    ]
     proc = spawn_train(*args)
     wait_for_step(run, 3, proc)
     import urllib.request
@@ -205,12 +273,20 @@ def test_launch_above_the_ceiling_posts_a_price_above_max_event(tmp_path, monkey
 
     api = FakeApiServer()
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
-        "users": [{"name": "fake", "user": {"token": "unused"}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": NS}}],
-    }))  # fmt: skip
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "fake",
+                "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
+                "users": [{"name": "fake", "user": {"token": "unused"}}],
+                "contexts": [
+                    {"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": NS}}
+                ],
+            }
+        )
+    )
     from kubernetes.config import kube_config
 
     # the client reads $KUBECONFIG once, at import
@@ -218,9 +294,21 @@ def test_launch_above_the_ceiling_posts_a_price_above_max_event(tmp_path, monkey
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     run = tmp_path / "run"
     try:
-        code = cli_main(["train", "--out", str(run), *FAST, "--price-per-gpu-hour", "2.0", "--gpus", "1",
-                         "--max-price-per-gpu-hour", "1.40",
-                         *sets("budget.kube='on'", f"budget.job_name={JOB}", f"budget.namespace={NS}")])  # fmt: skip
+        code = cli_main(
+            [
+                "train",
+                "--out",
+                str(run),
+                *FAST,
+                "--price-per-gpu-hour",
+                "2.0",
+                "--gpus",
+                "1",
+                "--max-price-per-gpu-hour",
+                "1.40",
+                *sets("budget.kube='on'", f"budget.job_name={JOB}", f"budget.namespace={NS}"),
+            ]
+        )
     finally:
         api.close()
     assert code == 0 and "price guard:" in capsys.readouterr().out
@@ -241,8 +329,15 @@ def test_without_a_cap_under_a_sidecar_the_trainer_says_the_price_is_checked_at_
     from app.config import load_config
     from app.trainer.budget_link import BudgetLink
 
-    cfg = load_config("tiny", overrides=["budget.max_price_per_gpu_hour=1.4", "budget.price_per_gpu_hour=1.0",
-                                         "budget.gpus=1", "budget.in_process=false"])  # fmt: skip
+    cfg = load_config(
+        "tiny",
+        overrides=[
+            "budget.max_price_per_gpu_hour=1.4",
+            "budget.price_per_gpu_hour=1.0",
+            "budget.gpus=1",
+            "budget.in_process=false",
+        ],
+    )
     link = BudgetLink(cfg, tmp_path, tmp_path / "stop.json", is_rank0=True, world_size=1)
     assert link.watcher is None and guard(tmp_path)["state"] == "ok"  # the launch check ran
     (line,) = [r.getMessage() for r in caplog.records if "checked at launch only" in r.getMessage()]

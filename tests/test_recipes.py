@@ -132,10 +132,15 @@ def test_the_two_phase_presets_carry_the_reference_recipes():
         assert cfg.model.effective_depth == 15 and cfg.model.loop.loss_weights == []
         assert cfg.optim.name == "muon" and cfg.train.batch_tokens == 1_048_576
     got = [
-        (c.model.loop.supervision_weight_base, c.model.loop.improvement_reward_scale, c.optim.matrix_lr,
-         c.optim.embedding_lr, c.train.max_steps)
+        (
+            c.model.loop.supervision_weight_base,
+            c.model.loop.improvement_reward_scale,
+            c.optim.matrix_lr,
+            c.optim.embedding_lr,
+            c.train.max_steps,
+        )
         for c in (fast, extreme)
-    ]  # fmt: skip
+    ]
     assert got == [(5.0, 1.0, 1e-3, 1e-2, 1000), (10.0, 2.0, 5e-4, 5e-3, 6000)]  # phase 2: 5000 after 1000
 
 

@@ -246,10 +246,14 @@ def test_two_launchers_on_one_node_state_lose_no_attempt(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     go = tmp_path / "go"
     procs = [
-        subprocess.Popen([sys.executable, "-c", RACE, str(tmp_path), str(n), str(go)], env=env,
-                         stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", RACE, str(tmp_path), str(n), str(go)],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(2)
-    ]  # fmt: skip
+    ]
     time.sleep(0.5)  # both imported and polling
     go.touch()
     for p in procs:

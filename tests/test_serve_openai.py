@@ -222,18 +222,53 @@ def post_bytes(url: str, path: str, body: bytes, content_type: str) -> tuple[int
         ("/v1/completions", b'{"prompt": "a", "logprobs": -1}', "application/json", "logprobs"),
         ("/v1/completions", b'{"prompt": "a", "echo": "yes"}', "application/json", "echo"),
         ("/v1/chat/completions", b"messages=x", "application/x-www-form-urlencoded", None),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "application/json", "messages"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+            "application/json",
+            "messages",
+        ),
         ("/v1/chat/completions", b'{"messages": "hi"}', "application/json", "messages"),
         ("/v1/chat/completions", b'{"messages": []}', "application/json", "messages"),
-        ("/v1/chat/completions", b'{"messages": [{"role": "king", "content": "hi"}]}', "application/json", "messages"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "king", "content": "hi"}]}',
+            "application/json",
+            "messages",
+        ),
         ("/v1/chat/completions", b'{"messages": [{"role": "user"}]}', "application/json", "messages"),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": 0}', "application/json", "max_tokens"),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": 99}', "application/json", "max_tokens"),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "logprobs": true}', "application/json", "logprobs"),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "top_p": 2}', "application/json", "top_p"),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "temprature": 1}', "application/json", "temprature"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": 0}',
+            "application/json",
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": 99}',
+            "application/json",
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "a"}], "logprobs": true}',
+            "application/json",
+            "logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "a"}], "top_p": 2}',
+            "application/json",
+            "top_p",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "a"}], "temprature": 1}',
+            "application/json",
+            "temprature",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_requests_are_4xx_json_never_500(server, path, body, content_type, param):
     before = scrape(server)
     code, err = post_bytes(server, path, body, content_type)
@@ -246,9 +281,11 @@ def test_bad_requests_are_4xx_json_never_500(server, path, body, content_type, p
 
 
 def test_odd_but_valid_values_are_served(server):
-    for body in ('{"prompt": "a", "max_tokens": 2, "seed": 340282366920938463463374607431768211456}',
-                 '{"prompt": "a", "max_tokens": 2, "seed": -5, "top_k": 1000000}',
-                 '{"prompt": [[5, 6], [7]], "max_tokens": 2}'):  # fmt: skip
+    for body in (
+        '{"prompt": "a", "max_tokens": 2, "seed": 340282366920938463463374607431768211456}',
+        '{"prompt": "a", "max_tokens": 2, "seed": -5, "top_k": 1000000}',
+        '{"prompt": [[5, 6], [7]], "max_tokens": 2}',
+    ):
         code, out = raw(server, body)
         assert code == 200, out
     assert [c["index"] for c in out["choices"]] == [0, 1]

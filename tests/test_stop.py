@@ -208,10 +208,21 @@ def test_mfu_floor_checkpoints_and_exits_7_with_its_own_cause(tmp_path):
     train.mfu_floor_minutes under the floor the run saves, says why in one line and exits 7."""
     run = tmp_path / "run"
     proc = pretrain(
-        "train", "--out", str(run), *FAST, "--max-steps", "100000",
-        "--set", "metrics.peak_tflops=1000", "--set", "train.mfu_floor=0.3",
-        "--set", "train.mfu_floor_minutes=0.02", "--set", "train.log_every=2",
-    )  # fmt: skip
+        "train",
+        "--out",
+        str(run),
+        *FAST,
+        "--max-steps",
+        "100000",
+        "--set",
+        "metrics.peak_tflops=1000",
+        "--set",
+        "train.mfu_floor=0.3",
+        "--set",
+        "train.mfu_floor_minutes=0.02",
+        "--set",
+        "train.log_every=2",
+    )
     assert proc.returncode == 7, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "under train.mfu_floor=0.3" in proc.stdout + proc.stderr
     stop = [r for r in train_rows(run, "event") if r.get("event") == "stop"][-1]
@@ -251,10 +262,27 @@ def test_a_stop_waits_for_the_agreement_every_k_steps_and_the_run_resumes_exactl
     every = ["--set", "train.stop_check_every=4", "--set", "train.log_every=1", "--max-steps", "24", *FAST]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert torchrun("--out", str(straight), *every).returncode == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "app.train", "--out", str(stopped), *every]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "app.train",
+        "--out",
+        str(stopped),
+        *every,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         wait_for_step(stopped, 1, proc)
         (stopped / "stop.json").write_text(json.dumps({"mode": "graceful", "cause": "test"}))
@@ -280,14 +308,25 @@ def test_auto_k_keeps_the_agreement_cheap_and_the_stop_delay_bounded():
         StopAgreement,
     )
 
-    stopper = StopAgreement(stop_file=None, planned=PlannedEnd(100), early=EarlyStopping(0, 0.0),
-                            signals=SignalFlag(), bad_steps=BadSteps(5))  # fmt: skip
+    stopper = StopAgreement(
+        stop_file=None,
+        planned=PlannedEnd(100),
+        early=EarlyStopping(0, 0.0),
+        signals=SignalFlag(),
+        bad_steps=BadSteps(5),
+    )
     stopper.costs = [0.004, 0.002, 0.009]  # the cheapest, 2 ms, is the cost; the rest waited for a peer
     assert stopper._k(step_seconds=1.0) == 1  # 2 ms is under 1% of a 1 s step
     assert stopper._k(step_seconds=0.05) == 4  # 2 ms / 0.5 ms
     stopper.costs = [0.05]  # a slow ring: 1% of a 10 ms step would ask for k=500
     assert stopper._k(step_seconds=0.01) == int(MAX_STOP_DELAY / 0.01)  # capped by the stop delay
-    fixed = StopAgreement(stop_file=None, planned=PlannedEnd(100), early=EarlyStopping(0, 0.0),
-                          signals=SignalFlag(), bad_steps=BadSteps(5), every=3)  # fmt: skip
+    fixed = StopAgreement(
+        stop_file=None,
+        planned=PlannedEnd(100),
+        early=EarlyStopping(0, 0.0),
+        signals=SignalFlag(),
+        bad_steps=BadSteps(5),
+        every=3,
+    )
     fixed.costs = [1.0]
     assert fixed._k(step_seconds=0.001) == 3  # train.stop_check_every wins

@@ -91,9 +91,18 @@ def test_dryrun_needs_the_queue(tmp_path):
 @pytest.mark.parametrize(("gpus", "nodes", "per_node"), [(16, 2, 8), (4, 1, 4), (64, 8, 8)])
 def test_train_component_dryrun(gpus, nodes, per_node):
     proc = torchx(
-        "run", "--dryrun", "-s", "kubernetes", "app/components.py:train",
-        "--gpus", str(gpus), "--budget_cap_usd", "500", "--gpu_type", "h100-80gb",
-    )  # fmt: skip
+        "run",
+        "--dryrun",
+        "-s",
+        "kubernetes",
+        "app/components.py:train",
+        "--gpus",
+        str(gpus),
+        "--budget_cap_usd",
+        "500",
+        "--gpu_type",
+        "h100-80gb",
+    )
     assert proc.returncode == 0, proc.stderr
     job = scheduler_request(proc.stdout)
     pods = task_pods(job)
@@ -121,9 +130,18 @@ def test_train_component_refuses_uneven_gpus():
 
 def test_prepare_component_dryrun():
     proc = torchx(
-        "run", "--dryrun", "-s", "kubernetes", "app/components.py:prepare",
-        "--input", "hf://datasets/karpathy/tinyshakespeare", "--tokenizer", "char", "--workers", "8",
-    )  # fmt: skip
+        "run",
+        "--dryrun",
+        "-s",
+        "kubernetes",
+        "app/components.py:prepare",
+        "--input",
+        "hf://datasets/karpathy/tinyshakespeare",
+        "--tokenizer",
+        "char",
+        "--workers",
+        "8",
+    )
     assert proc.returncode == 0, proc.stderr
     (pod,) = task_pods(scheduler_request(proc.stdout))
     (c,) = pod["containers"]
@@ -164,10 +182,27 @@ def test_local_cwd_runs_the_trainer(tmp_path):
     """`torchx run -s local_cwd dist.ddp` (repo defaults + overrides) trains 3 steps with 2 processes."""
     out = tmp_path / "run"
     proc = torchx(
-        "run", "-s", "local_cwd", "-cfg", f"log_dir={tmp_path / 'logs'}", "dist.ddp", "-j", "1x2", "--gpu", "0",
-        "--", "--preset", "tiny", "--max-steps", "3", "--out", str(out), "--set", "train.eval_every=2",
+        "run",
+        "-s",
+        "local_cwd",
+        "-cfg",
+        f"log_dir={tmp_path / 'logs'}",
+        "dist.ddp",
+        "-j",
+        "1x2",
+        "--gpu",
+        "0",
+        "--",
+        "--preset",
+        "tiny",
+        "--max-steps",
+        "3",
+        "--out",
+        str(out),
+        "--set",
+        "train.eval_every=2",
         timeout=900,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "SUCCEEDED" in proc.stderr
     step3 = out / "checkpoints" / "step_000003"
@@ -188,12 +223,37 @@ def test_local_cwd_train_component(tmp_path):
     """The `train` component on CPU: 2 processes, no volumes, the in-process budget guard on."""
     out = tmp_path / "run"
     proc = torchx(
-        "run", "-s", "local_cwd", "-cfg", f"log_dir={tmp_path / 'logs'}", "app/components.py:train",
-        "--gpus", "0", "--nproc", "2", "--data_pvc", "", "--ckpt_pvc", "", "--data", "", "--metrics_port", "0",
-        "--out", str(out), "--budget_cap_usd", "5", "--price_per_gpu_hour", "1",
-        "--", "--preset", "tiny", "--max-steps", "2",
+        "run",
+        "-s",
+        "local_cwd",
+        "-cfg",
+        f"log_dir={tmp_path / 'logs'}",
+        "app/components.py:train",
+        "--gpus",
+        "0",
+        "--nproc",
+        "2",
+        "--data_pvc",
+        "",
+        "--ckpt_pvc",
+        "",
+        "--data",
+        "",
+        "--metrics_port",
+        "0",
+        "--out",
+        str(out),
+        "--budget_cap_usd",
+        "5",
+        "--price_per_gpu_hour",
+        "1",
+        "--",
+        "--preset",
+        "tiny",
+        "--max-steps",
+        "2",
         timeout=900,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "checkpoints" / "step_000002" / "meta.json").exists()
     assert (out / "budget" / "ledger.json").exists(), "the in-process guard keeps the ledger"

@@ -66,7 +66,7 @@ FIELD_HELP = {
     "metrics_port": f"Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0 = off)",
     "idle_allowance_seconds": "time charged to the cap before the trainer first reports training (a data wait, "
     "a crash loop); the rest is recorded as unbilled in the ledger",
-}  # fmt: skip
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -82,9 +82,17 @@ def check_price_at_launch(cfg: BudgetConfig, run_dir: Path, world_size: int, is_
     above = price > ceiling
     reason = above_reason(price, ceiling, source, "not starting") if above else ""
     if is_rank0:
-        record(run_dir, {"state": "not_started" if above else "ok", "price_per_gpu_hour": price,
-                         "max_price_per_gpu_hour": ceiling, "source": source, "reason": reason,
-                         "unix": now})  # fmt: skip
+        record(
+            run_dir,
+            {
+                "state": "not_started" if above else "ok",
+                "price_per_gpu_hour": price,
+                "max_price_per_gpu_hour": ceiling,
+                "source": source,
+                "reason": reason,
+                "unix": now,
+            },
+        )
         if above and (kube := KubeActions.from_config(cfg)):
             kube.event("PriceAboveMax", reason)
     if above:
@@ -112,9 +120,18 @@ class PriceGuard:
         self.stopped = True
         reason = above_reason(price, self.ceiling, source, "stopping gracefully")
         write_stop_file(watcher.stop_file, "graceful", reason, now)
-        record(watcher.run_dir, {"state": "stopped", "price_per_gpu_hour": price, "source": source,
-                                 "max_price_per_gpu_hour": self.ceiling, "reason": reason, "unix": now},
-               ledger)  # fmt: skip
+        record(
+            watcher.run_dir,
+            {
+                "state": "stopped",
+                "price_per_gpu_hour": price,
+                "source": source,
+                "max_price_per_gpu_hour": self.ceiling,
+                "reason": reason,
+                "unix": now,
+            },
+            ledger,
+        )
         log.warning("budget price stop: %s", reason)
         if m:
             m.price_stops.inc()

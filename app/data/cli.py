@@ -27,36 +27,76 @@ def _count(text: str) -> int:
 # flag, type, default, metavar (None: from the flag), help; config_from_args maps them onto PrepareConfig
 VALUE_FLAGS = [
     ("--text-column", str, "text", None, "parquet column / jsonl field holding the text (default: text)"),
-    ("--tokenizer", str, "bpe", "bpe|char|PATH|hf://OWNER/NAME", "bpe: train a byte-level BPE on a sample of the "
-     "input (default); char: a character vocabulary; PATH: a tokenizer.json (or a dir holding one, e.g. another "
-     "data dir); hf://OWNER/NAME: the tokenizer.json of a Hub model repo (e.g. hf://openai-community/gpt2)"),
+    (
+        "--tokenizer",
+        str,
+        "bpe",
+        "bpe|char|PATH|hf://OWNER/NAME",
+        "bpe: train a byte-level BPE on a sample of the "
+        "input (default); char: a character vocabulary; PATH: a tokenizer.json (or a dir holding one, e.g. another "
+        "data dir); hf://OWNER/NAME: the tokenizer.json of a Hub model repo (e.g. hf://openai-community/gpt2)",
+    ),
     ("--vocab-size", _count, None, None, "BPE vocabulary size to train (default: 32768)"),
-    ("--tokenizer-sample-bytes", _count, 256 * 10**6, "N", "train the tokenizer on the first N bytes of training "
-     "documents (default: 256M)"),
-    ("--char-alphabet", str, "", "CHARS", "with --tokenizer char: a fixed alphabet (other characters map to one "
-     "unknown id) instead of the characters seen in the sample"),
-    ("--val-fraction", float, 0.01, None, "share of documents held out for validation: every round(1/F)-th "
-     "document (default: 0.01)"),
+    (
+        "--tokenizer-sample-bytes",
+        _count,
+        256 * 10**6,
+        "N",
+        "train the tokenizer on the first N bytes of training documents (default: 256M)",
+    ),
+    (
+        "--char-alphabet",
+        str,
+        "",
+        "CHARS",
+        "with --tokenizer char: a fixed alphabet (other characters map to one "
+        "unknown id) instead of the characters seen in the sample",
+    ),
+    (
+        "--val-fraction",
+        float,
+        0.01,
+        None,
+        "share of documents held out for validation: every round(1/F)-th document (default: 0.01)",
+    ),
     ("--shard-tokens", _count, 50 * 10**6, None, "tokens per shard (default: 50M)"),
     ("--workers", int, 0, None, "tokenizer processes (default: 0 = every available core)"),
     ("--doc-chars", _count, 4000, None, "document size for --txt-split paragraph"),
     ("--revision", str, None, None, "for hf:// inputs: branch, tag or commit (default: main)"),
-    ("--cache-dir", str, None, None, "where Hub downloads are cached and resumed (default: HF_HUB_CACHE or "
-     "~/.cache/huggingface/hub)"),
+    (
+        "--cache-dir",
+        str,
+        None,
+        None,
+        "where Hub downloads are cached and resumed (default: HF_HUB_CACHE or ~/.cache/huggingface/hub)",
+    ),
     ("--log-every", float, 30.0, None, "seconds between progress log lines (default: 30)"),
-]  # fmt: skip
+]
 
 # flag, choices (the first is the default), help
 CHOICE_FLAGS = [
-    ("--dtype", ("auto", "uint16", "uint32"), "token id width on disk; auto = uint16 when the vocabulary fits "
-     "(default: auto)"),
-    ("--txt-split", ("file", "line", "paragraph"), "how .txt inputs become documents: one per file (default), "
-     "one per line, or runs of blank-line separated paragraphs of about --doc-chars characters"),
-    ("--verify", ("sha256", "size"), "how a re-run checks shards already written before skipping them "
-     "(default: sha256)"),
-    ("--progress", ("auto", "bar", "log", "none"), "progress display: a bar on a terminal, else a log line every "
-     "--log-every seconds (default: auto)"),
-]  # fmt: skip
+    (
+        "--dtype",
+        ("auto", "uint16", "uint32"),
+        "token id width on disk; auto = uint16 when the vocabulary fits (default: auto)",
+    ),
+    (
+        "--txt-split",
+        ("file", "line", "paragraph"),
+        "how .txt inputs become documents: one per file (default), "
+        "one per line, or runs of blank-line separated paragraphs of about --doc-chars characters",
+    ),
+    (
+        "--verify",
+        ("sha256", "size"),
+        "how a re-run checks shards already written before skipping them (default: sha256)",
+    ),
+    (
+        "--progress",
+        ("auto", "bar", "log", "none"),
+        "progress display: a bar on a terminal, else a log line every --log-every seconds (default: auto)",
+    ),
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

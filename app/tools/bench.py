@@ -117,8 +117,16 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
         source = SyntheticBatches(m.vocab_size, m.seq_len, t.micro_batch_size, env.rank, t.seed)
         batches = Prefetcher(source, device, t.prefetch)
         log = StepLog(env)
-        parts = dict(model=model, optimizer=optimizer, batches=batches, accum=accum,
-                     autocast=autocast_for(cfg, device), grad_clip=cfg.optim.grad_clip, lr=cfg.optim.lr, log=log)  # fmt: skip
+        parts = dict(
+            model=model,
+            optimizer=optimizer,
+            batches=batches,
+            accum=accum,
+            autocast=autocast_for(cfg, device),
+            grad_clip=cfg.optim.grad_clip,
+            lr=cfg.optim.lr,
+            log=log,
+        )
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -169,7 +177,7 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
                 "seq_len": m.seq_len,
                 "accum": accum,
                 "micro_batch_rule": "auto" if auto else "fixed",
-            },  # fmt: skip
+            },
             "vocab": {"size": m.vocab_size, "padded": m.padded_vocab},
             "head_flops_share": 1 - flops_per_token(dataclasses.replace(m, vocab_size=0)) / fpt,
             "steps": steps,

@@ -17,7 +17,16 @@ from typing import Any
 from app.errors import UserError
 from app.files import atomic_write_json, check_writable_dir
 
-KEEP = ("results", "groups", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better", "n-samples")  # fmt: skip
+KEEP = (
+    "results",
+    "groups",
+    "group_subtasks",
+    "configs",
+    "versions",
+    "n-shot",
+    "higher_is_better",
+    "n-samples",
+)
 
 
 def make_lm(scorer):

@@ -349,7 +349,7 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
             "tensors": weights["tensors"],
             "tied": weights["tied"],
             **vocab_rows(config.get("model") or {}),
-        },  # fmt: skip
+        },
         "evals": benchmarks,
         "files": files,
         "sha256": {name: sha256_file(out / name) for name in files if name != "manifest.json"},

@@ -139,7 +139,11 @@ def create_app(engine, tok, model_name: str, info: dict, max_body_bytes: int, ch
             if not chat:
                 lp = None if logprobs is None or entries is None else api.logprobs_body(entries, offset)
                 return {"text": text, "index": index, "logprobs": lp, "finish_reason": finish}
-            said = {"delta": {} if text is None else {"content": text}} if req.stream else {"message": {"role": "assistant", "content": text}}  # fmt: skip
+            said = (
+                {"delta": {} if text is None else {"content": text}}
+                if req.stream
+                else {"message": {"role": "assistant", "content": text}}
+            )
             return {"index": index, **said, "logprobs": None, "finish_reason": finish}
 
         if not req.stream:
@@ -153,7 +157,9 @@ def create_app(engine, tok, model_name: str, info: dict, max_body_bytes: int, ch
             offset = 0
             try:
                 if chat:
-                    yield api.sse_data(envelope([{**choice("", None), "delta": {"role": "assistant", "content": ""}}]))  # fmt: skip
+                    yield api.sse_data(
+                        envelope([{**choice("", None), "delta": {"role": "assistant", "content": ""}}])
+                    )
                 while (event := await job.events.get())[0] == "text":
                     yield api.sse_data(envelope([choice(event[1], None, 0, event[2], offset)]))
                     offset += sum(len(e[0]) for e in event[2])

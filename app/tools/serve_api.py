@@ -81,7 +81,11 @@ def parse(raw: bytes, model: type) -> Any:
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):  # not JSON, not UTF-8 (a form post), or nested absurdly deep
-        raise RequestError(None, "the body is not valid JSON; send a JSON object (Content-Type: application/json)", code="json_invalid") from None  # fmt: skip
+        raise RequestError(
+            None,
+            "the body is not valid JSON; send a JSON object (Content-Type: application/json)",
+            code="json_invalid",
+        ) from None
     if not isinstance(body, dict):
         raise RequestError(None, "the body must be a JSON object", code="invalid_type")
     for key, value in body.items():

@@ -43,24 +43,53 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
 
 # flag, type, metavar, help: the value flags of `pretrain train` (each sets the config key it names)
 VALUE_FLAGS = [
-    ("--out", str, "RUN_DIR", "run directory: checkpoints/, metrics.jsonl, status.json, budget/ (default: runs/<preset>)"),
+    (
+        "--out",
+        str,
+        "RUN_DIR",
+        "run directory: checkpoints/, metrics.jsonl, status.json, budget/ (default: runs/<preset>)",
+    ),
     ("--max-steps", int, "N", "planned end after N optimizer steps (train.max_steps)"),
-    ("--resume", str, "auto|never|PATH", "auto: continue from the newest valid checkpoint in RUN_DIR (default); "
-     "never: start fresh; PATH: a run dir or a checkpoints/step_NNNNNN dir"),
-    ("--stop-file", str, "PATH", 'poll this JSON file each step; {"mode": "graceful"|"immediate"} stops the run '
-     "(default: RUN_DIR/stop.json)"),
+    (
+        "--resume",
+        str,
+        "auto|never|PATH",
+        "auto: continue from the newest valid checkpoint in RUN_DIR (default); "
+        "never: start fresh; PATH: a run dir or a checkpoints/step_NNNNNN dir",
+    ),
+    (
+        "--stop-file",
+        str,
+        "PATH",
+        'poll this JSON file each step; {"mode": "graceful"|"immediate"} stops the run '
+        "(default: RUN_DIR/stop.json)",
+    ),
     ("--metrics-port", int, "PORT", "serve Prometheus /metrics on this port (metrics.port; 0 = off)"),
     ("--budget-cap-usd", float, "X", "stop gracefully before spend reaches X dollars (budget.cap_usd)"),
-    ("--price-per-gpu-hour", float, "P", "price of one GPU-hour in dollars for static spend tracking "
-     "(budget.price_per_gpu_hour)"),
+    (
+        "--price-per-gpu-hour",
+        float,
+        "P",
+        "price of one GPU-hour in dollars for static spend tracking (budget.price_per_gpu_hour)",
+    ),
     ("--gpus", int, "N", "GPUs billed (budget.gpus; default: the world size)"),
-    ("--max-price-per-gpu-hour", float, "USD", "launch price guard: do not start (exit 0) while a GPU-hour costs "
-     "more (budget.max_price_per_gpu_hour)"),
-    ("--gpu-type", str, "T", "GPU type (b200, h200, h100-sxm, a100-80gb, ...): prices the run (budget.gpu_type), "
-     "sets the MFU peak (metrics.gpu_type) and picks the micro-batch x accumulation that fits its memory at "
-     "--gpus N (or the torchrun world size), as `pretrain plan --preset P` prints it; an explicit "
-     "--set train.micro_batch_size wins"),
-]  # fmt: skip
+    (
+        "--max-price-per-gpu-hour",
+        float,
+        "USD",
+        "launch price guard: do not start (exit 0) while a GPU-hour costs "
+        "more (budget.max_price_per_gpu_hour)",
+    ),
+    (
+        "--gpu-type",
+        str,
+        "T",
+        "GPU type (b200, h200, h100-sxm, a100-80gb, ...): prices the run (budget.gpu_type), "
+        "sets the MFU peak (metrics.gpu_type) and picks the micro-batch x accumulation that fits its memory at "
+        "--gpus N (or the torchrun world size), as `pretrain plan --preset P` prints it; an explicit "
+        "--set train.micro_batch_size wins",
+    ),
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -136,8 +165,10 @@ def print_config(cfg: Config) -> int:
     cfg.model.vocab_size = m = vocab_for_estimates(cfg)
     counts = count_parameters(cfg.model)
     print(f"# parameters: {counts.total:,} total, {counts.non_embedding:,} non-embedding{note}")
-    print(f"# vocabulary: {m:,} tokens; embedding and head padded to {cfg.model.padded_vocab:,} rows "
-          f"(model.vocab_multiple={cfg.model.vocab_multiple}): {counts.padding:,} of the parameters, never read")  # fmt: skip
+    print(
+        f"# vocabulary: {m:,} tokens; embedding and head padded to {cfg.model.padded_vocab:,} rows "
+        f"(model.vocab_multiple={cfg.model.vocab_multiple}): {counts.padding:,} of the parameters, never read"
+    )
     print(f"# training FLOPs per token: {flops_per_token(cfg.model):,.0f}")
     if cfg.train.micro_batch_size == "auto":
         print("\n".join(_auto_micro_batch_lines(cfg)))

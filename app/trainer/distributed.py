@@ -132,8 +132,10 @@ class PeerWatch:
         self.store.set(f"node/{self.rank}", f"node {os.environ.get('GROUP_RANK', '?')} ({host})")
         self.store.add(f"beat/{self.rank}", 1)  # seen from now on, even if stopped at once
         atexit.register(self.end)
-        self.threads = [threading.Thread(target=self._watch, name="peer-watch", daemon=True),
-                        threading.Thread(target=self._deadman, name="peer-watch-store", daemon=True)]  # fmt: skip
+        self.threads = [
+            threading.Thread(target=self._watch, name="peer-watch", daemon=True),
+            threading.Thread(target=self._deadman, name="peer-watch-store", daemon=True),
+        ]
         for t in self.threads:
             t.start()
 

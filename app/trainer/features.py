@@ -8,8 +8,12 @@ from __future__ import annotations
 import importlib
 
 # NGC PyTorch release notes, 25.12: torch 2.10 (>= 2.9, so torch.optim.Muon), CUDA 13.1, Python 3.12.
-BASE = {"image": "nvcr.io/nvidia/pytorch:25.12-py3", "torch": "2.10.0a0+b4e4ee81d3", "cuda": "13.1.0",
-        "python": "3.12"}  # fmt: skip
+BASE = {
+    "image": "nvcr.io/nvidia/pytorch:25.12-py3",
+    "torch": "2.10.0a0+b4e4ee81d3",
+    "cuda": "13.1.0",
+    "python": "3.12",
+}
 
 
 def _sdpa_gqa(cfg) -> bool:
@@ -41,14 +45,24 @@ def _torchao(cfg) -> bool:
 FEATURES = [
     ("torch.optim.Muon", "2.9", "muon", ("torch.optim", "Muon"), "use optim.name=adamw"),
     ("scaled_dot_product_attention(enable_gqa=...)", "2.5", "all", _sdpa_gqa, ""),
-    ("FSDP2 fully_shard in torch.distributed.fsdp", "2.6", "fsdp", ("torch.distributed.fsdp", "fully_shard"),
-     "use train.parallel=ddp"),
+    (
+        "FSDP2 fully_shard in torch.distributed.fsdp",
+        "2.6",
+        "fsdp",
+        ("torch.distributed.fsdp", "fully_shard"),
+        "use train.parallel=ddp",
+    ),
     ("public DTensor (torch.distributed.tensor)", "2.5", "all", ("torch.distributed.tensor", "DTensor"), ""),
     ("torch.compiler.set_stance", "2.6", "all", ("torch.compiler", "set_stance"), ""),
-    ("torch.compile mode max-autotune-no-cudagraphs", "2.1", "compile", _compile_mode,
-     "use train.compile_mode=default"),
+    (
+        "torch.compile mode max-autotune-no-cudagraphs",
+        "2.1",
+        "compile",
+        _compile_mode,
+        "use train.compile_mode=default",
+    ),
     ("torchao's float8 training (the torchao package)", None, "fp8", _torchao, "remove train.fp8"),
-]  # fmt: skip
+]
 
 
 def present(probe, cfg) -> bool:
@@ -67,8 +81,13 @@ def require(cfg, fsdp: bool, compiled: bool) -> None:
     from app.errors import ConfigError
     from app.trainer.fp8 import fp8_mode
 
-    runs = {"all": True, "muon": cfg.optim.name == "muon", "fsdp": fsdp, "compile": compiled,
-            "fp8": fp8_mode(cfg.train.fp8) != "false"}  # fmt: skip
+    runs = {
+        "all": True,
+        "muon": cfg.optim.name == "muon",
+        "fsdp": fsdp,
+        "compile": compiled,
+        "fp8": fp8_mode(cfg.train.fp8) != "false",
+    }
     for name, first, needed_by, probe, fix in FEATURES:
         if not runs[needed_by] or present(probe, cfg):
             continue

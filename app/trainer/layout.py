@@ -103,8 +103,16 @@ def auto_micro_batch(cfg: Config, world_size: int, device, keep: int = 0, at_mos
     per_rank = cfg.train.batch_tokens // (cfg.model.seq_len * world_size)
     cuda = getattr(device, "type", device) == "cuda"
     if keep and per_rank % keep == 0 and per_rank * cfg.model.seq_len * world_size == cfg.train.batch_tokens:
-        return Layout("ranks (resumed)", world_size, keep, per_rank // keep, cfg.train.parallel,
-                      cfg.train.activation_checkpointing, 0.0, 0.0)  # fmt: skip
+        return Layout(
+            "ranks (resumed)",
+            world_size,
+            keep,
+            per_rank // keep,
+            cfg.train.parallel,
+            cfg.train.activation_checkpointing,
+            0.0,
+            0.0,
+        )
     have, _ = device_memory_bytes(cfg, device)
     if have is None:
         have = host_memory_bytes() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -149,8 +157,10 @@ def halve_after_oom(cfg: Config, world_size: int, run_dir: Path, warn) -> int:
     smaller = next((d for d in range(t.micro_batch_size // 2, 0, -1) if per_rank % d == 0), 0)
     if smaller:
         atomic_write_json(run_dir / OOM_RECORD, {"micro_batch_size": smaller})
-        warn(f"out of memory at micro-batch {t.micro_batch_size}: from now on at most {smaller} "
-             f"({run_dir / OOM_RECORD})")  # fmt: skip
+        warn(
+            f"out of memory at micro-batch {t.micro_batch_size}: from now on at most {smaller} "
+            f"({run_dir / OOM_RECORD})"
+        )
     return smaller
 
 

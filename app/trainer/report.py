@@ -211,9 +211,16 @@ class Reporter:
             self.metrics.node_tps.set(tps * self.env.local_world_size / self.env.world_size)
         g = self.global_metrics
         if g is not None:
-            for gauge, value in ((g.train_loss, r.loss), (g.lr, r.lr), (g.grad_norm, r.grad_norm), (g.tps, tps),
-                                 (g.step_seconds, step_seconds), (g.data_wait, data_wait_seconds),
-                                 (g.planned_end, time.time() + seconds_to_planned_end), (g.spike, int(spike))):  # fmt: skip
+            for gauge, value in (
+                (g.train_loss, r.loss),
+                (g.lr, r.lr),
+                (g.grad_norm, r.grad_norm),
+                (g.tps, tps),
+                (g.step_seconds, step_seconds),
+                (g.data_wait, data_wait_seconds),
+                (g.planned_end, time.time() + seconds_to_planned_end),
+                (g.spike, int(spike)),
+            ):
                 gauge.set(value)
             if mfu is not None:
                 g.mfu.set(mfu)

@@ -37,8 +37,16 @@ class StopCause(IntEnum):
 
 # Which cause wins when ranks disagree (the agreement takes the MAX of these positions): a low MFU is a
 # graceful stop, below a preemption, an immediate stop and divergence (values are the gauge's codes).
-SEVERITY = (StopCause.NONE, StopCause.PLANNED, StopCause.EARLY, StopCause.BUDGET, StopCause.LOW_MFU,
-            StopCause.PREEMPTED, StopCause.IMMEDIATE, StopCause.DIVERGED)  # fmt: skip
+SEVERITY = (
+    StopCause.NONE,
+    StopCause.PLANNED,
+    StopCause.EARLY,
+    StopCause.BUDGET,
+    StopCause.LOW_MFU,
+    StopCause.PREEMPTED,
+    StopCause.IMMEDIATE,
+    StopCause.DIVERGED,
+)
 
 
 @dataclass
@@ -349,8 +357,10 @@ class StopAgreement:
         )
         self.costs = [*self.costs[-15:], time.perf_counter() - start]
         if every != self.every:
-            self.say(f"stop agreement: every {every} steps (cost {min(self.costs) * 1e3:.2f} ms, "
-                     f"step {step_seconds * 1e3:.1f} ms; a stop waits up to {every} steps)")  # fmt: skip
+            self.say(
+                f"stop agreement: every {every} steps (cost {min(self.costs) * 1e3:.2f} ms, "
+                f"step {step_seconds * 1e3:.1f} ms; a stop waits up to {every} steps)"
+            )
         self.every = every
         if code == mine.encode():
             return mine, decay, bool(save)
