@@ -1,6 +1,7 @@
-"""lm-eval's own API client (`local-completions`) against `pretrain serve`: multiple-choice tasks (local
-task YAMLs over local jsonl files) scored through /v1/completions (token ids, `echo`, `logprobs`) give, per
-choice, the log-likelihoods that `pretrain eval` computes in-process, and the known accuracies."""
+"""lm-eval's own API client (`local-completions`) against `pretrain serve` with an API key (lm-eval sends
+$OPENAI_API_KEY): multiple-choice tasks (local task YAMLs over local jsonl files) scored through
+/v1/completions (token ids, `echo`, `logprobs`) give, per choice, the log-likelihoods that `pretrain eval`
+computes in-process, and the known accuracies."""
 
 from __future__ import annotations
 
@@ -51,7 +52,11 @@ def test_lm_eval_local_completions_through_pretrain_serve(known, tmp_path, monke
             bootstrap_iters=0,
         )
 
-    url, proc = start_server("--checkpoint", str(info.path), "--model-name", "tiny")
+    key = "sk-eval-key"
+    monkeypatch.setenv("OPENAI_API_KEY", key)
+    url, proc = start_server(
+        "--checkpoint", str(info.path), "--model-name", "tiny", env={"PRETRAIN_API_KEY": key}
+    )
     try:
         served = evaluate(
             "local-completions",

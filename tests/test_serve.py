@@ -30,12 +30,13 @@ def run_dir() -> Path:
     return trained_run()
 
 
-def start_server(*args: str) -> tuple[str, subprocess.Popen]:
-    """`pretrain serve ... --port 0` in a subprocess; (base URL, process) once /health answers."""
+def start_server(*args: str, env: dict[str, str] | None = None) -> tuple[str, subprocess.Popen]:
+    """`pretrain serve ... --port 0` in a subprocess (`env` added to its environment); (base URL, process)
+    once /health answers. The rest of its output (stdout and stderr) stays in proc.stdout."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "serve", "--port", "0", *args],
         cwd=REPO,
-        env=cli_env(),
+        env=cli_env(**(env or {})),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

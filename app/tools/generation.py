@@ -100,9 +100,10 @@ class ServeMetrics:
         self.registry = r = CollectorRegistry()
         status = "API requests by HTTP status (499: the client hung up before the end)"
         self.requests = Counter("pretrain_serve_requests", status, ["status"], registry=r)
-        why = "Requests turned away with 503, by reason: queue_full, shutting_down"
+        why = "Requests turned away by reason: queue_full, shutting_down (503), missing/invalid_api_key (401)"
         self.rejected = Counter("pretrain_serve_rejected", why, ["reason"], registry=r)
-        for reason in ("queue_full", "shutting_down"):  # series at 0 from the start, for panels and alerts
+        reasons = ("queue_full", "shutting_down", "missing_api_key", "invalid_api_key")
+        for reason in reasons:  # series at 0 from the start, for panels and alerts
             self.rejected.labels(reason=reason)
         self.prompt_tokens = Counter("pretrain_serve_prompt_tokens", "Prompt tokens read", registry=r)
         self.completion_tokens = Counter("pretrain_serve_completion_tokens", "Tokens generated", registry=r)

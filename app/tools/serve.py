@@ -1,16 +1,18 @@
 """`pretrain serve`: an OpenAI-compatible server for a checkpoint (FastAPI + uvicorn).
 
 GET /health, GET /v1/models[/{id}], POST /v1/completions and /v1/chat/completions (server-sent events when
-streamed), GET /metrics (Prometheus); docs/serving.md lists their fields. Bad requests get a 4xx in
-OpenAI's error shape (app/tools/serve_api.py); 503 when --max-queue requests are already waiting, or once
-SIGTERM has arrived: the requests in flight then have --grace-seconds to finish, after which they end with
-finish_reason "cancelled" (streams still send `[DONE]`). Requests in flight are decoded together
-(app/tools/generation.py).
+streamed), GET /metrics (Prometheus); docs/serving.md lists their fields. With --api-key (or
+$PRETRAIN_API_KEY) every path but /health needs `Authorization: Bearer <key>`, else 401. Bad requests get
+a 4xx in OpenAI's error shape (app/tools/serve_api.py); 503 when --max-queue requests are already
+waiting, or once SIGTERM has arrived: the requests in flight then have --grace-seconds to finish, after
+which they end with finish_reason "cancelled" (streams still send `[DONE]`). Requests in flight are
+decoded together (app/tools/generation.py).
 """
 
 # No `from __future__ import annotations`: FastAPI reads the handlers' parameter types at runtime.
 import argparse
 import asyncio
+import ipaddress
 import secrets
 import socket
 import sys
@@ -190,6 +192,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add = p.add_argument
     add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 in a pod)")
     add("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    add(
+        "--api-key",
+        metavar="KEY[,KEY...]",
+        help=f"keys a client must send as 'Authorization: Bearer KEY' on every path but /health (401 otherwise);"
+        f" default ${api.KEY_ENV}, which keeps them out of `ps` and shell history; neither: no key",
+    )
     add("--model-name", default="", help="the id clients pass as `model` (default: the run dir's name)")
     add("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA when available (bf16)")
     add("--max-queue", type=int, default=64, metavar="N", help="requests that may wait; more get 503 (64)")
@@ -227,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
     for flag, low in minimums.items():
         if not (value := getattr(args, flag[2:].replace("-", "_"))) >= low:  # NaN too
             raise UserError(f"{flag} must be >= {low}, got {value}")
+    keys = api.api_keys(args.api_key)
     import torch
     import uvicorn
 
@@ -247,7 +256,12 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(engine, tok, name, info, args.max_body_bytes, chat_template)
         host, port = sock.getsockname()[:2]
         print(f"serving {ckpt.path} (step {ckpt.step}) as '{name}' on http://{host}:{port}/v1", flush=True)
-        gated = api.gate(app, engine.metrics, app.state)
+        if keys:
+            print(f"API key required on every path but /health ({len(keys)} key(s) accepted)", flush=True)
+        elif not ipaddress.ip_address(host).is_loopback:
+            why = f"no API key (--api-key or ${api.KEY_ENV}): anyone who reaches {host}:{port} may use the model"
+            print(f"warning: {why}", file=sys.stderr, flush=True)
+        gated = api.gate(app, engine.metrics, app.state, keys)
         config = uvicorn.Config(gated, log_level=args.log_level, timeout_graceful_shutdown=5)
         api.draining_server(uvicorn.Server, app.state, engine, args.grace_seconds)(config).run(sockets=[sock])
     finally:

@@ -1,5 +1,6 @@
 """The HTTP side of `pretrain serve` around its endpoints: OpenAI's request bodies (parsing, checks, the
-chat template, logprobs' shape), the request gate (status counts, in-flight requests) and the drain.
+chat template, logprobs' shape), the API keys, the request gate (keys, status counts, in-flight requests)
+and the drain.
 
 Everything a client can send wrong ends here as a RequestError (a 4xx in OpenAI's error shape), before
 any of it reaches the model: a body that is not JSON (a form post), a lone UTF-16 surrogate, a wrong
@@ -7,11 +8,16 @@ type ("5" is not coerced), an unknown field (a typo is not ignored), a value out
 """
 
 # No `from __future__ import annotations`: pydantic reads the field types from the live annotations.
+import hashlib
+import hmac
 import json
+import os
 import threading
 import time
 from itertools import accumulate
 from typing import Any
+
+from app.errors import UserError
 
 MAX_LOGPROBS = 20
 # The plain chat template for a tokenizer without its own (a base model knows no chat format).
@@ -189,14 +195,66 @@ def logprobs_body(entries: list, offset: int) -> dict:
     return {**body, "text_offset": list(accumulate((len(e[0]) for e in entries), initial=offset))[:-1]}
 
 
-def gate(app, metrics, state):
-    """Pure ASGI, around the app: counts every API answer by its status (499 when the client hung up
-    before the end, 500 for a crash) and the requests in flight; once draining, answers 503."""
+# ---------------------------------------------------------------- API keys
+
+KEY_ENV = "PRETRAIN_API_KEY"
+OPEN_PATHS = ("/health",)  # for probes: everything else, /metrics included, needs a key when keys are set
+UNAUTHORIZED = {
+    "missing_api_key": "no API key: send 'Authorization: Bearer <key>' (the openai client's api_key)",
+    "invalid_api_key": "invalid API key: it is not one of the keys this server was started with",
+}
+
+
+def api_keys(flag: str | None) -> tuple[bytes, ...]:
+    """The SHA-256 digests of the keys clients must send: --api-key, else $PRETRAIN_API_KEY, several
+    comma-separated; () when neither is set (no key needed). Only digests are kept, so the keys
+    themselves are in no object a log or a traceback could print; no message here quotes one."""
+    source, text = ("--api-key", flag) if flag is not None else (KEY_ENV, os.environ.get(KEY_ENV))
+    if text is None:
+        return ()
+    keys = [key.strip() for key in text.split(",") if key.strip()]
+    if not keys:  # an empty Secret must not turn the key off
+        raise UserError(f"{source} is set but holds no key; give one or more keys, comma-separated")
+    for i, key in enumerate(keys, 1):
+        if not all("!" <= c <= "~" for c in key):  # what a Bearer token can carry
+            raise UserError(
+                f"{source}: key {i} of {len(keys)} has a space or a character outside printable ASCII"
+            )
+    return tuple(hashlib.sha256(key.encode()).digest() for key in keys)
+
+
+def refused(scope: dict, keys: tuple[bytes, ...]) -> str | None:
+    """Why a request may not pass (missing_api_key, invalid_api_key), or None. Compares digests in
+    constant time, against every key whatever matched before."""
+    header = dict(scope["headers"]).get(b"authorization", b"")
+    scheme, _, token = header.partition(b" ")
+    token = token.strip()
+    if scheme.lower() != b"bearer" or not token:
+        return "missing_api_key"
+    digest = hashlib.sha256(token).digest()
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(digest, key)
+    return None if matched else "invalid_api_key"
+
+
+def gate(app, metrics, state, keys: tuple[bytes, ...] = ()):
+    """Pure ASGI, around the app: with `keys`, answers 401 in OpenAI's shape to a request on any path but
+    /health without one of them (counted by reason); counts every API answer by its status (499 when the
+    client hung up before the end, 500 for a crash) and the requests in flight; once draining, answers 503."""
     from fastapi.responses import JSONResponse
     from starlette.requests import ClientDisconnect
 
     async def gated(scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] == "/metrics":
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        if keys and scope["path"] not in OPEN_PATHS and (reason := refused(scope, keys)):
+            metrics.rejected.labels(reason=reason).inc()
+            if scope["path"] != "/metrics":  # scrapes are not API requests
+                metrics.requests.labels(status="401").inc()
+            body = error_body(UNAUTHORIZED[reason], "invalid_request_error", None, "invalid_api_key")
+            return await JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        if scope["path"] == "/metrics":
             return await app(scope, receive, send)
         status, finished, counted = 500, False, scope["path"] != "/health"  # probes are not API requests
 
