@@ -39,6 +39,7 @@ ORDER = {
     "Namespace": 0,
     "ServiceAccount": 10,
     "Role": 20,
+    "NetworkPolicy": 25,
     "RoleBinding": 21,
     "ConfigMap": 30,
     "PersistentVolumeClaim": 40,

@@ -44,6 +44,7 @@ CORE_KINDS = {
     "Pod",
     "PodDisruptionBudget",
     "Deployment",
+    "NetworkPolicy",
 }
 
 
@@ -410,6 +411,7 @@ class FakeCluster:
         "rbac.authorization.k8s.io/v1": ["roles", "rolebindings"],
         "batch/v1": ["jobs"],
         "policy/v1": ["poddisruptionbudgets"],
+        "networking.k8s.io/v1": ["networkpolicies"],
         "kubeflow.org/v1": ["pytorchjobs"],
         "monitoring.coreos.com/v1": ["podmonitors", "servicemonitors", "prometheusrules"],
     }
@@ -424,6 +426,7 @@ class FakeCluster:
         "rolebindings": "RoleBinding",
         "jobs": "Job",
         "poddisruptionbudgets": "PodDisruptionBudget",
+        "networkpolicies": "NetworkPolicy",
         "pytorchjobs": "PyTorchJob",
         "podmonitors": "PodMonitor",
         "servicemonitors": "ServiceMonitor",

@@ -398,7 +398,14 @@ def test_prepare_disabled(helm_bin):
 def test_job_disabled_keeps_volumes_and_prepare(helm_bin):
     docs = h.render({"job.enabled": False, "metrics.podMonitor.enabled": True})
     h.validate_all(docs)
-    assert {d["kind"] for d in docs} == {"ServiceAccount", "ConfigMap", "PersistentVolumeClaim", "Job"}
+    assert {d["kind"] for d in docs} == {
+        "ServiceAccount",
+        "ConfigMap",
+        "PersistentVolumeClaim",
+        "Job",
+        "NetworkPolicy",
+    }
+    assert [d["metadata"]["name"] for d in h.by_kind(docs, "NetworkPolicy")] == ["pretrain-prepare"]
 
 
 # ------------------------------------------------------------- the shell scripts, run for real

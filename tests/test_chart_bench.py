@@ -52,7 +52,7 @@ def test_the_bench_job_replaces_training():
     a failing benchmark is not retried, and the operator ends a hang after bench.activeDeadlineSeconds."""
     docs = h.render({**ON, "gpus": 16})
     h.validate_all(docs)
-    assert {d["kind"] for d in docs} == {"ServiceAccount", "ConfigMap", "PyTorchJob"}
+    assert {d["kind"] for d in docs} == {"ServiceAccount", "ConfigMap", "PyTorchJob", "NetworkPolicy"}
     job = bench_job(docs)
     assert job["metadata"]["name"] == "pretrain-bench"
     assert job["metadata"]["labels"]["app.kubernetes.io/component"] == "bench"
@@ -83,6 +83,7 @@ def test_the_bench_job_replaces_training():
         "ServiceAccount",
         "ConfigMap",
         "PyTorchJob",
+        "NetworkPolicy",
     }
     deadline = bench_job(h.render({**ON, "bench.activeDeadlineSeconds": 600}))
     assert deadline["spec"]["runPolicy"]["activeDeadlineSeconds"] == 600

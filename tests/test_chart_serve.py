@@ -172,3 +172,158 @@ def test_the_opt_in_monitor_scrapes_the_server(kind):
     assert [m["metadata"]["name"] for m in h.by_kind(h.render({f"metrics.{key}.enabled": True}), kind)] == [
         "pretrain"
     ]
+
+
+# ---------------------------------------------------------------- the API key from a Secret
+
+KEYED = {**ON, "serve.apiKey.existingSecret": "pretrain-api-key"}
+
+
+def kubelet_env(container: dict, secrets: dict[str, dict[str, str]]) -> dict[str, str]:
+    """The container's environment as the kubelet builds it: secretKeyRef values from `secrets`
+    (name -> data), then $(NAME) references to variables defined earlier expanded ($$ escapes)."""
+    import re
+
+    env: dict[str, str] = {}
+    for var in container.get("env", []):
+        if "valueFrom" in var:
+            ref = var["valueFrom"]["secretKeyRef"]
+            env[var["name"]] = secrets[ref["name"]][ref["key"]]
+        else:
+            env[var["name"]] = re.sub(
+                r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
+                var["value"],
+            )
+    return env
+
+
+def test_the_key_comes_from_the_secret_and_prometheus_sends_it():
+    values = {**KEYED, "metrics.podMonitor.enabled": True}
+    dep, _, docs = serve_objects(values)
+    h.validate_all(docs)
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert c["env"] == [
+        {
+            "name": "PRETRAIN_API_KEY",
+            "valueFrom": {"secretKeyRef": {"name": "pretrain-api-key", "key": "api-key"}},
+        }
+    ]
+    assert not build_parser("serve").parse_args(c["args"]).api_key, "never in the arguments"
+    mon = [m for m in h.by_kind(docs, "PodMonitor") if m["metadata"]["name"] == "pretrain-serve"][0]
+    (endpoint,) = mon["spec"]["podMetricsEndpoints"]
+    assert endpoint["authorization"] == {
+        "type": "Bearer",
+        "credentials": {"name": "pretrain-api-key", "key": "api-key"},
+    }
+    svc_values = {
+        **KEYED,
+        "metrics.serviceMonitor.enabled": True,
+        "serve.apiKey.metricsSecretKey": "prometheus",
+    }
+    docs = h.render(svc_values)
+    mon = [m for m in h.by_kind(docs, "ServiceMonitor") if m["metadata"]["name"] == "pretrain-serve"][0]
+    assert mon["spec"]["endpoints"][0]["authorization"]["credentials"] == {
+        "name": "pretrain-api-key",
+        "key": "prometheus",
+    }
+    trainer_mon = [m for m in h.by_kind(docs, "ServiceMonitor") if m["metadata"]["name"] == "pretrain"][0]
+    assert all("authorization" not in e for e in trainer_mon["spec"]["endpoints"])
+    (c,) = h.one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    got = kubelet_env(c, {"pretrain-api-key": {"api-key": "k-1,k-2", "prometheus": "k-prom"}})
+    assert got["PRETRAIN_API_KEY"] == "k-1,k-2,k-prom"
+    # the Secret is read by the server's environment and the monitor, and by nothing else
+    assert {d["kind"] for d in docs if "pretrain-api-key" in str(d)} == {"Deployment", "ServiceMonitor"}
+    # without a Secret: no key, no authorization
+    dep, _, docs = serve_objects({**ON, "metrics.podMonitor.enabled": True})
+    assert "env" not in dep["spec"]["template"]["spec"]["containers"][0]
+    assert "authorization" not in str(h.by_kind(docs, "PodMonitor"))
+
+
+@pytest.mark.parametrize("kind", ["LoadBalancer", "NodePort"])
+def test_an_exposed_service_without_a_key_fails_the_render_in_one_line(kind):
+    err = h.render_error({**ON, "serve.service.type": kind})
+    (line,) = [x for x in err.splitlines() if f"serve.service.type={kind}" in x]
+    assert "serve.apiKey.existingSecret" in line and "serve.allowUnauthenticated=true" in line
+    for values in (KEYED, {**ON, "serve.allowUnauthenticated": True}):
+        _, svc, docs = serve_objects({**values, "serve.service.type": kind})
+        h.validate_all(docs)
+        assert svc["spec"]["type"] == kind
+    _, svc, _ = serve_objects(ON)  # ClusterIP without a key: in the cluster only
+    assert svc["spec"]["type"] == "ClusterIP"
+
+
+def test_notes_show_the_client_call_with_the_key(tmp_path):
+    notes = install_notes(tmp_path, KEYED)
+    assert "get secret pretrain-api-key -o go-template='{{index .data \"api-key\" | base64decode}}'" in notes
+    assert 'curl localhost:8000/v1/completions -H "Authorization: Bearer $OPENAI_API_KEY"' in notes
+    assert 'OpenAI(base_url="http://localhost:8000/v1")' in notes
+    assert "No API key" in install_notes(tmp_path, ON)
+
+
+def install_notes(tmp_path, values: dict) -> str:
+    import os
+
+    env = {**os.environ, "KUBECONFIG": str(tmp_path / "none")}
+    sets = [a for k, v in values.items() for a in ("--set", f"{k}={str(v).lower() if v is True else v}")]
+    proc = subprocess.run(
+        [h.helm_binary(), "install", "pretrain", str(h.CHART), "--dry-run=client", *sets],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split("NOTES:", 1)[1]
+
+
+@pytest.mark.slow  # a server (~10 s on 2 cores)
+def test_the_rendered_environment_serves_with_the_secrets_keys(tmp_path):
+    """The real server, started with the environment the chart renders (a Secret's values filled in,
+    $(...) expanded as the kubelet does): the clients' keys call the model, Prometheus's key (the one the
+    monitor names) scrapes /metrics, a wrong key gets 401; the NOTES' python call works with the key."""
+    import os
+    import shlex
+    import sys
+    import urllib.error
+    import urllib.request
+
+    from tests.inference_helpers import trained_run
+    from tests.test_serve import start_server, stop_server
+
+    pytest.importorskip("openai", reason="the serve tests need the serve extra (make setup)")
+    values = {**KEYED, "serve.apiKey.metricsSecretKey": "prometheus", "metrics.podMonitor.enabled": True}
+    docs = h.render(values)
+    (c,) = h.one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    secret = {"api-key": "sk-client-a, sk-client-b", "prometheus": "sk-prometheus"}
+    env = kubelet_env(c, {"pretrain-api-key": secret})
+    mon = [m for m in h.by_kind(docs, "PodMonitor") if m["metadata"]["name"] == "pretrain-serve"][0]
+    scrape_key = secret[mon["spec"]["podMetricsEndpoints"][0]["authorization"]["credentials"]["key"]]
+
+    def status(url: str, key: str) -> int:
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    url, proc = start_server("--checkpoint", str(trained_run()), "--model-name", "pretrain", env=env)
+    try:
+        assert status(f"{url}/metrics", scrape_key) == 200
+        for key in ("sk-client-a", "sk-client-b"):
+            assert status(f"{url}/v1/models", key) == 200
+        assert status(f"{url}/v1/models", "sk-client-c") == 401 and status(f"{url}/metrics", "") == 401
+        notes = install_notes(tmp_path, values)
+        (line,) = [x.strip() for x in notes.splitlines() if x.strip().startswith("python -c")]
+        argv = shlex.split(line.replace("http://localhost:8000", url))
+        out = subprocess.run(
+            [sys.executable, *argv[1:]],
+            env={**os.environ, "OPENAI_API_KEY": "sk-client-b"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0 and out.stdout.strip(), out.stderr
+    finally:
+        stop_server(proc)

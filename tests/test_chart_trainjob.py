@@ -430,7 +430,13 @@ def test_k8s_trainjob_manifests():
 def test_bench_renders_a_trainjob_that_is_never_retried(tmp_path):
     docs = h.render({**TJ, "bench.enabled": True, "gpus": 16})
     h.validate_all(docs)
-    assert {d["kind"] for d in docs} == {"ServiceAccount", "ConfigMap", "TrainJob", "TrainingRuntime"}
+    assert {d["kind"] for d in docs} == {
+        "ServiceAccount",
+        "ConfigMap",
+        "TrainJob",
+        "TrainingRuntime",
+        "NetworkPolicy",
+    }
     job = h.one(docs, "TrainJob")
     assert job["metadata"]["name"] == "pretrain-bench" and job["spec"]["activeDeadlineSeconds"] == 1800
     assert job["spec"]["runtimeRef"]["name"] == "pretrain-bench"

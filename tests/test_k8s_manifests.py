@@ -65,6 +65,7 @@ def test_manifests_are_valid():
     assert kinds == sorted(
         ["ServiceAccount", "Role", "RoleBinding", "ConfigMap"]
         + ["PersistentVolumeClaim"] * 2
+        + ["NetworkPolicy"] * 2
         + ["Job", "PyTorchJob"]
     )
     for name, doc in manifests().items():
