@@ -53,6 +53,17 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     loop: LoopConfig = field(default_factory=LoopConfig)
+    # Switches from the open record (modded-nanogpt) and nanochat, all off by default: docs/recipes.md
+    mlp: str = "swiglu"  # swiglu | relu2 (ReLU squared, two matrices; d_ff 0 = 4 * d_model)
+    qk_norm: bool = False  # RMS-normalize each head's queries and keys (no gain) before RoPE
+    attn_scale: float = 0.0  # attention logit scale; 0 = 1/sqrt(head dim)
+    parameter_free_norms: bool = False  # RMSNorms without a learned gain
+    embed_norm: bool = False  # RMS-normalize the token embedding (no gain) before the first block
+    zero_init: bool = False  # start attn.wo, mlp.w_down and an untied head at zero
+    logit_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (the record: 15); 0 = off
+    value_embeds: int = 0  # N token tables mixed into the attention values of the first and last N blocks
+    x0_skip: bool = False  # each block mixes the (normalized) embedding into its input, learned weights
+    unet_skips: bool = False  # late blocks add the output of their mirror early block, learned weights
 
     @property
     def padded_vocab(self) -> int:
@@ -64,7 +75,37 @@ class ModelConfig:
 
     @property
     def ffn_dim(self) -> int:
+        if self.mlp == "relu2":
+            return self.d_ff or 4 * self.d_model
         return self.d_ff or 64 * math.ceil(8 * self.d_model / 3 / 64)
+
+    @property
+    def mlp_matrices(self) -> int:
+        """d_model x ffn_dim matrices in one MLP: SwiGLU's gate, up and down; ReLU squared's up and down."""
+        return 2 if self.mlp == "relu2" else 3
+
+    @property
+    def value_embed_tables(self) -> list[int | None]:
+        """Per distinct block, the value-embedding table it reads (None: none). N tables serve the first N
+        blocks and, in the same order, the last N (the record's 012...012 pattern)."""
+        n, k = self.n_blocks, self.value_embeds
+        return [i if i < k else i - (n - k) if i >= n - k else None for i in range(n)]
+
+    @property
+    def skip_pairs(self) -> list[tuple[int, int]]:
+        """U-net skips as (early block, late block): mirrored around the middle of a plain model, around the
+        recurrent core of a looped one (prelude outputs into the coda); the late block adds the early one's
+        output to its input."""
+        if not self.unet_skips:
+            return []
+        if self.looped:
+            first_late, pairs = (
+                self.loop.prelude + self.loop.recurrent,
+                min(self.loop.prelude, self.loop.coda),
+            )
+            return [(self.loop.prelude - 1 - i, first_late + i) for i in range(pairs)]
+        pairs = self.n_layer // 2
+        return [(pairs - 1 - i, self.n_layer - pairs + i) for i in range(pairs)]
 
     @property
     def looped(self) -> bool:
@@ -143,7 +184,12 @@ class OptimConfig:
     matrix_lr: float = 0.0  # peak LR of the 2-D weights inside the blocks (Muon or AdamW); 0 = lr
     embedding_lr: float = 0.0  # peak LR of the token embedding (and a tied head); 0 = lr
     head_lr: float = 0.0  # peak LR of an untied output head; 0 = lr
+    scalar_lr: float = (
+        0.0  # peak LR of the `other` group (norm gains, the model switches' mixing weights); 0 = lr
+    )
     muon_momentum: float = 0.95
+    muon_momentum_warmup_steps: int = 0  # Muon momentum rises linearly from muon_momentum_start; 0 = off
+    muon_momentum_start: float = 0.85  # the record: 0.85 -> 0.95 over the first 300 steps
     muon_lr_adjust: str = "match_rms_adamw"  # match_rms_adamw | original (torch.optim.Muon adjust_lr_fn)
 
 

@@ -49,6 +49,7 @@ POSITIVE = [
 ]
 CHOICES = {
     "optim.name": ("adamw", "muon"),
+    "model.mlp": ("swiglu", "relu2"),
     "optim.muon_lr_adjust": ("match_rms_adamw", "original"),
     "schedule.name": ("cosine", "wsd", "constant"),
     "train.device": ("auto", "cpu", "cuda"),
@@ -124,6 +125,15 @@ def validate(cfg: Config) -> None:
         m.n_head % m.kv_heads == 0,
         f"model.n_kv_head={m.kv_heads} does not divide model.n_head={m.n_head}; pick a divisor of {m.n_head}",
     )
+    _check(
+        2 * m.value_embeds <= m.n_blocks,
+        f"model.value_embeds={m.value_embeds} needs {2 * m.value_embeds} blocks (the first and the last "
+        f"{m.value_embeds}) and the model has {m.n_blocks}; use at most {m.n_blocks // 2}",
+    )
+    _check(
+        not m.unet_skips or m.skip_pairs,
+        "model.unet_skips needs blocks to pair: at least 2 layers, or a looped model with a prelude and a coda",
+    )
     head_dim = m.d_model // m.n_head
     _check(head_dim % 2 == 0, f"head dim d_model/n_head = {head_dim} must be even for RoPE")
     _check(
@@ -131,6 +141,10 @@ def validate(cfg: Config) -> None:
     )
     _check(0 <= o.min_lr <= o.lr, f"optim.min_lr={o.min_lr} must be between 0 and optim.lr={o.lr}")
     _check(0 <= o.muon_momentum < 1, f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}")
+    _check(
+        0 <= o.muon_momentum_start < 1,
+        f"optim.muon_momentum_start must be in [0, 1), got {o.muon_momentum_start}",
+    )
     _check(
         m.loop.supervision_weight_base > 0,
         f"model.loop.supervision_weight_base must be > 0, got {m.loop.supervision_weight_base} (1 = equal weights)",

@@ -36,12 +36,12 @@ from app.trainer.heartbeat import Heartbeat
 from app.trainer.lease import hold_run_dir, release
 from app.trainer.metrics import device_peak, flops_per_token
 from app.trainer.model import count_parameters
-from app.trainer.optim import build_optimizer, set_lr, step_unless
+from app.trainer.optim import build_optimizer, set_lr, set_muon_momentum, step_unless
 from app.trainer.parallelize import grad_sync, unwrap
 from app.trainer.report import Reporter
 from app.trainer.rundir import check_fresh_start, move_run_aside
 from app.trainer.runtime import autocast_for, configure_device, grad_accum_steps, pick_device
-from app.trainer.schedule import DecayPlan, lr_at
+from app.trainer.schedule import DecayPlan, lr_at, muon_momentum_at
 from app.trainer.spikes import SpikeDetector, SpikeDrill
 from app.trainer.steplog import StepLog
 from app.trainer.stopping import BadSteps, EarlyStopping, PlannedEnd, SignalFlag, StopAgreement, StopDecision
@@ -272,6 +272,7 @@ class Trainer:
                 self.save("every_minutes")
             decay_plan = DecayPlan(**st.budget_decay) if st.budget_decay else None
             lr = lr_at(st.step, cfg.schedule, cfg.optim, cfg.train.max_steps, decay_plan)
+            set_muon_momentum(self.optimizer, muon_momentum_at(st.step, cfg.optim))
             first_micro = self.loader.state.micro_steps
             try:
                 train_step(

@@ -1,5 +1,6 @@
 """Generation with the KV cache: the same tokens as the uncached loop (greedy and seeded sampling) for
-plain, GQA and looped models, across the window slide, and the sampling filters (top-k, top-p, greedy)."""
+plain, GQA and looped models and with every model switch on, across the window slide, and the sampling
+filters (top-k, top-p, greedy)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,34 @@ def model_for(**kw):
     for k, v in kw.items():
         setattr(cfg, k, v)
     torch.manual_seed(0)
-    return build_model(cfg).eval()
+    model = build_model(cfg).eval()
+    with torch.no_grad():  # the switches' mixing weights start neutral: move them, so each one counts
+        for name, p in model.named_parameters():
+            if p.dim() < 2 and "norm" not in name:
+                p.add_(torch.rand(p.shape) * 0.5)
+    return model
 
 
+# Every model switch that changes the forward (zero_init changes only the init: this one would be constant);
+# a larger init and attention scale than the record's keep a random model off a one-token greedy loop.
+SWITCHES = {
+    "init_std": 0.4,
+    "mlp": "relu2",
+    "qk_norm": True,
+    "attn_scale": 1.0,
+    "parameter_free_norms": True,
+    "embed_norm": True,
+    "logit_softcap": 15.0,
+    "value_embeds": 1,
+    "x0_skip": True,
+    "unet_skips": True,
+}
 CASES = {
     "gqa": {},
     "mha": {"n_kv_head": 0},
     "looped": {"loop": LoopConfig(prelude=1, recurrent=1, coda=1, recurrence=3)},
+    "switches": SWITCHES,
+    "looped-switches": {**SWITCHES, "loop": LoopConfig(prelude=1, recurrent=1, coda=1, recurrence=3)},
 }
 
 

@@ -49,12 +49,35 @@ def measure(cfg: ModelConfig, micro_batch: int, checkpointing: bool) -> dict:
     return peak
 
 
+# every model switch on (tests/test_switches.py), untied
+SWITCHES = {
+    "mlp": "relu2",
+    "qk_norm": True,
+    "parameter_free_norms": True,
+    "embed_norm": True,
+    "zero_init": True,
+    "logit_softcap": 15.0,
+    "value_embeds": 1,
+    "x0_skip": True,
+    "unet_skips": True,
+}
+
+
 @pytest.mark.parametrize(
-    "checkpointing,tie", [(False, False), (True, True)], ids=["plain-untied", "checkpointed-tied"]
+    "checkpointing,tie,switches",
+    [(False, False, {}), (True, True, {}), (False, False, SWITCHES), (True, False, SWITCHES)],
+    ids=["plain-untied", "checkpointed-tied", "every-switch", "every-switch-checkpointed"],
 )
-def test_estimate_is_within_15_percent_of_measured_cpu_allocations(checkpointing, tie):
+def test_estimate_is_within_15_percent_of_measured_cpu_allocations(checkpointing, tie, switches):
     cfg = ModelConfig(
-        vocab_size=512, seq_len=128, n_layer=3, d_model=128, n_head=4, n_kv_head=2, tie_embeddings=tie
+        vocab_size=512,
+        seq_len=128,
+        n_layer=3,
+        d_model=128,
+        n_head=4,
+        n_kv_head=2,
+        tie_embeddings=tie,
+        **switches,
     )
     mb = 8
     m = measure(cfg, mb, checkpointing)

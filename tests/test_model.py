@@ -10,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from app.config import ModelConfig, load_config, preset_names
 from app.trainer.metrics import flops_per_token
 from app.trainer.model import build_model, count_parameters
+from tests.test_switches import every_switch
 
 
 def small(**kw) -> ModelConfig:
@@ -125,8 +126,10 @@ def _counted_flops(cfg: ModelConfig, batch: int = 2) -> float:
             seq_len=128, d_model=64, n_head=4, n_kv_head=4, n_layer=3, vocab_size=300, tie_embeddings=False
         ),
         looped(deep_supervision=True),
+        every_switch(),
+        every_switch(looped=True),
     ],
-    ids=["gqa", "mha-untied", "looped-deep-supervision"],
+    ids=["gqa", "mha-untied", "looped-deep-supervision", "every-switch", "looped-every-switch"],
 )
 def test_flops_formula_agrees_with_flop_counter(cfg):
     analytic, counted = flops_per_token(cfg), _counted_flops(cfg)

@@ -23,6 +23,7 @@ from app.trainer.optim import build_optimizer
 from app.trainer.steplog import StepLog
 from tests.conftest import FAST, losses_by_step, pretrain, torchrun
 from tests.test_resume import assert_same_run, weights
+from tests.test_switches import every_switch
 
 GQA = ModelConfig(vocab_size=256, seq_len=32, n_layer=2, d_model=64, n_head=4, n_kv_head=2)
 LOOPED = ModelConfig(
@@ -34,15 +35,24 @@ LOOPED = ModelConfig(
 )
 
 
-@pytest.mark.parametrize("cfg", [GQA, LOOPED], ids=["gqa", "looped"])
+@pytest.mark.parametrize(
+    "cfg",
+    [GQA, LOOPED, every_switch(), every_switch(looped=True)],
+    ids=["gqa", "looped", "switches", "looped-switches"],
+)
 def test_a_block_traces_into_one_graph_without_breaks(cfg):
-    """Regional compilation compiles each block with fullgraph=True; a graph break would fail it on a GPU."""
+    """Regional compilation compiles each block and the loss with fullgraph=True; a graph break would fail
+    it on a GPU. Blocks take what the model switches feed them (value embeddings, the embedding)."""
     model = build_model(cfg)
-    h = torch.randn(2, cfg.seq_len, cfg.d_model)
-    for block in model.blocks:
-        explanation = torch._dynamo.explain(block)(h, model.rope_cos, model.rope_sin)
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    h, stream = model.embed(idx)
+    for block, table in zip(model.blocks, model.value_table, strict=True):
+        ve = None if table is None else stream.values[table]
+        explanation = torch._dynamo.explain(block)(h, model.rope_cos, model.rope_sin, None, ve, stream.x0)
         assert explanation.graph_break_count == 0, explanation.break_reasons
         assert explanation.graph_count == 1
+    explanation = torch._dynamo.explain(model.loss)(h, idx)
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
 
 
 class CountHostReads:

@@ -1,7 +1,10 @@
 """Generation from a GPT: a KV cache, one-token decode steps, sampling, streaming.
 
 Kept out of model.py so the model reads as training sees it; the model's only hook is the optional `kv`
-argument of its attention, through which a step stores and reads the keys and values of earlier positions.
+argument of its attention, through which a step stores and reads the keys and values of earlier positions
+and gets the mask to attend with. Every step runs the blocks through GPT.run_block, as training does, so
+whatever the model switches feed a block (value embeddings, the embedding, U-net skips) is there at every
+decoded position.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from app.trainer.model import GPT, Block, apply_rope
+from app.trainer.model import GPT
 
 
 class LayerKV:
@@ -21,25 +24,55 @@ class LayerKV:
         self.k, self.v = k, v  # (batch, kv heads, window, head dim)
         self.n = 0  # positions filled
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(
+        self, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Store the new positions; all keys and values so far, and the mask for the new queries."""
         t = k.size(2)
         self.k[:, :, self.n : self.n + t] = k
         self.v[:, :, self.n : self.n + t] = v
         self.n += t
-        return self.k[:, :, : self.n], self.v[:, :, : self.n]
+        # Query i sits at position (n - t + i) and sees keys up to there: nothing to mask for one new
+        # token, the usual causal mask (is_causal, no tensor) for a first chunk, an offset triangle after it.
+        mask = (
+            None
+            if t in (1, self.n)
+            else torch.ones(t, self.n, dtype=torch.bool, device=k.device).tril(self.n - t)
+        )
+        return self.k[:, :, : self.n], self.v[:, :, : self.n], mask
 
 
-def run_order(model: GPT) -> list[Block]:
-    """Blocks in the order a forward pass runs them (recurrent ones once per recurrence)."""
-    p, r = model.n_prelude, model.n_recurrent
-    return [*model.blocks[:p], *list(model.blocks[p : p + r]) * model.recurrence, *model.blocks[p + r :]]
+class RowKV:
+    """One layer of the server's continuous batch for one step: row r writes its new key and value at its
+    own position pos[r] and attends to its own first pos[r] + 1 positions only."""
+
+    def __init__(self, layer: LayerKV, pos: torch.Tensor, mask: torch.Tensor) -> None:
+        self.layer, self.pos, self.mask = layer, pos, mask
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = k.size(0)
+        rows = torch.arange(n, device=k.device)
+        self.layer.k[rows, :, self.pos] = k[:, :, 0]
+        self.layer.v[rows, :, self.pos] = v[:, :, 0]
+        return self.layer.k[:n], self.layer.v[:n], self.mask
 
 
 def new_cache(model: GPT, batch: int) -> list[LayerKV]:
     """An empty KV cache: one LayerKV per block run (a recurrent block sees new inputs each loop)."""
     cfg, w = model.cfg, model.tok_emb.weight
     shape = (batch, cfg.kv_heads, cfg.seq_len, cfg.d_model // cfg.n_head)
-    return [LayerKV(w.new_zeros(shape), w.new_zeros(shape)) for _ in run_order(model)]
+    return [LayerKV(w.new_zeros(shape), w.new_zeros(shape)) for _ in model.run_order()]
+
+
+def run_cached(
+    model: GPT, idx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: list
+) -> torch.Tensor:
+    """The last hidden states of `idx` at the positions cos/sin give, each block run reading and extending
+    its layer of `cache`."""
+    h, stream = model.embed(idx)
+    for i, kv in zip(model.run_order(), cache, strict=True):
+        h = model.run_block(i, h, cos, sin, stream, kv)
+    return h
 
 
 def decode(model: GPT, idx: torch.Tensor, cache: list[LayerKV], every: bool = False) -> torch.Tensor:
@@ -47,10 +80,7 @@ def decode(model: GPT, idx: torch.Tensor, cache: list[LayerKV], every: bool = Fa
     read-out as model(idx, last_only=True) on the whole sequence, at the cost of `idx` alone.
     every=True: the logits after each position of `idx`, (B, T, vocab)."""
     pos, t = cache[0].n, idx.size(1)
-    cos, sin = model.rope_cos[pos : pos + t], model.rope_sin[pos : pos + t]
-    h = model.tok_emb(idx)
-    for block, kv in zip(run_order(model), cache, strict=True):
-        h = block(h, cos, sin, kv)
+    h = run_cached(model, idx, model.rope_cos[pos : pos + t], model.rope_sin[pos : pos + t], cache)
     return model.logits(h) if every else model.logits(h[:, -1:])[:, -1]
 
 
@@ -78,22 +108,12 @@ class SlotCache:
         """tokens (n,): the last token of slots 0..n-1; active (n,) bool. Logits (n, vocab)."""
         model, n = self.model, tokens.size(0)
         pos = self.lengths[:n]
-        cos, sin = model.rope_cos[pos], model.rope_sin[pos]
-
-        def rope(x: torch.Tensor) -> torch.Tensor:  # x (n, heads, 1, head_dim): one position per row
-            return apply_rope(x.transpose(0, 2), cos, sin).transpose(0, 2)
-
-        rows, window = torch.arange(n, device=pos.device), self.layers[0].k.size(2)
+        # one position per row: (n, 1, 1, head_dim / 2) broadcasts over the heads of (n, heads, 1, head_dim)
+        cos, sin = model.rope_cos[pos][:, None, None], model.rope_sin[pos][:, None, None]
+        window = self.layers[0].k.size(2)
         mask = (torch.arange(window, device=pos.device) <= pos[:, None])[:, None, None]
-        h = model.tok_emb(tokens[:, None])
-        for block, kv in zip(run_order(model), self.layers, strict=True):
-            a, x = block.attn, block.attn_norm(h)
-            q = rope(a.wq(x).view(n, a.n_head, 1, a.head_dim))
-            kv.k[rows, :, pos] = rope(a.wk(x).view(n, a.n_kv, 1, a.head_dim))[:, :, 0]
-            kv.v[rows, :, pos] = a.wv(x).view(n, a.n_kv, a.head_dim)
-            y = F.scaled_dot_product_attention(q, kv.k[:n], kv.v[:n], mask, enable_gqa=a.n_kv != a.n_head)
-            h = h + a.wo(y.reshape(n, 1, -1))
-            h = h + block.mlp(block.mlp_norm(h))
+        rows = [RowKV(layer, pos, mask) for layer in self.layers]
+        h = run_cached(model, tokens[:, None], cos, sin, rows)
         self.lengths[:n] += active
         return model.logits(h)[:, -1]
 

@@ -12,6 +12,13 @@ of matmul inputs/outputs: 2 under bf16 autocast, 4 in fp32; the residual stream 
 
 The read-out adds the final norm and the fp32 log-softmax (4V; the logits themselves are not kept: the
 loss is all the training step asks for), and the int64 inputs and targets.
+
+The model switches (docs/recipes.md) change these terms: ReLU squared keeps up and its square (2*a*f) and
+casts its input once; parameter-free norms keep no normalized copy before a gain (-4d per norm); QK-norm
+keeps q and k before the norm (4d + 4kv) and their inverse RMS; the x0 skip keeps each block's input
+before the mix (4d) and the embedding once; a block with a value embedding keeps v before the mix and the
+table's row in the value dtype; the soft-cap keeps its tanh (4V per read-out); an embedding norm keeps the
+raw embedding (4d). U-net skips keep nothing new: the early block's output is kept as the next input.
 """
 
 from __future__ import annotations
@@ -72,12 +79,14 @@ class MemoryEstimate:
 
 @dataclass(frozen=True)
 class ParamSplit:
-    """Distinct parameters: total, the largest block, the rest (embedding, final norm, head)."""
+    """Distinct parameters: total, the largest block, the rest (embedding, value embeddings, final norm,
+    head, U-net skip weights)."""
 
     total: int
     block: int
     root: int
     linear: int  # parameters of nn.Linear layers (the ones autocast copies to bf16)
+    matrices: int = 0  # the 2-D weights inside the blocks (Muon's with optim.name=muon)
 
 
 def _kv(m: ModelConfig) -> int:
@@ -86,28 +95,58 @@ def _kv(m: ModelConfig) -> int:
 
 def param_split(m: ModelConfig) -> ParamSplit:
     d, kv, f = m.d_model, _kv(m), m.ffn_dim
-    block_linear = d * d * 2 + 2 * d * kv + 3 * d * f  # wq, wo, wk, wv, w_gate, w_up, w_down
-    block = block_linear + 2 * d  # two RMSNorm gains
-    root = m.padded_vocab * d * (1 if m.tie_embeddings else 2) + d  # embedding, head, final norm
+    block_linear = d * d * 2 + 2 * d * kv + m.mlp_matrices * d * f  # wq, wo, wk, wv, the MLP's
+    gains = 0 if m.parameter_free_norms else d
+    x0_mix = 2 if m.x0_skip else 0  # resid_scale, x0_scale
+    value_mixes = 2 * sum(t is not None for t in m.value_embed_tables)  # attn.value_mix
+    block = block_linear + 2 * gains + x0_mix + (2 if value_mixes else 0)  # two RMSNorm gains
+    root = m.padded_vocab * d * (1 if m.tie_embeddings else 2) + gains  # embedding, head, final norm
+    root += m.value_embeds * m.vocab_size * kv + len(m.skip_pairs)
     linear = m.n_blocks * block_linear + m.padded_vocab * d  # the head's matmul weight, tied or not
-    return ParamSplit(m.n_blocks * block + root, block, root, linear)
+    total = m.n_blocks * (block_linear + 2 * gains + x0_mix) + value_mixes + root
+    return ParamSplit(total, block, root, linear, m.n_blocks * block_linear)
+
+
+def _runs_of_block(m: ModelConfig, i: int) -> int:
+    """How often distinct block i runs in one training forward (each extra read-out reruns the coda)."""
+    if not m.looped:
+        return 1
+    readouts, _ = readouts_and_blocks_run(m)
+    lp = m.loop
+    return 1 if i < lp.prelude else m.loop.recurrence if i < lp.prelude + lp.recurrent else readouts
 
 
 def activation_bytes(m: ModelConfig, micro_batch: int, autocast: bool, checkpointing: bool) -> int:
     """Peak saved activations of one micro-batch (forward done, backward about to start)."""
     d, kv, f, h, v = m.d_model, _kv(m), m.ffn_dim, m.n_head, m.vocab_size
     a = 2 if autocast else 4
+    gain = 0 if m.parameter_free_norms else 4 * d  # the normalized copy a norm's gain keeps
     # per token of one block, then of one read-out (final norm, logits, fp32 log-softmax): module docstring
-    attention = 4 * d + 4 * d + (3 * 2 * d if autocast else 4 * d) + 3 * a * d + 2 * a * kv + 4 * h
-    per_block = attention + 4 * d + 4 * d + (2 * 2 * d if autocast else 4 * d) + 4 * a * f
+    attention = 4 * d + gain + (3 * 2 * d if autocast else 4 * d) + 3 * a * d + 2 * a * kv + 4 * h
+    if m.qk_norm:
+        attention += 4 * d + 4 * kv + 4 * (h + m.kv_heads)
+    casts = m.mlp_matrices - 1  # the MLP's matrices that read the normalized input
+    mlp = 4 * d + gain + (casts * 2 * d if autocast else 4 * d) + (4 if m.mlp == "swiglu" else 2) * a * f
+    per_block = attention + mlp + (4 * d if m.x0_skip else 0)
     readouts, blocks_run = readouts_and_blocks_run(m)
-    readout = readouts * (4 * d + 4 * d + (2 * d if autocast else 4 * d) + 4 * v)
+    readout = readouts * (
+        4 * d + gain + (2 * d if autocast else 4 * d) + 4 * v * (2 if m.logit_softcap else 1)
+    )
+    # once per forward: the raw embedding under a norm, the embedding for the x0 skip, the table lookups;
+    # per run of a block with a value embedding: v before the mix and (autocast) the row in bf16
+    once = (
+        (4 * d if m.embed_norm else 0)
+        + (4 * d if m.x0_skip else 0)
+        + (0 if autocast else 4 * kv) * m.value_embeds
+    )
+    ve_runs = sum(_runs_of_block(m, i) for i, t in enumerate(m.value_embed_tables) if t is not None)
+    once += ve_runs * (a * kv + (2 * kv if autocast else 0))
     if checkpointing:
         # each block keeps only its fp32 input; the peak is either the end of forward (the read-out's
         # tensors) or the recompute of one block in backward (the read-out's are freed by then)
         live = blocks_run * 4 * m.d_model + max(readout, per_block)
     else:
-        live = blocks_run * per_block + readout
+        live = blocks_run * per_block + readout + once
     return micro_batch * m.seq_len * (live + 16)  # + the int64 inputs and targets
 
 
@@ -151,7 +190,7 @@ def estimate(
     P = ps.total
     act = activation_bytes(m, micro_batch, mixed, checkpointing)
     logit_grads = micro_batch * m.seq_len * m.vocab_size * 4 * 2  # d(log-softmax), d(logits)
-    muon = m.n_blocks * (ps.block - 2 * m.d_model) if optimizer == "muon" else 0  # block matrices
+    muon = ps.matrices if optimizer == "muon" else 0  # block matrices
     opt_bytes = 8 * P - 4 * muon
     overhead = CUDA_OVERHEAD if cuda else 0
     if mode == "fsdp" and n > 1:

@@ -51,11 +51,12 @@ def device_peak(gpu_type: str, override_tflops: float, device) -> tuple[str, flo
 
 def flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token: 6 x the matmul parameters a token passes through (q,o d x d, k,v d x kv_dim,
-    SwiGLU 3 d x ff per block run, the output head per read-out; embedding lookups are no matmuls) plus
-    attention (scores and values 2 x 2 x T x d per layer forward, x3 with backward)."""
+    SwiGLU 3 or ReLU squared 2 d x ff per block run, the output head per read-out; embedding and value
+    embedding lookups are no matmuls) plus attention (scores and values 2 x 2 x T x d per layer forward,
+    x3 with backward). The switches' norms, mixing weights, skips and soft-cap are elementwise: not counted."""
     d = cfg.d_model
     kv_dim = cfg.kv_heads * (d // cfg.n_head)
-    block = 2 * d * d + 2 * d * kv_dim + 3 * d * cfg.ffn_dim
+    block = 2 * d * d + 2 * d * kv_dim + cfg.mlp_matrices * d * cfg.ffn_dim
     readouts, runs = readouts_and_blocks_run(cfg)
     matmul_params = runs * block + readouts * d * cfg.padded_vocab  # the head matmul as it runs
     attention = 12 * runs * cfg.seq_len * d

@@ -1,5 +1,5 @@
-"""The GPT, top to bottom: RMSNorm, rotary positions, grouped-query attention, SwiGLU, and a looped
-variant whose middle blocks share weights and run several times.
+"""The GPT, top to bottom: RMSNorm, rotary positions, grouped-query attention, SwiGLU (or ReLU squared),
+and a looped variant whose middle blocks share weights and run several times.
 
 Plain model:   embed -> blocks[0 .. n_layer) -> norm -> head -> loss
 Looped model:  embed -> prelude -> (recurrent blocks) x r -> coda -> norm -> head -> loss
@@ -8,6 +8,11 @@ speed); the pad logits are cut off before anything reads them, so every caller s
 With deep supervision the coda, norm and head also read out after every recurrence, giving one loss
 per loop: a model that learns to refine its answer shows loss_0 > loss_1 > ... > loss_{r-1}. In training
 they combine into one objective (app/trainer/supervision.py); in eval mode the loss is the last read-out's.
+
+The model switches of docs/recipes.md ("Model switches"; all off by default) change what a block is fed
+besides its input: value embeddings (token tables mixed into the attention values), the embedding itself
+(x0 skip) and an earlier block's output (U-net skips). GPT.run_block feeds them, for training and for
+generation alike, so a cached decode step sees what the full forward sees.
 """
 
 from __future__ import annotations
@@ -26,16 +31,18 @@ RESIDUAL_OUT = ("attn.wo", "mlp.w_down")  # each residual branch's output projec
 
 
 class RMSNorm(nn.Module):
-    """Scale-only normalization: cheaper than LayerNorm and as good for LMs."""
+    """Scale-only normalization: cheaper than LayerNorm and as good for LMs. gain=False: no learned
+    scale (the record's and nanochat's norms)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, gain: bool = True) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim)) if gain else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+        return y if self.weight is None else y * self.weight
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,16 +52,17 @@ def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (first half, second half) of each head by a position-dependent angle."""
+    """Rotate pairs (first half, second half) of each head by a position-dependent angle. cos and sin hold
+    the positions of x's rows: (T, head_dim/2) for a sequence, or any shape that broadcasts (one position
+    per batch row in the server's continuous batch)."""
     x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[: x.size(-2)], sin[: x.size(-2)]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
 class Attention(nn.Module):
     """Causal self-attention with fewer key/value heads than query heads (GQA) to shrink the KV cache."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, value_embed: bool = False) -> None:
         super().__init__()
         self.n_head, self.n_kv = cfg.n_head, cfg.kv_heads
         self.head_dim = cfg.d_model // cfg.n_head
@@ -62,22 +70,30 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, self.n_kv * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, self.n_kv * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_head * self.head_dim, cfg.d_model, bias=False)
+        self.qk_norm = RMSNorm(self.head_dim, cfg.norm_eps, gain=False) if cfg.qk_norm else None
+        self.scale = cfg.attn_scale or None  # None: SDPA's 1/sqrt(head_dim)
+        # value embeddings: v -> value_mix[0] * v + value_mix[1] * (this token's row of the block's table)
+        self.value_mix = nn.Parameter(torch.full((2,), 0.5)) if value_embed else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None, ve: torch.Tensor | None = None
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.value_mix is not None:
+            mix = self.value_mix.to(v.dtype)  # a (2,) weight would promote bf16 values to fp32
+            v = mix[0] * v + mix[1] * ve.to(v.dtype).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(q), self.qk_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask = None
         if kv is not None:  # generation (app/trainer/generate.py): attend to cached positions too
-            k, v = kv.append(k, v)
-        # Query i sits at position (Tk - T + i) and sees keys up to there: the usual causal mask when
-        # Tq == Tk, nothing to mask for one new token, an offset triangle for a chunk after a prefix.
-        Tk = k.size(2)
-        mask = None if T in (1, Tk) else torch.ones(T, Tk, dtype=torch.bool, device=x.device).tril(Tk - T)
-        causal = T > 1 and Tk == T
+            k, v, mask = kv.append(k, v)
+        causal = T > 1 and k.size(2) == T  # a whole sequence; the cache gives the mask otherwise
         gqa = self.n_kv != self.n_head  # K/V heads are shared by groups of query heads, not repeated
-        y = F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, enable_gqa=gqa)
+        y = F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, scale=self.scale, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -92,19 +108,55 @@ class SwiGLU(nn.Module):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
+class ReLU2(nn.Module):
+    """relu(x W_up)^2 W_down (So et al., "Primer"): the record's MLP, two matrices instead of three."""
+
+    def __init__(self, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.w_up = nn.Linear(d_model, d_ff, bias=False)
+        self.w_down = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.relu(self.w_up(x)).square())
+
+
 class Block(nn.Module):
     """Pre-norm residual block."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, value_embed: bool = False) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim)
+        gain = not cfg.parameter_free_norms
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, gain)
+        self.attn = Attention(cfg, value_embed)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, gain)
+        self.mlp = (ReLU2 if cfg.mlp == "relu2" else SwiGLU)(cfg.d_model, cfg.ffn_dim)
+        # x0 skip: the input becomes resid_scale * x + x0_scale * embedding (two weights: FSDP shards each)
+        self.resid_scale = nn.Parameter(torch.ones(1)) if cfg.x0_skip else None
+        self.x0_scale = nn.Parameter(torch.zeros(1)) if cfg.x0_skip else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, kv)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv=None,
+        ve: torch.Tensor | None = None,
+        x0: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.x0_scale is not None:
+            x = self.resid_scale * x + self.x0_scale * x0
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv, ve)
         return x + self.mlp(self.mlp_norm(x))
+
+
+@dataclass
+class Stream:
+    """What one forward pass feeds its blocks besides the hidden state: the embedding (x0 skip), the
+    value-embedding lookups (one per table) and the early blocks' outputs kept for U-net skips."""
+
+    x0: torch.Tensor | None
+    values: list[torch.Tensor]
+    kept: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -121,13 +173,25 @@ class GPT(nn.Module):
             raise ValueError("model.vocab_size must be set before building the model")
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.padded_vocab, cfg.d_model)
+        self.embed_norm = RMSNorm(cfg.d_model, cfg.norm_eps, gain=False) if cfg.embed_norm else None
+        # Value embeddings: lookups only (no matmul), so the true vocabulary's rows, no padding.
+        kv_dim = cfg.kv_heads * (cfg.d_model // cfg.n_head)
+        self.value_embeds = nn.ModuleList(
+            nn.Embedding(cfg.vocab_size, kv_dim) for _ in range(cfg.value_embeds)
+        )
+        self.value_table = cfg.value_embed_tables  # per block: the table it reads, or None
         # One flat list of distinct blocks (FSDP wraps each); the loop structure is index ranges.
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_blocks))
+        self.blocks = nn.ModuleList(Block(cfg, table is not None) for table in self.value_table)
+        # U-net skips: block `late` adds skip_weights[j] x the output of block `early`, for pair j
+        pairs = cfg.skip_pairs
+        self.skip_from = {late: (j, early) for j, (early, late) in enumerate(pairs)}
+        self.skip_sources = {early for early, _ in pairs}
+        self.skip_weights = nn.Parameter(torch.ones(len(pairs))) if pairs else None
         lp = cfg.loop
         self.n_prelude = lp.prelude if cfg.looped else cfg.n_layer
         self.n_recurrent = lp.recurrent if cfg.looped else 0
         self.recurrence = lp.recurrence if cfg.looped else 0
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, gain=not cfg.parameter_free_norms)
         self.head = nn.Linear(cfg.d_model, cfg.padded_vocab, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
@@ -139,15 +203,27 @@ class GPT(nn.Module):
 
     def _init_weights(self, module: nn.Module, residual_out: bool) -> None:
         """GPT-2 init; output projections of residual branches scaled by 1/sqrt(2 * depth) so the
-        residual stream's variance does not grow with (effective) depth."""
+        residual stream's variance does not grow with (effective) depth, or zero with model.zero_init
+        (every block starts as the identity; the record's and nanochat's init), as does an untied head.
+        The switches' mixing weights start neutral: x0 off, U-net skips on, v and its table half each."""
         std = self.cfg.init_std
-        if isinstance(module, nn.Linear):
+        untied_head = module is self.head and not self.cfg.tie_embeddings
+        if isinstance(module, nn.Linear) and self.cfg.zero_init and (residual_out or untied_head):
+            nn.init.zeros_(module.weight)
+        elif isinstance(module, nn.Linear):
             scale = 1 / math.sqrt(2 * self.cfg.effective_depth) if residual_out else 1.0
             nn.init.normal_(module.weight, mean=0.0, std=std * scale)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, RMSNorm):
+        elif isinstance(module, RMSNorm) and module.weight is not None:
             nn.init.ones_(module.weight)
+        elif isinstance(module, Block) and module.x0_scale is not None:
+            nn.init.ones_(module.resid_scale)
+            nn.init.zeros_(module.x0_scale)
+        elif isinstance(module, Attention) and module.value_mix is not None:
+            nn.init.constant_(module.value_mix, 0.5)
+        elif module is self and self.skip_weights is not None:
+            nn.init.ones_(self.skip_weights)
 
     def reset_parameters(self) -> None:
         """The init, also after materializing a meta-device model. Residual outputs are found by name, which
@@ -158,13 +234,39 @@ class GPT(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def _coda(self, h: torch.Tensor, cos, sin) -> torch.Tensor:
-        for block in self.blocks[self.n_prelude + self.n_recurrent :]:
-            h = block(h, cos, sin)
+    def embed(self, idx: torch.Tensor) -> tuple[torch.Tensor, Stream]:
+        """The first hidden state, and the stream of extra block inputs the switches ask for."""
+        h = self.tok_emb(idx)
+        if self.embed_norm is not None:
+            h = self.embed_norm(h)
+        return h, Stream(h if self.cfg.x0_skip else None, [table(idx) for table in self.value_embeds])
+
+    def run_order(self) -> list[int]:
+        """Block indices in the order a forward pass runs them (recurrent ones once per recurrence)."""
+        p, r = self.n_prelude, self.n_recurrent
+        return [*range(p), *list(range(p, p + r)) * self.recurrence, *range(p + r, len(self.blocks))]
+
+    def run_block(self, i: int, h: torch.Tensor, cos, sin, stream: Stream, kv=None) -> torch.Tensor:
+        """Block i on h, fed what the switches give it: a U-net skip from its mirror block, its value
+        embedding, the embedding. Generation (app/trainer/generate.py) runs the blocks through here too."""
+        if i in self.skip_from:
+            j, early = self.skip_from[i]
+            h = h + self.skip_weights[j] * stream.kept[early]
+        table = self.value_table[i]
+        h = self.blocks[i](h, cos, sin, kv, None if table is None else stream.values[table], stream.x0)
+        if i in self.skip_sources:
+            stream.kept[i] = h
+        return h
+
+    def _coda(self, h: torch.Tensor, cos, sin, stream: Stream) -> torch.Tensor:
+        for i in range(self.n_prelude + self.n_recurrent, len(self.blocks)):
+            h = self.run_block(i, h, cos, sin, stream)
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(h))[..., : self.cfg.vocab_size]  # pad logits never reach a caller
+        logits = self.head(self.norm(h))[..., : self.cfg.vocab_size]  # pad logits never reach a caller
+        cap = self.cfg.logit_softcap
+        return cap * torch.tanh(logits.float() / cap) if cap else logits
 
     def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Final norm, head and cross-entropy in one function, which train.compile compiles whole: the
@@ -175,22 +277,22 @@ class GPT(nn.Module):
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, last_only: bool = False
     ) -> ModelOutput:
-        cos, sin = self.rope_cos, self.rope_sin
-        h = self.tok_emb(idx)
-        for block in self.blocks[: self.n_prelude]:
-            h = block(h, cos, sin)
+        cos, sin = self.rope_cos[: idx.size(1)], self.rope_sin[: idx.size(1)]
+        h, stream = self.embed(idx)
+        for i in range(self.n_prelude):
+            h = self.run_block(i, h, cos, sin, stream)
         readouts: list[torch.Tensor] = []  # hidden states to read out (one per loop with deep supervision)
-        recurrent = self.blocks[self.n_prelude : self.n_prelude + self.n_recurrent]
-        for i in range(self.recurrence):
-            for block in recurrent:
-                h = block(h, cos, sin)
-            if self.cfg.loop.deep_supervision and targets is not None and i < self.recurrence - 1:
+        recurrent = range(self.n_prelude, self.n_prelude + self.n_recurrent)
+        for loop in range(self.recurrence):
+            for i in recurrent:
+                h = self.run_block(i, h, cos, sin, stream)
+            if self.cfg.loop.deep_supervision and targets is not None and loop < self.recurrence - 1:
                 readouts.append(h)
         readouts.append(h)
         if targets is None:
-            h = self._coda(h, cos, sin)  # the coda attends to every position
+            h = self._coda(h, cos, sin, stream)  # the coda attends to every position
             return ModelOutput(self.logits(h[:, -1:] if last_only else h), None)
-        losses = [self.loss(self._coda(r, cos, sin), targets) for r in readouts]
+        losses = [self.loss(self._coda(r, cos, sin, stream), targets) for r in readouts]
         if len(losses) == 1:
             return ModelOutput(None, losses[0])
         loop_losses = [li.detach() for li in losses]
@@ -210,7 +312,7 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> GPT:
 @dataclass
 class ParamCounts:
     total: int  # distinct parameters (tied weights counted once), vocabulary padding included
-    non_embedding: int  # without token embedding and output head
+    non_embedding: int  # without token embedding, value embeddings and output head
     padding: int = 0  # of `total`: the pad rows of embedding and head (model.padded_vocab - vocab_size)
 
     def __str__(self) -> str:
@@ -222,7 +324,7 @@ def count_parameters(cfg_or_model: ModelConfig | nn.Module) -> ParamCounts:
     """Exact counts; a config is built on the meta device, so any size is free to count."""
     model = build_model(cfg_or_model, "meta") if isinstance(cfg_or_model, ModelConfig) else cfg_or_model
     total = sum(p.numel() for p in model.parameters())  # .parameters() already dedups tied weights
-    emb = model.tok_emb.weight.numel()
+    emb = model.tok_emb.weight.numel() + sum(p.numel() for p in model.value_embeds.parameters())
     tied = model.head.weight is model.tok_emb.weight
     head = 0 if tied else model.head.weight.numel()
     cfg = model.cfg

@@ -18,7 +18,7 @@ GROUPS = ("matrix", "head", "embedding", "other")
 
 
 def _group(gpt: torch.nn.Module, name: str, p: torch.nn.Parameter) -> str:
-    if p is gpt.tok_emb.weight:
+    if p is gpt.tok_emb.weight or name.startswith("value_embeds."):  # value embeddings: lookups too
         return "embedding"
     if p is gpt.head.weight:
         return "head"
@@ -31,7 +31,12 @@ def param_groups(gpt: torch.nn.Module, cfg: OptimConfig) -> list[dict]:
     for name, p in gpt.named_parameters():
         if p.requires_grad:
             members[_group(gpt, name, p)].append(p)
-    lrs = {"matrix": cfg.matrix_lr, "head": cfg.head_lr, "embedding": cfg.embedding_lr, "other": 0.0}
+    lrs = {
+        "matrix": cfg.matrix_lr,
+        "head": cfg.head_lr,
+        "embedding": cfg.embedding_lr,
+        "other": cfg.scalar_lr,
+    }
     return [
         {
             "params": params,
@@ -172,6 +177,14 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """`lr` is the schedule's LR for optim.lr; each group gets it times its own peak / optim.lr."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_ratio", 1.0)
+
+
+def set_muon_momentum(optimizer: torch.optim.Optimizer, momentum: float) -> None:
+    """The Muon groups' momentum for the next step (app/trainer/schedule.py muon_momentum_at), set per
+    step like the LR: a function of the step, so a resumed run sets the same values."""
+    for group in optimizer.param_groups:
+        if group.get("optimizer") == "muon":
+            group["momentum"] = momentum
 
 
 def fit_state(state: dict, optimizer: torch.optim.Optimizer, gpt: torch.nn.Module) -> tuple[dict, list[str]]:

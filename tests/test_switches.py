@@ -1,0 +1,401 @@
+"""The model switches of docs/recipes.md ("Model switches") and the Muon momentum warm-up: each does what
+its line says, an old config (without the keys) builds the old model, and a model with every switch on
+trains compiled and eager alike, under FSDP2 with activation checkpointing and FP8 (emulated), resumes
+bit-identically after SIGKILL on 1 and 2 gloo ranks, and samples and serves from its checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.config import LoopConfig, ModelConfig, config_from_dict, load_config
+from app.errors import ConfigError
+from app.trainer.model import build_model, count_parameters
+from app.trainer.optim import build_optimizer, param_groups, set_muon_momentum
+from app.trainer.schedule import muon_momentum_at
+from tests.conftest import FAST, REPO, cli_env, losses_by_step, pretrain, torchrun, train_rows, wait_for_step
+from tests.test_resume import assert_same_run, weights
+
+# Every model switch on (value_embeds at its most for 2 blocks); the untied head is what zero_init zeroes.
+SWITCHES = {
+    "mlp": "relu2",
+    "qk_norm": True,
+    "attn_scale": 0.12,
+    "parameter_free_norms": True,
+    "embed_norm": True,
+    "zero_init": True,
+    "logit_softcap": 15.0,
+    "value_embeds": 1,
+    "x0_skip": True,
+    "unet_skips": True,
+    "tie_embeddings": False,
+}
+OPTIM = {
+    "name": "muon",
+    "matrix_lr": 0.02,
+    "muon_lr_adjust": "original",
+    "muon_momentum_warmup_steps": 4,
+    "scalar_lr": 0.01,
+}
+ALL = [
+    *(a for k, v in SWITCHES.items() for a in ("--set", f"model.{k}={v}")),
+    *(a for k, v in OPTIM.items() for a in ("--set", f"optim.{k}={v}")),
+    *("--set", "schedule.warmup_steps=2"),
+]
+
+
+def small(**switches) -> ModelConfig:
+    shape = {"vocab_size": 300, "seq_len": 32, "n_layer": 4, "d_model": 64, "n_head": 4, "n_kv_head": 2}
+    return ModelConfig(**{**shape, **switches})
+
+
+def every_switch(looped: bool = False) -> ModelConfig:
+    cfg = small(**{**SWITCHES, "value_embeds": 2})
+    if looped:
+        cfg.n_layer = 0
+        cfg.loop = LoopConfig(prelude=2, recurrent=1, coda=2, recurrence=3, deep_supervision=True)
+    return cfg
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+# ---------------------------------------------------------------- each switch, in one process
+
+
+def test_a_config_without_the_keys_builds_the_model_of_before():
+    """A checkpoint's saved config from before the switches reads as every switch off."""
+    cfg = load_config("tiny").to_dict()
+    for key in SWITCHES.keys() - {"tie_embeddings"}:
+        del cfg["model"][key]
+    for key in OPTIM:
+        cfg["optim"].pop(key, None)
+    old = config_from_dict(cfg)
+    assert old.model == load_config("tiny").model and old.optim == load_config("tiny").optim
+    old.model.vocab_size = 2048
+    names = [n for n, _ in build_model(old.model, "meta").named_parameters()]
+    assert not any(k in n for n in names for k in ("value", "scale", "skip", "mix"))
+    assert sum("norm" in n for n in names) == 2 * 4 + 1  # every RMSNorm keeps its gain
+
+
+def test_zero_init_starts_every_block_as_the_identity_and_the_head_at_uniform():
+    torch.manual_seed(0)
+    model = build_model(small(zero_init=True, tie_embeddings=False))
+    for block in model.blocks:
+        assert block.attn.wo.weight.abs().sum() == 0 and block.mlp.w_down.weight.abs().sum() == 0
+    assert model.head.weight.abs().sum() == 0
+    x = torch.randint(0, 300, (2, 32))
+    assert model(x, x).loss.item() == pytest.approx(math.log(300), rel=1e-6)
+    tied = build_model(small(zero_init=True))  # a tied head is the embedding: not zeroed
+    assert tied.head.weight.abs().sum() > 0
+
+
+def test_relu2_has_two_matrices_of_4d_and_the_swiglu_budget():
+    relu2, swiglu = build_model(small(mlp="relu2")), build_model(small())
+    assert not hasattr(relu2.blocks[0].mlp, "w_gate") and relu2.blocks[0].mlp.w_up.weight.shape == (256, 64)
+    # 2 x d x 4d = 8 d^2, SwiGLU 3 x d x (8/3 d rounded up to 64): the same parameter budget at d = 192
+    assert (
+        count_parameters(small(mlp="relu2", d_model=192)).total == count_parameters(small(d_model=192)).total
+    )
+    x = torch.randn(3, 64)
+    w_up, w_down = relu2.blocks[0].mlp.w_up.weight, relu2.blocks[0].mlp.w_down.weight
+    torch.testing.assert_close(relu2.blocks[0].mlp(x), torch.relu(x @ w_up.T).square() @ w_down.T)
+    assert count_parameters(swiglu).total > 0
+
+
+def test_qk_norm_makes_attention_blind_to_the_scale_of_q_and_k():
+    torch.manual_seed(0)
+    model = build_model(small(qk_norm=True, norm_eps=1e-12)).eval()  # an eps this small changes nothing
+    x = torch.randint(0, 300, (2, 32))
+    before = model(x).logits
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.wq.weight.mul_(7.0)
+            block.attn.wk.weight.mul_(3.0)
+    torch.testing.assert_close(model(x).logits, before, rtol=1e-4, atol=1e-5)
+
+
+def test_softcap_bounds_the_logits_everywhere_they_are_read():
+    torch.manual_seed(0)
+    cfg = small(logit_softcap=2.0, init_std=0.5)
+    model = build_model(cfg).eval()
+    x = torch.randint(0, 300, (2, 32))
+    logits = model(x).logits
+    assert logits.abs().max() < 2.0 and logits.abs().max() > 1.5  # the cap bites at this init
+    plain = build_model(small(init_std=0.5)).eval()
+    plain.load_state_dict(model.state_dict())
+    torch.testing.assert_close(logits, 2.0 * torch.tanh(plain(x).logits / 2.0))
+    # the training loss reads the capped logits too
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, 300), x.reshape(-1))
+    torch.testing.assert_close(model(x, x).loss, ce)
+
+
+def test_value_embeddings_serve_the_first_and_last_blocks_from_shared_tables():
+    cfg = small(value_embeds=2, n_layer=5)
+    assert cfg.value_embed_tables == [0, 1, None, 0, 1]  # the record's 012...012 pattern
+    model = build_model(cfg)
+    assert len(model.value_embeds) == 2 and model.value_embeds[0].weight.shape == (300, 2 * 16)
+    assert [b.attn.value_mix is not None for b in model.blocks] == [True, True, False, True, True]
+    x = torch.randint(0, 300, (2, 32))
+    model(x, x).loss.backward()
+    used = torch.zeros(300, dtype=torch.bool)
+    used[x.unique()] = True
+    grad = model.value_embeds[1].weight.grad
+    assert grad[used].abs().sum(-1).gt(0).all() and grad[~used].abs().sum() == 0  # rows of the tokens seen
+    counts = count_parameters(cfg)
+    assert counts.total - counts.non_embedding == 384 * 64 + 2 * 300 * 32  # tables count as embeddings
+    with pytest.raises(ConfigError, match="model.value_embeds=3 needs 6 blocks"):
+        load_config("tiny", overrides=["model.value_embeds=3"])
+
+
+def test_skips_pair_mirror_blocks_and_feed_the_embedding():
+    assert small(unet_skips=True, n_layer=5).skip_pairs == [(1, 3), (0, 4)]  # the middle block has none
+    looped = every_switch(looped=True)
+    assert looped.skip_pairs == [(1, 3), (0, 4)]  # the prelude into the coda, around the recurrent core
+    torch.manual_seed(0)
+    model = build_model(small(unet_skips=True, x0_skip=True))
+    x = torch.randint(0, 300, (2, 32))
+    model(x, x).loss.backward()
+    assert model.skip_weights.grad.abs().min() > 0
+    assert all(b.x0_scale.grad.abs() > 0 for b in model.blocks)
+    with pytest.raises(ConfigError, match="model.unet_skips needs blocks to pair"):
+        load_config("tiny", overrides=["model.unet_skips=true", "model.n_layer=1"])
+
+
+def test_new_parameters_go_to_their_optimizer_groups():
+    cfg = load_config("tiny", overrides=[f"optim.{k}={v}" for k, v in OPTIM.items()])
+    model = build_model(every_switch())
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = {g["name"]: [names[id(p)] for p in g["params"]] for g in param_groups(model, cfg.optim)}
+    assert groups["embedding"] == ["tok_emb.weight", "value_embeds.0.weight", "value_embeds.1.weight"]
+    assert groups["head"] == ["head.weight"]
+    assert "skip_weights" in groups["other"] and "blocks.0.x0_scale" in groups["other"]
+    assert "blocks.0.attn.value_mix" in groups["other"]
+    assert all(n.endswith(".weight") and n.startswith("blocks.") for n in groups["matrix"])
+    other = next(g for g in param_groups(model, cfg.optim) if g["name"] == "other")
+    assert other["lr"] == 0.01 and other["weight_decay"] == 0.0
+    assert sum(len(v) for v in groups.values()) == len(list(model.parameters()))
+
+
+def test_muon_momentum_warms_up_like_the_record_and_only_for_muon():
+    o = load_config("tiny", overrides=["optim.muon_momentum_warmup_steps=300"]).optim
+    assert [muon_momentum_at(s, o) for s in (0, 150, 300, 5000)] == pytest.approx([0.85, 0.90, 0.95, 0.95])
+    assert muon_momentum_at(0, load_config("tiny").optim) == 0.95  # off: the constant momentum
+    cfg = load_config("tiny", overrides=[f"optim.{k}={v}" for k, v in OPTIM.items()])
+    model = build_model(small())
+    opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    set_muon_momentum(opt, 0.9)
+    assert {g["name"]: g.get("momentum") for g in opt.param_groups}["matrix"] == 0.9
+    assert all("momentum" not in g or g["name"] == "matrix" for g in opt.param_groups)
+
+
+def test_bad_switch_values_are_one_line_exit_2(tmp_path):
+    proc = pretrain("train", "--out", str(tmp_path / "r"), "--set", "model.mlp=gelu", "--print-config")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: model.mlp='gelu' is not valid; choose one of: swiglu, relu2"
+    ], proc.stderr
+
+
+@pytest.mark.parametrize("looped", [False, True], ids=["plain", "looped-deep-supervision"])
+def test_every_switch_together_trains_one_step_under_fp8_emulation(looped):
+    float8 = pytest.importorskip("torchao.float8")
+    from app.trainer.fp8 import convert_to_fp8
+
+    torch.manual_seed(0)
+    cfg = every_switch(looped)
+    model = build_model(cfg)
+    names = list(model.state_dict())
+    assert convert_to_fp8(model, torch.device("cpu"), lambda m: None, "emulate") == 6 * cfg.n_blocks
+    assert float8 and list(model.state_dict()) == names  # checkpoints do not change
+    opt = build_optimizer(model, load_config("tiny").optim, torch.device("cpu"))
+    x = torch.randint(0, 300, (2, 32))
+    for _ in range(2):  # the second step moves the zero-initialized projections' inputs too
+        loss = model(x, x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert math.isfinite(loss.item()) and loss.item() < math.log(300)
+
+
+# ---------------------------------------------------------------- the trainer, for real
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun's workers run in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def train_on(ranks: int, *args: str) -> subprocess.CompletedProcess:
+    return ok(pretrain("train", *args) if ranks == 1 else torchrun(*args, nproc=ranks))
+
+
+def sigkill_at(run: Path, ranks: int, step: int, args: list[str]) -> None:
+    """Start a run, SIGKILL it (every process of it) once `step` is logged."""
+    cmd = [sys.executable, "-m", "app.cli", "train"]
+    if ranks > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+        cmd += ["-m", "app.train"]
+    proc = subprocess.Popen(
+        [*cmd, "--out", str(run), *args],
+        cwd=REPO,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for_step(run, step, proc, timeout=240)
+    finally:
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):  # gone already
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(60)
+    time.sleep(0.5)  # the workers' exits are reaped by init; nothing of the run may still write
+
+
+RESUME_STEPS = 8
+RESUME = [*FAST, *ALL, "--max-steps", str(RESUME_STEPS), "--set", "checkpoint.every_steps=1"]
+SHARDED = ["--set", "train.parallel=fsdp", "--set", "train.activation_checkpointing=true"]
+
+
+@pytest.mark.slow  # three runs of ~10 s (2 ranks: ~25 s): `make test-slow`, which CI runs
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-process", "two-ranks-fsdp"])
+def test_every_switch_resumes_bit_identically_after_sigkill(tmp_path, ranks):
+    extra = SHARDED if ranks > 1 else []
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    train_on(ranks, "--out", str(straight), *RESUME, *extra)
+    sigkill_at(killed, ranks, 5, [*RESUME, *extra])
+    assert max(losses_by_step(killed)) < RESUME_STEPS
+    assert "resumed from" in train_on(ranks, "--out", str(killed), *RESUME, *extra).stdout
+    assert_same_run(straight, killed, RESUME_STEPS)
+    assert sorted(losses_by_step(killed)) == list(range(1, RESUME_STEPS + 1))
+
+
+@pytest.mark.slow  # compiling takes ~1 min on 2 cores
+def test_every_switch_compiled_follows_eager(tmp_path):
+    """Inductor reorders float sums: losses agree to rounding, relative 1e-4 over 6 steps (measured: 2e-6 at
+    most), and generation with the KV cache runs eager on the compiled model."""
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    common = [*FAST, *ALL, "--max-steps", "6"]
+    ok(pretrain("train", "--out", str(eager), *common))
+    proc = ok(
+        pretrain(
+            "train",
+            "--out",
+            str(compiled),
+            *common,
+            "--set",
+            "train.compile=true",
+            "--set",
+            "train.sample_every=3",
+        )
+    )
+    assert "compile: 2 blocks and the loss" in proc.stdout and "sample at step 6" in proc.stdout
+    le, lc = losses_by_step(eager), losses_by_step(compiled)
+    assert sorted(lc) == list(range(1, 7)) and le[6] < le[1] - 0.05  # it trains
+    for s in le:
+        assert lc[s] == pytest.approx(le[s], rel=1e-4)
+    we, wc = weights(eager, 6), weights(compiled, 6)
+    for k in we:
+        torch.testing.assert_close(wc[k], we[k], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.slow  # two runs of ~15 s
+def test_every_switch_under_fsdp_and_fp8_matches_one_process(tmp_path):
+    """2 gloo ranks with FSDP2, activation checkpointing and emulated FP8 against one process reading the
+    same samples: FP8 rounds each matmul input, so the losses agree to 1e-2 (tests/test_fp8.py); without
+    FP8 the sharded run matches to 1e-5."""
+    one, sharded, sharded_fp8 = tmp_path / "one", tmp_path / "sharded", tmp_path / "sharded-fp8"
+    common = [*FAST, *ALL, "--max-steps", "4"]
+    ok(pretrain("train", "--out", str(one), *common, "--set", "train.micro_batch_size=16"))
+    ok(torchrun("--out", str(sharded), *common, *SHARDED))
+    proc = ok(torchrun("--out", str(sharded_fp8), *common, *SHARDED, "--set", "train.fp8=emulate"))
+    assert "fp8: 12 of 13 linear layers run in float8" in proc.stdout
+    lo, ls, lf = losses_by_step(one), losses_by_step(sharded), losses_by_step(sharded_fp8)
+    for s in range(1, 5):
+        assert ls[s] == pytest.approx(lo[s], rel=1e-5)
+        assert lf[s] == pytest.approx(lo[s], rel=1e-2)
+    wo, ws = weights(one, 4), weights(sharded, 4)
+    assert wo.keys() == ws.keys()
+    for k in wo:
+        torch.testing.assert_close(ws[k], wo[k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow  # a short run, then sample and serve it
+def test_every_switch_checkpoint_samples_and_serves_what_generate_gives(tmp_path):
+    from app.tools.generation import Engine, ServeMetrics
+    from app.tools.sample import load_for_inference
+    from app.trainer.generate import generate
+    from tests.test_serve_batching import run_jobs
+
+    run = tmp_path / "run"
+    ok(pretrain("train", "--out", str(run), *FAST, *ALL, "--max-steps", "20", "--set", "optim.lr=3e-3"))
+    sampled = ok(
+        pretrain(
+            "sample",
+            "--checkpoint",
+            str(run),
+            "--prompt",
+            "ROMEO:",
+            "--max-new-tokens",
+            "12",
+            "--temperature",
+            "0",
+        )
+    )
+    model, tok = load_for_inference(str(run), which="latest")[:2]
+    assert model.cfg.value_embeds == 1 and model.cfg.mlp == "relu2"
+    ids = tok.encode("ROMEO:")
+    want = generate(model, torch.tensor([ids]), 12, temperature=0)[0].tolist()
+    assert sampled.stdout.startswith(tok.decode(want))
+    engine = Engine(model, tok, ServeMetrics(), max_batch=2)  # what the OpenAI server decodes with
+    try:
+        got = run_jobs(
+            engine, [ids, tok.encode("KING")], max_tokens=12, temperature=0, top_k=0, top_p=1.0, seed=0
+        )
+    finally:
+        engine.close()
+    out = want[len(ids) :]
+    out = out[: out.index(tok.eot_id)] if tok.eot_id in out else out
+    assert got[0][0] == tok.decode(out)
+
+
+@pytest.mark.slow  # a short run, then sampled as an older version wrote it
+def test_a_checkpoint_from_before_the_switches_still_samples(tmp_path):
+    run = tmp_path / "run"
+    ok(pretrain("train", "--out", str(run), *FAST, "--max-steps", "2"))
+    meta_path = next((run / "checkpoints").glob("step_*")) / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    for key in SWITCHES.keys() - {"tie_embeddings"}:
+        del meta["config"]["model"][key]
+    for key in OPTIM:
+        meta["config"]["optim"].pop(key, None)
+    meta_path.write_text(json.dumps(meta))
+    proc = ok(pretrain("sample", "--checkpoint", str(run), "--prompt", "ROMEO", "--max-new-tokens", "8"))
+    assert proc.stdout.startswith("ROMEO")
+    resumed = ok(pretrain("train", "--out", str(run), *FAST, "--max-steps", "3"))
+    assert "resumed from" in resumed.stdout and train_rows(run)[-1]["step"] == 3
