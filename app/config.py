@@ -47,12 +47,11 @@ class ModelConfig:
     d_model: int = 256
     n_head: int = 4
     n_kv_head: int = 0  # 0 = n_head (plain multi-head attention)
-    d_ff: int = 0  # 0 = 8/3 * d_model rounded up to a multiple of 64 (SwiGLU)
+    d_ff: int = 0  # 0 = 8/3 * d_model rounded up to a multiple of 64 (SwiGLU), 4 * d_model (relu2)
     rope_base: float = 10000.0
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    loop: LoopConfig = field(default_factory=LoopConfig)
     # Switches from the open record (modded-nanogpt) and nanochat, all off by default: docs/recipes.md
     mlp: str = "swiglu"  # swiglu | relu2 (ReLU squared, two matrices; d_ff 0 = 4 * d_model)
     qk_norm: bool = False  # RMS-normalize each head's queries and keys (no gain) before RoPE
@@ -64,6 +63,7 @@ class ModelConfig:
     value_embeds: int = 0  # N token tables mixed into the attention values of the first and last N blocks
     x0_skip: bool = False  # each block mixes the (normalized) embedding into its input, learned weights
     unet_skips: bool = False  # late blocks add the output of their mirror early block, learned weights
+    loop: LoopConfig = field(default_factory=LoopConfig)
 
     @property
     def padded_vocab(self) -> int:

@@ -10,6 +10,7 @@ import torch
 from app.config import LoopConfig, ModelConfig
 from app.trainer.generate import generate, generate_stream, sample_next
 from app.trainer.model import build_model
+from tests.test_switches import SWITCHES as EVERY_SWITCH
 
 
 def model_for(**kw):
@@ -25,20 +26,9 @@ def model_for(**kw):
     return model
 
 
-# Every model switch that changes the forward (zero_init changes only the init: this one would be constant);
+# Every model switch (zero_init would make this random model constant: its projections start at zero);
 # a larger init and attention scale than the record's keep a random model off a one-token greedy loop.
-SWITCHES = {
-    "init_std": 0.4,
-    "mlp": "relu2",
-    "qk_norm": True,
-    "attn_scale": 1.0,
-    "parameter_free_norms": True,
-    "embed_norm": True,
-    "logit_softcap": 15.0,
-    "value_embeds": 1,
-    "x0_skip": True,
-    "unet_skips": True,
-}
+SWITCHES = {**EVERY_SWITCH, "zero_init": False, "init_std": 0.4, "attn_scale": 1.0}
 CASES = {
     "gqa": {},
     "mha": {"n_kv_head": 0},
