@@ -230,6 +230,24 @@ def test_every_switch_together_trains_one_step_under_fp8_emulation(looped):
     assert math.isfinite(loss.item()) and loss.item() < math.log(300)
 
 
+@pytest.mark.parametrize("looped", [False, True], ids=["plain", "looped-deep-supervision"])
+def test_every_switch_runs_under_bf16_autocast(looped):
+    """What a GPU run does (bf16 autocast; no GPU here, so on CPU): the bf16 values meet the fp32 value
+    tables and mixing weights without a dtype clash in attention, and cached generation runs too."""
+    from app.trainer.generate import generate
+
+    torch.manual_seed(0)
+    model = build_model(every_switch(looped))
+    x = torch.randint(0, 300, (2, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x, x).loss
+        loss.backward()
+        model.eval()
+        out = generate(model, x[:, :4], 8, temperature=0)
+    assert loss.dtype == torch.float32 and loss.item() == pytest.approx(math.log(300), rel=1e-3)
+    assert model.head.weight.grad.abs().sum() > 0 and out.shape == (2, 12)
+
+
 def test_every_switch_has_its_line_in_docs_recipes():
     table = (REPO / "docs" / "recipes.md").read_text().split("## Model switches")[1].split("\n## ")[0]
     keys = [f"model.{k}" for k in SWITCHES.keys() - {"tie_embeddings"}]
