@@ -190,6 +190,7 @@ class OptimConfig:
     muon_momentum: float = 0.95
     muon_momentum_warmup_steps: int = 0  # Muon momentum rises linearly from muon_momentum_start; 0 = off
     muon_momentum_start: float = 0.85  # the record: 0.85 -> 0.95 over the first 300 steps
+    muon_momentum_end: float = 0.0  # Muon momentum when the LR has decayed to min_lr, following it; 0 = off
     muon_lr_adjust: str = "match_rms_adamw"  # match_rms_adamw | original (torch.optim.Muon adjust_lr_fn)
 
 

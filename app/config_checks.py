@@ -141,10 +141,8 @@ def validate(cfg: Config) -> None:
     )
     _check(0 <= o.min_lr <= o.lr, f"optim.min_lr={o.min_lr} must be between 0 and optim.lr={o.lr}")
     _check(0 <= o.muon_momentum < 1, f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}")
-    _check(
-        0 <= o.muon_momentum_start < 1,
-        f"optim.muon_momentum_start must be in [0, 1), got {o.muon_momentum_start}",
-    )
+    for key in ("muon_momentum_start", "muon_momentum_end"):
+        _check(0 <= getattr(o, key) < 1, f"optim.{key} must be in [0, 1), got {getattr(o, key)}")
     _check(
         m.loop.supervision_weight_base > 0,
         f"model.loop.supervision_weight_base must be > 0, got {m.loop.supervision_weight_base} (1 = equal weights)",

@@ -272,7 +272,7 @@ class Trainer:
                 self.save("every_minutes")
             decay_plan = DecayPlan(**st.budget_decay) if st.budget_decay else None
             lr = lr_at(st.step, cfg.schedule, cfg.optim, cfg.train.max_steps, decay_plan)
-            set_muon_momentum(self.optimizer, muon_momentum_at(st.step, cfg.optim))
+            set_muon_momentum(self.optimizer, muon_momentum_at(st.step, lr, cfg.schedule, cfg.optim))
             first_micro = self.loader.state.micro_steps
             try:
                 train_step(

@@ -46,6 +46,7 @@ OPTIM = {
     "matrix_lr": 0.02,
     "muon_lr_adjust": "original",
     "muon_momentum_warmup_steps": 4,
+    "muon_momentum_end": 0.85,
     "scalar_lr": 0.01,
 }
 ALL = [
@@ -190,10 +191,33 @@ def test_new_parameters_go_to_their_optimizer_groups():
     assert sum(len(v) for v in groups.values()) == len(list(model.parameters()))
 
 
-def test_muon_momentum_warms_up_like_the_record_and_only_for_muon():
-    o = load_config("tiny", overrides=["optim.muon_momentum_warmup_steps=300"]).optim
-    assert [muon_momentum_at(s, o) for s in (0, 150, 300, 5000)] == pytest.approx([0.85, 0.90, 0.95, 0.95])
-    assert muon_momentum_at(0, load_config("tiny").optim) == 0.95  # off: the constant momentum
+def test_muon_momentum_warms_up_and_follows_the_lr_decay_only_for_muon():
+    from app.trainer.schedule import lr_at
+
+    cfg = load_config(
+        "tiny",
+        overrides=[
+            "optim.muon_momentum_warmup_steps=300",
+            "optim.muon_momentum=0.97",
+            "optim.muon_momentum_end=0.9",
+            "schedule.name=wsd",
+            "schedule.warmup_steps=10",
+            "schedule.decay_fraction=0.5",
+            "train.max_steps=1000",
+        ],
+    )
+    s, o = cfg.schedule, cfg.optim
+
+    def at(step):
+        return muon_momentum_at(step, lr_at(step, s, o, 1000), s, o)
+
+    # 0.85 -> 0.97 over 300 steps (before and across the LR warm-up), flat at peak LR, then down to 0.9
+    # as the LR decays from its peak (step 500) to min_lr (step 999)
+    assert [at(i) for i in (0, 5, 150, 300, 499, 749, 999)] == pytest.approx(
+        [0.85, 0.852, 0.91, 0.97, 0.97, 0.935, 0.9], abs=1e-3
+    )
+    plain = load_config("tiny").optim
+    assert muon_momentum_at(0, 1e-6, s, plain) == muon_momentum_at(999, 1e-6, s, plain) == 0.95  # off
     cfg = load_config("tiny", overrides=[f"optim.{k}={v}" for k, v in OPTIM.items()])
     model = build_model(small())
     opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
@@ -251,7 +275,7 @@ def test_every_switch_runs_under_bf16_autocast(looped):
 def test_every_switch_has_its_line_in_docs_recipes():
     table = (REPO / "docs" / "recipes.md").read_text().split("## Model switches")[1].split("\n## ")[0]
     keys = [f"model.{k}" for k in SWITCHES.keys() - {"tie_embeddings"}]
-    keys += ["optim.scalar_lr", "optim.muon_momentum_warmup_steps"]
+    keys += ["optim.scalar_lr", "optim.muon_momentum_warmup_steps", "optim.muon_momentum_end"]
     assert [k for k in keys if f"| `{k}" not in table] == []
 
 

@@ -181,7 +181,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def set_muon_momentum(optimizer: torch.optim.Optimizer, momentum: float) -> None:
     """The Muon groups' momentum for the next step (app/trainer/schedule.py muon_momentum_at), set per
-    step like the LR: a function of the step, so a resumed run sets the same values."""
+    step like the LR: a function of the step and its LR, so a resumed run sets the same values."""
     for group in optimizer.param_groups:
         if group.get("optimizer") == "muon":
             group["momentum"] = momentum

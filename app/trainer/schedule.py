@@ -47,15 +47,20 @@ def lr_at(
     return peak - (peak - floor) * min(1.0, (step - start + 1) / steps)
 
 
-def muon_momentum_at(step: int, optim: OptimConfig) -> float:
-    """Muon's momentum for the step that turns `step` into `step + 1`: with muon_momentum_warmup_steps,
-    a linear rise from muon_momentum_start to muon_momentum (the record's 0.85 -> 0.95 over 300 steps,
-    which nanochat keeps); then muon_momentum."""
-    warmup = optim.muon_momentum_warmup_steps
-    if not warmup or step >= warmup:
-        return optim.muon_momentum
-    frac = step / warmup
-    return (1 - frac) * optim.muon_momentum_start + frac * optim.muon_momentum
+def muon_momentum_at(step: int, lr: float, sched: ScheduleConfig, optim: OptimConfig) -> float:
+    """Muon's momentum for the step that turns `step` into `step + 1` at LR `lr` (lr_at's): with
+    muon_momentum_warmup_steps, a linear rise from muon_momentum_start to muon_momentum first (the
+    record's 0.85 -> 0.95 over 300 steps); with muon_momentum_end, after the LR warm-up, it follows the
+    LR's decay from peak to min_lr down to muon_momentum_end (nanochat's 0.97 -> 0.90 over its warmdown;
+    the record's last 50 steps back to 0.85), whatever moves that decay (schedule, budget); else constant."""
+    m, warmup = optim.muon_momentum, optim.muon_momentum_warmup_steps
+    if warmup and step < warmup:
+        frac = step / warmup
+        return (1 - frac) * optim.muon_momentum_start + frac * m
+    if optim.muon_momentum_end and step >= sched.warmup_steps and optim.lr > optim.min_lr:
+        annealed = min(1.0, max(0.0, (optim.lr - lr) / (optim.lr - optim.min_lr)))
+        return m + annealed * (optim.muon_momentum_end - m)
+    return m
 
 
 def budget_decay_steps(
