@@ -456,3 +456,39 @@ def test_a_checkpoint_from_before_the_switches_still_samples(tmp_path):
     assert proc.stdout.startswith("ROMEO")
     resumed = ok(pretrain("train", "--out", str(run), *FAST, "--max-steps", "3"))
     assert "resumed from" in resumed.stdout and train_rows(run)[-1]["step"] == 3
+
+
+META_WORKER = """
+import torch, torch.distributed as dist
+from app.config import load_config
+from app.trainer.distributed import init_distributed
+from app.trainer.parallelize import build_parallel_model, unwrap
+
+env = init_distributed("cpu")
+switches = [f"model.{k}={v}" for k, v in SWITCHES.items()]
+cfg = load_config(overrides=["model.vocab_size=256", "model.n_layer=4", "model.d_model=64", "model.n_head=4", *switches])
+model = build_parallel_model(cfg, env, torch.device("cpu"), "fsdp", log=lambda m: None, meta_init=True)
+full = {k: v.full_tensor() for k, v in unwrap(model).state_dict().items()}  # collective, test only
+if env.rank == 0:
+    for i in range(4):
+        assert full[f"blocks.{i}.resid_scale"].tolist() == [1.0] and full[f"blocks.{i}.x0_scale"].tolist() == [0.0]
+        assert full[f"blocks.{i}.attn.wo.weight"].abs().sum() == 0
+    assert full["blocks.0.attn.value_mix"].tolist() == [0.5, 0.5] == full["blocks.3.attn.value_mix"].tolist()
+    assert full["skip_weights"].tolist() == [1.0, 1.0] and full["head.weight"].abs().sum() == 0
+    assert 0.015 < float(full["value_embeds.0.weight"].std()) < 0.025
+    print("META_OK")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow  # two processes start torch: ~10 s
+def test_every_switch_materializes_its_init_from_the_meta_device(tmp_path):
+    """FSDP2 on a GPU builds on the meta device and initializes each rank's shards (1-element weights
+    included: a rank may hold none of one)."""
+    script = tmp_path / "worker.py"
+    script.write_text(f"SWITCHES = {SWITCHES!r}\n" + META_WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=cli_env(PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and "META_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
