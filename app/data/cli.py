@@ -4,6 +4,7 @@ subcommand and calls `run`; `python -m app.data.cli` runs it standalone."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from app.errors import UserError
@@ -71,6 +72,21 @@ VALUE_FLAGS = [
         "where Hub downloads are cached and resumed (default: HF_HUB_CACHE or ~/.cache/huggingface/hub)",
     ),
     ("--log-every", float, 30.0, None, "seconds between progress log lines (default: 30)"),
+    (
+        "--shard-count",
+        int,
+        1,
+        "N",
+        "cut the input into N shares that N processes (or an Indexed Job's pods) tokenize at once, each "
+        "into DATA_DIR/shares/N/I; then --finalize joins them (default: 1, one process does it all)",
+    ),
+    (
+        "--shard-index",
+        int,
+        None,
+        "I",
+        "with --shard-count N: the share this process tokenizes, 0..N-1 (default: $JOB_COMPLETION_INDEX)",
+    ),
 ]
 
 # flag, choices (the first is the default), help
@@ -122,6 +138,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="GLOB",
         help="for hf:// inputs: only files matching GLOB (repeatable; same as ?include=GLOB)",
     )
+    p.add_argument(
+        "--finalize",
+        action="store_true",
+        help="with --shard-count N: join the N finished shares into DATA_DIR (manifest, tokenizer) with the "
+        "same arguments they were made with; the token stream and validation split are a one-process prepare's",
+    )
 
 
 def config_from_args(args: argparse.Namespace):
@@ -134,12 +156,24 @@ def config_from_args(args: argparse.Namespace):
         raise UserError("--char-alphabet applies only with --tokenizer char")
     if args.workers < 0:
         raise UserError(f"--workers must be >= 0, got {args.workers}")
+    index = args.shard_index
+    if args.finalize and index is not None:
+        raise UserError("--finalize joins every share: leave out --shard-index")
+    if index is None and args.shard_count > 1 and not args.finalize:
+        completion = os.environ.get("JOB_COMPLETION_INDEX", "")
+        if not completion.isdigit():
+            raise UserError(
+                f"--shard-count {args.shard_count} needs --shard-index I (0..{args.shard_count - 1}) or "
+                "$JOB_COMPLETION_INDEX (an Indexed Job's pods have it), or --finalize"
+            )
+        index = int(completion)
     renamed = {
         "inputs": list(args.input),
         "out_dir": args.out,
         "vocab_size": args.vocab_size if args.vocab_size is not None else 32768,
         "sample_bytes": args.tokenizer_sample_bytes,
         "includes": list(args.include),
+        "shard_index": index or 0,
     }
     return from_dict(PrepareConfig, {**vars(args), **renamed})  # the other options are named like its fields
 

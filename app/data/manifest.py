@@ -96,6 +96,8 @@ class PrepareState:
     train: list[ShardInfo] = field(default_factory=list)
     val: list[ShardInfo] = field(default_factory=list)
     complete: bool = False
+    first_doc: int = 0  # index of the first document (a share of a sharded prepare starts further on)
+    plan: str = ""  # a share's: digest of the inputs, settings and share count it was made for
 
     def save(self, directory: Path) -> None:
         atomic_write_json(Path(directory) / STATE, asdict(self))  # compact: rewritten after every shard

@@ -52,7 +52,16 @@ from app.errors import UserError
 from app.files import check_writable_dir
 
 LOCK = ".prepare.lock"
+EMPTY_VAL = "the validation split is empty; add data or raise --val-fraction"
 _TASK_CHARS = 1 << 20  # text per worker task: big enough to amortize IPC, small enough for smooth progress
+
+
+@dataclass(frozen=True)
+class ShareRun:
+    """One share of a sharded prepare (app/data/shares.py): its documents are numbered from `first_doc`."""
+
+    first_doc: int
+    plan: str  # digest of the inputs, settings and share count (a finalizer takes only matching shares)
 
 
 @dataclass
@@ -103,6 +112,7 @@ def plan_resume(
     out: Path,
     dtype: np.dtype,
     log,
+    first_doc: int = 0,
 ) -> Plan:
     current = [[f.name, f.fingerprint] for f in files]
     same_inputs = state.inputs == current
@@ -133,9 +143,9 @@ def plan_resume(
     up_to_date = (
         state.complete and same_inputs and all(len(kept[s]) == len(getattr(state, s)) for s in SPLITS)
     )
-    resume = {s: tuple(kept[s][-1].end) if kept[s] else (0, 0) for s in SPLITS}
+    resume = {s: tuple(kept[s][-1].end) if kept[s] else (first_doc, 0) for s in SPLITS}
     start_doc = min(g for g, _ in resume.values())
-    start_file, first_doc = 0, 0
+    start_file = 0
     for i, r in enumerate(records):
         if r.end > start_doc:
             break
@@ -224,9 +234,14 @@ def _tasks(inp: DocumentStream, plan: Plan, period: int, on_file_done) -> Iterat
 
 
 def prepare(cfg: PrepareConfig, log: Log = print) -> PrepareResult:
-    """Run `pretrain prepare`: resolve inputs, get a tokenizer, write (or finish) the shards and manifest."""
+    """Run `pretrain prepare`: resolve inputs, get a tokenizer, write (or finish) the shards and manifest.
+    With --shard-count N: tokenize one share, or join the finished shares (app/data/shares.py)."""
     t0 = time.time()
     check_config(cfg)
+    if cfg.shard_count > 1:
+        from app.data import shares
+
+        return shares.Shares(cfg).join(log) if cfg.finalize else shares.prepare_share(cfg, log)
     out = Path(cfg.out_dir)
     with _dir_lock(out):
         files = hub.resolve_inputs(cfg.inputs, cfg.revision, cfg.includes)
@@ -235,8 +250,19 @@ def prepare(cfg: PrepareConfig, log: Log = print) -> PrepareResult:
         return _run(cfg, out, DocumentStream(files, fetcher, opts), log, t0)
 
 
-def _run(cfg: PrepareConfig, out: Path, inp: DocumentStream, log: Log, t0: float) -> PrepareResult:
+def _run(
+    cfg: PrepareConfig,
+    out: Path,
+    inp: DocumentStream,
+    log: Log,
+    t0: float,
+    tok: Tokenizer | None = None,
+    share: ShareRun | None = None,
+) -> PrepareResult:
+    """Tokenize `inp` into `out`, resuming what is there. A share (app/data/shares.py) passes the shares'
+    tokenizer and where its documents start; the checks on the whole input are then the finalizer's."""
     files, settings = inp.files, cfg.settings()
+    base = share.first_doc if share else 0
     state = PrepareState.load(out)
     if state is not None and state.settings != settings:
         diff = sorted(k for k in state.settings.keys() | settings if state.settings.get(k) != settings.get(k))
@@ -244,26 +270,24 @@ def _run(cfg: PrepareConfig, out: Path, inp: DocumentStream, log: Log, t0: float
             f"{out} holds data prepared with other settings ({', '.join(diff)} differ); "
             f"use another --out or delete {out}"
         )
+    if state is not None and state.first_doc != base:
+        log(
+            f"{out}: its first document is now {base}, not {state.first_doc} (an earlier input changed); starting over"
+        )
+        state = None
     period = val_period(cfg.val_fraction)
-    found = sum(1 for _ in itertools.islice(inp.documents(), period))  # enough for a split? (a cheap check)
-    if found == 0:
-        raise UserError(
-            f"no documents in {', '.join(cfg.inputs)}: {len(files)} file(s), none with a non-empty "
-            f"'{cfg.text_column}' value"
-        )
-    if found < period:
-        raise UserError(
-            f"only {found} documents: --val-fraction {cfg.val_fraction} puts every {period}th "
-            "document in the validation split, which would be empty; add data or raise --val-fraction"
-        )
-    tok = _tokenizer(cfg, out, state, inp, log)
+    if share is None:
+        check_document_count(sum(1 for _ in itertools.islice(inp.documents(), period)), cfg, len(files))
+    tok = tok or _tokenizer(cfg, out, state, inp, log)
     dtype = check_dtype(tok.vocab_size, cfg.dtype)
     if state is not None and state.tokenizer_sha256 != tok.sha256():
         log(
             f"the saved tokenizer of {out} is gone or damaged and training gave a different one; starting over"
         )
         state = None
-    work = plan_resume(state or PrepareState({}, ""), files, cfg, out, dtype, log)  # None: nothing to keep
+    work = plan_resume(
+        state or PrepareState({}, ""), files, cfg, out, dtype, log, base
+    )  # None: nothing to keep
     n_kept = sum(len(v) for v in work.kept.values())
 
     def finish(shards: dict, records: list[FileRecord], new_tokens: int) -> PrepareResult:
@@ -274,7 +298,7 @@ def _run(cfg: PrepareConfig, out: Path, inp: DocumentStream, log: Log, t0: float
             train=list(shards["train"]),
             val=list(shards["val"]),
             sources=[f.label for f in files],
-            documents=records[-1].end if records else 0,
+            documents=(records[-1].end if records else base) - base,  # a share's own
             val_fraction=cfg.val_fraction,
             settings=settings,
         )
@@ -285,6 +309,9 @@ def _run(cfg: PrepareConfig, out: Path, inp: DocumentStream, log: Log, t0: float
 
     if work.up_to_date:
         log(f"{out} is up to date: {n_kept} shards verified ({cfg.verify})")
+        if share and state and state.plan != share.plan:  # the same share of an input changed elsewhere
+            state.plan = share.plan
+            state.save(out)
         return finish(work.kept, state.files if state else [], 0)
 
     # From here on the dir is being changed: it stops looking complete until the manifest is rewritten.
@@ -292,7 +319,15 @@ def _run(cfg: PrepareConfig, out: Path, inp: DocumentStream, log: Log, t0: float
     remove_stale(out, {i.file for s in SPLITS for i in work.kept[s]})
     tok.save(out)
     inputs = [[f.name, f.fingerprint] for f in files]
-    new_state = PrepareState(settings, tok.sha256(), inputs, list(work.files), **work.kept)
+    new_state = PrepareState(
+        settings,
+        tok.sha256(),
+        inputs,
+        list(work.files),
+        **work.kept,
+        first_doc=base,
+        plan=share.plan if share else "",
+    )
     if n_kept:
         log(
             f"resuming: {n_kept} shards already written and verified; "
@@ -324,12 +359,27 @@ def _run(cfg: PrepareConfig, out: Path, inp: DocumentStream, log: Log, t0: float
     finally:
         progress.close()
         save_state()
-    if not writers["val"].shards:
-        raise UserError("the validation split is empty; add data or raise --val-fraction")
+    if not writers["val"].shards and share is None:
+        raise UserError(EMPTY_VAL)
     new_state.complete = True
     save_state()
     new_tokens = sum(w.new_tokens for w in writers.values())
     return finish({s: w.shards for s, w in writers.items()}, new_state.files, new_tokens)
+
+
+def check_document_count(found: int, cfg: PrepareConfig, n_files: int) -> None:
+    """`found`: documents in the input, counted up to one validation period."""
+    if found == 0:
+        raise UserError(
+            f"no documents in {', '.join(cfg.inputs)}: {n_files} file(s), none with a non-empty "
+            f"'{cfg.text_column}' value"
+        )
+    period = val_period(cfg.val_fraction)
+    if found < period:
+        raise UserError(
+            f"only {found} documents: --val-fraction {cfg.val_fraction} puts every {period}th "
+            "document in the validation split, which would be empty; add data or raise --val-fraction"
+        )
 
 
 def _route(enc: EncodedDocs, g_idx: np.ndarray, period: int, writers: dict[str, SplitWriter]) -> None:

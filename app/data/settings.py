@@ -39,6 +39,11 @@ class PrepareConfig:
     verify: str = "sha256"  # how a re-run checks kept shards: sha256 | size
     progress: str = "auto"  # auto (bar on a terminal, else log lines) | bar | log | none
     log_every: float = 30.0
+    # A sharded prepare (app/data/shares.py): the input cut into shard_count shares; this process tokenizes
+    # share shard_index, or with finalize joins the finished shares. Not settings: the content is the same.
+    shard_count: int = 1
+    shard_index: int = 0
+    finalize: bool = False
 
     def settings(self) -> dict:
         """What determines the shards' content; a re-run with different settings refuses to mix them."""
@@ -84,6 +89,16 @@ def check_config(cfg: PrepareConfig) -> None:
         raise UserError(f"--verify must be sha256 or size, got {cfg.verify}")
     if cfg.sample_bytes < 1:
         raise UserError(f"--tokenizer-sample-bytes must be >= 1, got {cfg.sample_bytes}")
+    if cfg.shard_count < 1:
+        raise UserError(f"--shard-count must be >= 1, got {cfg.shard_count}")
+    if not 0 <= cfg.shard_index < cfg.shard_count:
+        raise UserError(
+            f"--shard-index must be in 0..{cfg.shard_count - 1} (--shard-count {cfg.shard_count}), got {cfg.shard_index}"
+        )
+    if cfg.finalize and cfg.shard_count == 1:
+        raise UserError(
+            "--finalize joins the shares of a sharded prepare: give their --shard-count N (N > 1)"
+        )
 
 
 def check_dtype(vocab_size: int, dtype: str) -> np.dtype:

@@ -47,6 +47,7 @@ class SourceFile:
     local_path: str = ""  # "" for a hub file until it is downloaded
     repo: str = ""  # hub dataset repo id
     commit: str = ""  # hub commit sha the listing came from
+    row_groups: tuple[int, int] | None = None  # parquet: only row groups [first, stop) (a share's part)
 
     @property
     def label(self) -> str:
@@ -270,11 +271,12 @@ def _read_parquet(path: Path, f: SourceFile, opts: ReadOptions) -> Batches:
         raise UserError(
             f"column '{opts.text_column}' of {f.label} holds {typ}, not text; choose --text-column"
         )
-    total_rows = max(1, pf.metadata.num_rows)
+    groups = range(*f.row_groups) if f.row_groups else range(pf.num_row_groups)
+    total_rows = max(1, sum(pf.metadata.row_group(g).num_rows for g in groups))
     rows = 0
     with pf:
         for batch in pf.iter_batches(
-            batch_size=opts.batch_rows, columns=[opts.text_column], use_threads=False
+            batch_size=opts.batch_rows, columns=[opts.text_column], row_groups=groups, use_threads=False
         ):
             rows += batch.num_rows
             texts = [t for t in batch.column(0).to_pylist() if t]
