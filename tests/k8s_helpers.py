@@ -520,9 +520,9 @@ class FakeCluster:
             "code": 404,
         }
 
-    def render(self, values: dict[str, Any] | None = None) -> subprocess.CompletedProcess:
+    def render(self, values: dict[str, Any] | None = None, *extra: str) -> subprocess.CompletedProcess:
         """`helm template --dry-run=server` against this API: templates' `lookup` calls reach it."""
-        cmd = [helm_binary(), "template", "pretrain", str(CHART), "--namespace", "default"]
+        cmd = [helm_binary(), "template", "pretrain", str(CHART), "--namespace", "default", *extra]
         cmd += ["--dry-run=server", "--disable-openapi-validation", "--kubeconfig", str(self.kubeconfig)]
         return subprocess.run(cmd + _set_args(values), capture_output=True, text=True, timeout=120)
 
@@ -534,12 +534,6 @@ class FakeCluster:
 # ------------------------------------------------------------- the containers' programs, run locally
 
 
-def sh_script(c: dict, root: Path) -> str:
-    """The container's `sh -c` script with /data and /run/pretrain moved under root."""
-    assert c["command"][:2] == ["sh", "-c"]
-    return c["command"][2].replace("/data/", f"{root}/data/").replace("/run/pretrain", f"{root}/run")
-
-
 def local_path(arg: str, root: Path) -> str:
     return (
         arg.replace("/data/", f"{root}/data/")
@@ -549,20 +543,112 @@ def local_path(arg: str, root: Path) -> str:
 
 
 class PreparePod:
-    """The rendered prepare container's script, run for real with a stand-in `pretrain` that exits $FAIL."""
+    """A rendered prepare container (`python -m app.data.prepare_job`, role "prepare" or "finalizer") run for
+    real with /data under root: with a stand-in `pretrain` that exits $FAIL (its arguments go to calls.txt),
+    or with real=True the real one; the Kubernetes API is the one `kubeconfig` names (none: no API)."""
 
-    def __init__(self, docs: list, root: Path):
-        self.c = one(docs, "Job")["spec"]["template"]["spec"]["containers"][0]
+    def __init__(
+        self,
+        docs: list,
+        root: Path,
+        role: str = "prepare",
+        kubeconfig: Path | None = None,
+        real: bool = False,
+    ):
+        (job,) = [
+            d for d in by_kind(docs, "Job") if d["metadata"]["labels"].get("pretrain/prepare-role") == role
+        ]
+        self.job = job
+        self.c = job["spec"]["template"]["spec"]["containers"][0]
+        assert self.c["command"] == ["python", "-m", "app.data.prepare_job"], self.c["command"]
+        self.fingerprint = self.c["args"][self.c["args"].index("--fingerprint") + 1]
         self.root = root
         (root / "data").mkdir(exist_ok=True)
         fake_bin = root / "bin"
         fake_bin.mkdir(exist_ok=True)
         self.calls = root / "calls.txt"
-        (fake_bin / "pretrain").write_text(f'#!/bin/sh\necho "$@" >> {self.calls}\nexit "${{FAIL:-0}}"\n')
+        stub = f'#!/bin/sh\necho "$@" >> {self.calls}\n[ "${{FAIL:-0}}" = 0 ] || echo "error: stub failed" >&2\nexit "${{FAIL:-0}}"\n'
+        (fake_bin / "pretrain").write_text(stub)
         (fake_bin / "pretrain").chmod(0o755)
-        self.env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"}
-        self.env.update({e["name"]: e["value"] for e in self.c["env"] if "value" in e})
+        path = f"{Path(sys.executable).parent if real else fake_bin}:{os.environ['PATH']}"
+        self.env = {k: v for k, v in os.environ.items() if k not in ("KUBERNETES_SERVICE_HOST", "KUBECONFIG")}
+        self.env.update(PATH=path, PYTHONPATH=str(REPO), POD_NAMESPACE="default")
+        if kubeconfig is not None:
+            self.env["KUBECONFIG"] = str(kubeconfig)
 
-    def run(self, **extra) -> subprocess.CompletedProcess:
-        cmd = ["sh", "-c", sh_script(self.c, self.root), *self.c["command"][3:], *self.c["args"]]
-        return subprocess.run(cmd, env={**self.env, **extra}, capture_output=True, text=True, timeout=30)
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "app.data.prepare_job",
+            *(local_path(a, self.root) for a in self.c["args"]),
+        ]
+
+    def run(self, timeout: float = 120, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            self.command(),
+            env={**self.env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO,
+        )
+
+    def start(self, **extra: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            self.command(),
+            env={**self.env, **extra},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
+
+
+class JobApi:
+    """A fake API server (tests/test_budget_kube.py's) serving the rendered training job, as it is before the
+    operator sees it: suspended. `kubeconfig` points the real `kubernetes` client of a prepare pod at it."""
+
+    def __init__(self, docs: list, root: Path, namespace: str = "default"):
+        from test_budget_kube import FakeApiServer
+
+        self.server = FakeApiServer()
+        (self.rendered,) = [
+            {**d, "metadata": {**d["metadata"], "namespace": namespace}}
+            for d in docs
+            if d["kind"] in ("PyTorchJob", "TrainJob")
+        ]
+        self.path = self.server.store(self.rendered)
+        self.kubeconfig = self.server.kubeconfig(root / "kubeconfig")
+
+    def reset(self) -> None:
+        """The job as rendered again (as `helm upgrade` re-creates a deleted one)."""
+        self.server.store(self.rendered)
+
+    @property
+    def job(self) -> dict:
+        return self.server.objects[self.path]
+
+    def events(self) -> list[dict]:
+        return [r["body"] for r in self.server.calls("POST") if r["path"].endswith("/events")]
+
+    def close(self) -> None:
+        self.server.close()
+
+    def __enter__(self) -> JobApi:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def not_prepare(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The objects but the prepare side's ServiceAccount, Role and RoleBinding (those of the trainer remain)."""
+    return [
+        d
+        for d in docs
+        if not (
+            d["kind"] in ("ServiceAccount", "Role", "RoleBinding")
+            and d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "prepare"
+        )
+    ]

@@ -2,14 +2,19 @@
 
 No cluster runs here: a fake API server on 127.0.0.1 (http.server) records the requests the real
 `kubernetes` Python client sends, and the tests assert their paths, verbs, content types and bodies; these
-are the calls the chart's RBAC must allow (events: create; pytorchjobs: get, patch).
+are the calls the chart's RBAC must allow (events: create; pytorchjobs: get, patch). Objects put in its
+`objects` are served and patched as an API server does (JSON merge patch, the status subresource apart,
+resourceVersion conflicts): tests/test_prepare_release.py releases a rendered job through it.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 from kubernetes import client
@@ -38,6 +43,9 @@ class FakeApiServer:
         self.job_labels: dict = {}
         self.workloads: list[dict] = []  # Kueue Workloads in the namespace
         self.workload_uid_label = True  # Kueue versions before the job-uid label: owner references only
+        self.objects: dict[str, dict] = {}  # API path -> object: served, and patched by merge patches
+        self.conflicts = 0  # answer this many patches that carry a resourceVersion with 409 Conflict first
+        self.forbidden: set[str] = set()  # API paths (with /status) that answer 403, as missing RBAC would
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -69,6 +77,22 @@ class FakeApiServer:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def answer(self, req: dict) -> tuple[int, dict]:
+        path = req["path"].partition("?")[0]
+        if path in self.forbidden:
+            return 403, {
+                "kind": "Status",
+                "code": 403,
+                "reason": "Forbidden",
+                "message": f"{path} is forbidden",
+            }
+        if path.removesuffix("/status") in self.objects:
+            return self._stored(req, path)
+        if (
+            req["method"] == "POST"
+            and re.fullmatch(r"/api/v1/namespaces/[^/]+/events", path)
+            and path != EVENTS_PATH
+        ):
+            return 201, dict(req["body"], metadata={"name": "event-1", "namespace": path.split("/")[4]})
         job = {
             "apiVersion": "kubeflow.org/v1",
             "kind": "PyTorchJob",
@@ -105,12 +129,83 @@ class FakeApiServer:
             return 201, dict(req["body"], metadata={"name": f"{JOB}-budget-abc", "namespace": NS})
         return 404, {"kind": "Status", "code": 404, "reason": "NotFound"}
 
+    def _stored(self, req: dict, path: str) -> tuple[int, dict]:
+        """A stored object: GET it; PATCH it with a JSON merge patch (RFC 7386) of its main resource (status
+        left alone) or of /status (status only), refused with 409 on a stale resourceVersion."""
+        base = path.removesuffix("/status")
+        obj = self.objects[base]
+        if req["method"] == "GET":
+            return 200, obj
+        if req["method"] != "PATCH":
+            return 405, {"kind": "Status", "code": 405}
+        body = copy.deepcopy(req["body"])
+        version = (body.get("metadata") or {}).pop("resourceVersion", None)
+        if version is not None and (self.conflicts or version != obj["metadata"]["resourceVersion"]):
+            self.conflicts = max(0, self.conflicts - 1)
+            obj["metadata"]["resourceVersion"] = str(
+                int(obj["metadata"]["resourceVersion"]) + 1
+            )  # someone else
+            return 409, {
+                "kind": "Status",
+                "code": 409,
+                "reason": "Conflict",
+                "message": "the object has been modified",
+            }
+        if path.endswith("/status"):
+            body = {"status": body.get("status", {})}
+        else:
+            body.pop("status", None)
+        patched = merge_patch(obj, body)
+        patched["metadata"]["resourceVersion"] = str(int(obj["metadata"]["resourceVersion"]) + 1)
+        self.objects[base] = patched
+        return 200, patched
+
+    def store(self, obj: dict) -> str:
+        """Serve `obj` (a namespaced object of a group API) at its path; returns the path."""
+        group_version = obj["apiVersion"]
+        plural = {"PyTorchJob": "pytorchjobs", "TrainJob": "trainjobs", "Job": "jobs"}[obj["kind"]]
+        meta = obj["metadata"]
+        path = f"/apis/{group_version}/namespaces/{meta.get('namespace', NS)}/{plural}/{meta['name']}"
+        obj = copy.deepcopy(obj)
+        obj["metadata"].setdefault("uid", "uid-42")
+        obj["metadata"].setdefault("resourceVersion", "1")
+        self.objects[path] = obj
+        return path
+
+    def kubeconfig(self, path: Path) -> Path:
+        """A kubeconfig for this server (what $KUBECONFIG names outside a pod)."""
+        cluster = {"name": "fake", "cluster": {"server": self.url}}
+        context = {"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": NS}}
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [cluster],
+            "users": [{"name": "fake", "user": {"token": "test"}}],
+            "contexts": [context],
+            "current-context": "fake",
+        }
+        path.write_text(json.dumps(config))
+        return path
+
     def calls(self, method: str | None = None) -> list[dict]:
         return [r for r in self.requests if method is None or r["method"] == method]
 
     def close(self):
         self.server.shutdown()
         self.server.server_close()
+
+
+def merge_patch(target, patch):
+    """RFC 7386: objects merge key by key, null deletes, anything else replaces (lists too)."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
 
 
 @pytest.fixture

@@ -93,6 +93,7 @@ def test_render_matrix(helm_bin, gpus, variant):
     run_policy = job["spec"]["runPolicy"]
     assert run_policy["backoffLimit"] >= 1 and run_policy["cleanPodPolicy"] == "Running"
     assert run_policy["ttlSecondsAfterFinished"] == 604800
+    assert run_policy["suspend"] is True  # no trainer pod (no GPU) until the prepare releases it
 
     checksums = set()
     for rtype, spec in specs.items():
@@ -167,7 +168,10 @@ def test_render_matrix(helm_bin, gpus, variant):
 
     labels = job["metadata"]["labels"]
     if variant == "kueue":
-        assert labels["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+        # out of the queue until its data is ready: the prepare then adds the label, and Kueue admits it
+        assert "kueue.x-k8s.io/queue-name" not in labels
+        prepare_args = h.one(docs, "Job")["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert prepare_args[prepare_args.index("--queue") + 1] == "gpu-queue"
         assert h.one(docs, "Job")["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "cpu-queue"
         assert run_policy["schedulingPolicy"] == {"minAvailable": nodes, "priorityClass": "training-high"}
     else:
@@ -256,12 +260,13 @@ def test_topology(helm_bin, values, nodes, nproc):
             r"cannot be mounted by more than one node",
         ),
         (
-            {"storage.data.accessModes": ["ReadWriteOnce"], "prepare.nodeSelector": {"pool": "cpu"}},
-            r"mount the data volume on two nodes",
+            {"storage.data.accessModes": ["ReadWriteOnce"], "prepare.parallelism": 4},
+            r"prepare.parallelism=4 runs that many prepare pods, on different nodes, but storage.data",
         ),
+        ({"prepare.parallelism": 0}, r"/prepare/parallelism"),
         (
             {"serviceAccount.create": False},
-            r"Role would be bound to the namespace's `default` ServiceAccount",
+            r"Roles would be bound to the namespace's `default` ServiceAccount",
         ),
         ({"fullnameOverride": "1st-run"}, r"must start with a letter .*DNS-1035"),
         ({"trainer.qos": "BestEffort"}, r"/trainer/qos"),
@@ -282,17 +287,17 @@ def test_watcher_off_without_cap(helm_bin):
     assert [c["name"] for c in pod["initContainers"]] == ["volume-permissions", "wait-for-data"]
     assert pod["automountServiceAccountToken"] is False
     # the wait step alone still reads the prepare Job and posts Events: no patch of the PyTorchJob
-    rules = {r["resources"][0]: r["verbs"] for r in h.one(docs, "Role")["rules"]}
+    rules = {r["resources"][0]: r["verbs"] for r in h.one(h.not_prepare(docs), "Role")["rules"]}
     assert rules == {"events": ["create", "patch"], "pytorchjobs": ["get"], "jobs": ["get"]}
     assert [s["metadata"]["name"] for s in h.by_kind(docs, "Service")] == ["pretrain-metrics"]
     off = h.render({"budget.capUSD": 0, "prepare.wait.useKubernetesApi": False})
-    assert not h.by_kind(off, "Role") and not h.by_kind(off, "RoleBinding")
+    assert not h.by_kind(h.not_prepare(off), "Role") and not h.by_kind(h.not_prepare(off), "RoleBinding")
     assert "kube-api-access" not in json.dumps(h.one(off, "PyTorchJob"))
 
 
 def test_rbac_least_privilege(helm_bin):
     docs = h.render({"gpus": 16})
-    role = h.one(docs, "Role")
+    role = h.one(h.not_prepare(docs), "Role")
     rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): r for r in role["rules"]}
     assert rules[("",), ("events",)]["verbs"] == ["create", "patch"]
     job_rule = rules[("kubeflow.org",), ("pytorchjobs",)]
@@ -310,14 +315,17 @@ def test_rbac_least_privilege(helm_bin):
         assert "*" not in r["verbs"] + r["resources"] + r["apiGroups"]
         assert set(r["verbs"]) <= {"get", "create", "patch"}
     # under Kueue the watcher's last resort deactivates the Workload, whose name only Kueue knows
-    kueue = {tuple(r["apiGroups"]): r for r in h.one(h.render({"job.kueueQueueName": "q"}), "Role")["rules"]}
+    kueue = {
+        tuple(r["apiGroups"]): r
+        for r in h.one(h.not_prepare(h.render({"job.kueueQueueName": "q"})), "Role")["rules"]
+    }
     assert kueue[("kueue.x-k8s.io",)] == {
         "apiGroups": ["kueue.x-k8s.io"],
         "resources": ["workloads"],
         "verbs": ["list", "patch"],
     }
-    binding = h.one(docs, "RoleBinding")
-    sa = h.one(docs, "ServiceAccount")
+    binding = h.one(h.not_prepare(docs), "RoleBinding")
+    sa = h.one(h.not_prepare(docs), "ServiceAccount")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "default"}
@@ -366,6 +374,9 @@ def test_prepare_job_on_cpu_pool(helm_bin):
     assert pod["nodeSelector"] == {"pool": "cpu"}
     assert pod["restartPolicy"] == "Never"
     assert GPU not in json.dumps(c["resources"])
+    assert c["command"] == ["python", "-m", "app.data.prepare_job"] and c["args"][0] == "run"
+    fp = c["args"][c["args"].index("--fingerprint") + 1]
+    c["args"] = c["args"][c["args"].index("--") + 1 :]  # those of `pretrain prepare`
     assert c["args"][:4] == [
         "--input",
         "hf://datasets/karpathy/tinyshakespeare",
@@ -374,14 +385,13 @@ def test_prepare_job_on_cpu_pool(helm_bin):
     ]
     assert c["args"][c["args"].index("--tokenizer") + 1] == "char" and "--vocab-size" not in c["args"]
     assert c["args"][-2:] == ["--workers", "4"]
-    fp = h.env_map(c)["PREPARE_FINGERPRINT"]
     for rtype in ("Master",):
         wait = h.container(h.pod_spec(h.one(docs, "PyTorchJob"), rtype), "wait-for-data", init=True)
         assert wait["args"][wait["args"].index("--fingerprint") + 1] == fp
-    other = h.env_map(
-        h.one(h.render({"prepare.input": "/data/raw"}), "Job")["spec"]["template"]["spec"]["containers"][0]
-    )
-    assert other["PREPARE_FINGERPRINT"] != fp
+    other = h.one(h.render({"prepare.input": "/data/raw"}), "Job")["spec"]["template"]["spec"]["containers"][
+        0
+    ]
+    assert other["args"][other["args"].index("--fingerprint") + 1] != fp
 
 
 def test_prepare_disabled(helm_bin):
@@ -413,7 +423,8 @@ def test_job_disabled_keeps_volumes_and_prepare(helm_bin):
 
 def test_prepare_and_wait_steps(helm_bin, tmp_path):
     docs = h.render({"prepare.wait.pollSeconds": 1, "prepare.wait.timeoutSeconds": 2})
-    prep = h.PreparePod(docs, tmp_path)
+    api = h.JobApi(docs, tmp_path)
+    prep = h.PreparePod(docs, tmp_path, kubeconfig=api.kubeconfig)
     (tmp_path / "run").mkdir()
     marker = tmp_path / "data" / "fineweb-edu-10bt" / "_READY"
 
@@ -426,7 +437,8 @@ def test_prepare_and_wait_steps(helm_bin, tmp_path):
     (tmp_path / "run" / "data-verdict.json").unlink()
     proc = prep.run()
     assert proc.returncode == 0, proc.stderr
-    assert marker.read_text().strip() == prep.env["PREPARE_FINGERPRINT"]
+    assert marker.read_text().strip() == prep.fingerprint
+    assert api.job["spec"]["runPolicy"]["suspend"] is False  # released
     assert (
         prep.calls.read_text()
         .splitlines()[-1]
@@ -444,6 +456,7 @@ def test_prepare_and_wait_steps(helm_bin, tmp_path):
     proc = pods.wait_step(docs, tmp_path)
     assert proc.returncode == 0 and "stop file" in proc.stdout
     assert not (tmp_path / "run" / "data-verdict.json").exists()
+    api.close()
 
 
 def test_notes(helm_bin, tmp_path):

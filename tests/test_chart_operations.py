@@ -88,17 +88,33 @@ def test_1_crash_loops_end_after_max_restarts(tmp_path, monkeypatch):
 
 
 def test_2_a_failed_prepare_ends_the_job_with_a_reason(tmp_path, monkeypatch):
-    """`pretrain prepare` fails with a bad argument: the prepare script marks the failure final, the
-    trainer pods' wait step gives up at once and leaves a verdict, and the launcher exits 4 (permanent)
-    instead of the initContainer failing (read as 0xbeef = retryable by the operator)."""
+    """`pretrain prepare` fails with a bad argument: the prepare pod marks the failure final and leaves the
+    training job suspended (no GPU pod) with a PrepareFailed Event and the condition DataReady=False that
+    `kubectl describe` shows. Were its pods started anyway, their wait step gives up at once and leaves a
+    verdict, and the launcher exits 4 (permanent) instead of the initContainer failing (read as 0xbeef =
+    retryable by the operator)."""
     docs = h.render({"prepare.wait.pollSeconds": 1})
     h.validate_all(docs)
-    prep = h.PreparePod(docs, tmp_path)
+    api = h.JobApi(docs, tmp_path)
+    prep = h.PreparePod(docs, tmp_path, kubeconfig=api.kubeconfig)
     (tmp_path / "run").mkdir()
     proc = prep.run(FAIL="2")
     assert proc.returncode == 2 and "final: true" in proc.stderr
     failed = json.loads((tmp_path / "data" / "fineweb-edu-10bt" / "_FAILED").read_text())
-    assert failed["final"] is True and failed["fingerprint"] == prep.env["PREPARE_FINGERPRINT"]
+    assert failed["final"] is True and failed["fingerprint"] == prep.fingerprint
+    assert failed["reason"] == "error: stub failed"
+    job = api.job
+    assert job["spec"]["runPolicy"]["suspend"] is True
+    (event,) = [e for e in api.events() if e["reason"] == "PrepareFailed"]
+    assert event["type"] == "Warning" and event["involvedObject"]["kind"] == "PyTorchJob"
+    assert (
+        "`pretrain prepare` failed for good: exit 2" in event["message"]
+        and "error: stub failed" in event["message"]
+    )
+    (condition,) = [c for c in job["status"]["conditions"] if c["type"] == "DataReady"]
+    assert (condition["status"], condition["reason"]) == ("False", "PrepareFailed")
+    h.validate_all([job])
+    api.close()
     proc = pods.wait_step(docs, tmp_path)
     assert proc.returncode == 0 and "gave up" in proc.stderr and "exited 2" in proc.stderr
     gate_env(trainer(docs), tmp_path, monkeypatch)
@@ -118,13 +134,23 @@ def test_2_a_failed_prepare_ends_the_job_with_a_reason(tmp_path, monkeypatch):
 
 def test_2_a_crashing_prepare_is_final_only_past_its_backoff_limit(tmp_path):
     docs = h.render({"prepare.backoffLimit": 1})
-    prep = h.PreparePod(docs, tmp_path)
+    api = h.JobApi(docs, tmp_path)
+    prep = h.PreparePod(docs, tmp_path, kubeconfig=api.kubeconfig)
     failed = tmp_path / "data" / "fineweb-edu-10bt" / "_FAILED"
     assert prep.run(FAIL="137").returncode == 137 and json.loads(failed.read_text())["final"] is False
     assert prep.run(FAIL="143").returncode == 143  # a preemption does not count
     assert json.loads(failed.read_text())["failures"] == 1
+    assert not [e for e in api.events() if e["reason"] == "PrepareFailed"], "not final yet"
     assert prep.run(FAIL="137").returncode == 137 and json.loads(failed.read_text())["final"] is True
+    assert [e["reason"] for e in api.events()] == ["PrepareFailed"]
+    # a new Job (a new uid) after a fix gets its whole backoff limit again
+    assert prep.run(FAIL="137", PRETRAIN_JOB_UID="uid-2").returncode == 137
+    assert json.loads(failed.read_text())["final"] is False
     assert prep.run().returncode == 0 and not failed.exists()
+    assert api.job["spec"]["runPolicy"]["suspend"] is False
+    (condition,) = [c for c in api.job["status"]["conditions"] if c["type"] == "DataReady"]
+    assert (condition["status"], condition["reason"]) == ("True", "DataPrepared")
+    api.close()
 
 
 def test_2_the_wait_reads_the_prepare_job_and_posts_events(tmp_path):
@@ -137,7 +163,7 @@ def test_2_the_wait_reads_the_prepare_job_and_posts_events(tmp_path):
     mounts = {m["mountPath"]: m["name"] for m in wait["volumeMounts"]}
     token = mounts["/var/run/secrets/kubernetes.io/serviceaccount"]
     assert "serviceAccountToken" in json.dumps({v["name"]: v for v in master["volumes"]}[token])
-    jobs_rule = [r for r in h.one(docs, "Role")["rules"] if r["resources"] == ["jobs"]]
+    jobs_rule = [r for r in h.one(h.not_prepare(docs), "Role")["rules"] if r["resources"] == ["jobs"]]
     assert jobs_rule == [
         {"apiGroups": ["batch"], "resources": ["jobs"], "resourceNames": [job], "verbs": ["get"]}
     ]
@@ -347,11 +373,13 @@ def test_3_an_unwritable_data_volume_is_one_line_and_fails_the_job_at_once(tmp_p
     work = Path(tempfile.mkdtemp())
     try:
         os.chmod(work, 0o755)
-        prep = h.PreparePod(h.render(), work)
+        docs = h.render()
+        api = h.JobApi(docs, work)
+        prep = h.PreparePod(docs, work, kubeconfig=api.kubeconfig)
         os.chmod(work / "data", 0o755)  # root-owned, as a fresh export
-        cmd = ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", "sh", "-c"]
-        cmd += [prep.c["command"][2].replace("/data/", f"{work}/data/"), "prepare", *prep.c["args"]]
-        proc = subprocess.run(cmd, env=prep.env, capture_output=True, text=True, timeout=30)
+        cmd = ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", *prep.command()]
+        proc = subprocess.run(cmd, env=prep.env, capture_output=True, text=True, timeout=60, cwd=h.REPO)
+        api.close()
         assert proc.returncode == 2, proc.stderr  # the podFailurePolicy fails the Job on 2
         (line,) = proc.stderr.strip().splitlines()
         assert "is not writable as uid 1000 gid 1000" in line and "volumePermissions.enabled=true" in line
@@ -368,21 +396,15 @@ def test_4_storage_classes_and_access_modes(tmp_path):
     assert pvcs["pretrain-data"]["storageClassName"] == "efs-sc"
     assert pvcs["pretrain-ckpt"]["storageClassName"] == ""
     # several nodes on ReadWriteOnce: refused (bad values test); one node on ReadWriteOnce: the prepare pod
-    # goes to the Master's node, where the data volume is attached
+    # runs anywhere (the CPU pool), alone: the training job has no pod until the prepare is done
     rwo = {
         "storage.data.accessModes": ["ReadWriteOnce"],
         "storage.checkpoints.accessModes": ["ReadWriteOnce"],
     }
-    docs = h.render({"gpus": 4, **rwo})
+    docs = h.render({"gpus": 4, **rwo, "prepare.nodeSelector": {"pool": "cpu"}})
     h.validate_all(docs)
-    affinity = h.one(docs, "Job")["spec"]["template"]["spec"]["affinity"]["podAffinity"]
-    (term,) = affinity["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert term["topologyKey"] == "kubernetes.io/hostname"
-    master_labels = h.one(docs, "PyTorchJob")["spec"]["pytorchReplicaSpecs"]["Master"]["template"][
-        "metadata"
-    ]["labels"]
-    assert term["labelSelector"]["matchLabels"].items() <= master_labels.items()
-    assert "affinity" not in h.one(h.render(), "Job")["spec"]["template"]["spec"]  # RWX: anywhere
+    assert "affinity" not in h.one(docs, "Job")["spec"]["template"]["spec"]
+    assert h.one(docs, "PyTorchJob")["spec"]["runPolicy"]["suspend"] is True
     # an existing claim is not second-guessed (its access mode is unknown at render time)
     h.validate_all(h.render({"gpus": 16, "storage.data.existingClaim": "team-data"}))
 
@@ -438,6 +460,26 @@ def _running_job(topology: str, finished: bool = False) -> dict:
         },
         "status": {"conditions": conditions},
     }
+
+
+def test_5_an_upgrade_that_creates_the_training_job_again_runs_a_prepare_that_releases_it(cluster):
+    """The job is created suspended and only a prepare pod releases it. An upgrade after `kubectl delete
+    pytorchjob` (how "Upgrades" applies changes) creates it again, suspended: the prepare Jobs then get new
+    names (the revision), so new pods run, find the marker and release it. An upgrade of a live job keeps
+    the names, and so a prepare that is still running."""
+
+    def job_names(proc: subprocess.CompletedProcess) -> list[str]:
+        assert proc.returncode == 0, proc.stderr
+        docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+        return sorted(d["metadata"]["name"] for d in docs if d["kind"] == "Job")
+
+    sharded = {"prepare.parallelism": 2}
+    install = job_names(cluster.render(sharded))
+    assert install == sorted(d["metadata"]["name"] for d in h.by_kind(h.render(sharded), "Job"))
+    recreated = job_names(cluster.render(sharded, "--is-upgrade"))
+    assert set(recreated).isdisjoint(install)
+    cluster.objects["/apis/kubeflow.org/v1/namespaces/default/pytorchjobs/pretrain"] = _running_job("1x8")
+    assert job_names(cluster.render(sharded, "--is-upgrade")) == install
 
 
 def test_5_an_upgrade_that_reshapes_a_running_job_is_refused(cluster):
@@ -531,14 +573,29 @@ def test_7_decimal_values_with_plain_set():
 
 
 def test_8_kueue(tmp_path):
+    """Kueue owns `suspend` of the jobs it manages: the job stays out of the queue (no queue label) while the
+    data is tokenized, and the prepare hands it to the queue (adds the label) when the data is ready."""
     docs = h.render({"job.kueueQueueName": "gpu-queue", "prepare.kueueQueueName": "cpu-queue"})
     h.validate_all(docs)
-    assert h.one(docs, "PyTorchJob")["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
-    rules = {tuple(r["apiGroups"]): r["verbs"] for r in h.one(docs, "Role")["rules"]}
+    job = h.one(docs, "PyTorchJob")
+    assert "kueue.x-k8s.io/queue-name" not in job["metadata"]["labels"]
+    assert job["spec"]["runPolicy"]["suspend"] is True
+    args = h.one(docs, "Job")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--queue") + 1] == "gpu-queue"
+    rules = {tuple(r["apiGroups"]): r["verbs"] for r in h.one(h.not_prepare(docs), "Role")["rules"]}
     assert rules[("kueue.x-k8s.io",)] == ["list", "patch"]  # the watcher deactivates the Workload
     notes = _notes(tmp_path, {"job.kueueQueueName": "gpu-queue"})
-    assert "waitForPodsReady" in notes and "job.enabled=false" in notes
-    assert "waitForPodsReady" not in _notes(tmp_path, {})
+    assert "joins queue gpu-queue only when its data is ready" in notes
+    assert "kueue.x-k8s.io/queue-name=gpu-queue" in notes  # the manual release
+    # without a prepare the job is queued at once
+    own_data = {
+        "job.kueueQueueName": "gpu-queue",
+        "prepare.enabled": False,
+        "config": {"data": {"dataset": "/data/x"}},
+    }
+    job = h.one(h.render(own_data), "PyTorchJob")
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+    assert "suspend" not in job["spec"]["runPolicy"]
 
 
 # ------------------------------------------------------------- 9. RBAC, labels, Pod Security
@@ -547,7 +604,7 @@ def test_8_kueue(tmp_path):
 def test_9_service_account_labels_and_pod_security():
     docs = h.render({"serviceAccount.create": False, "serviceAccount.name": "ml-runner"})
     assert not h.by_kind(docs, "ServiceAccount")
-    assert h.one(docs, "RoleBinding")["subjects"][0]["name"] == "ml-runner"
+    assert h.one(h.not_prepare(docs), "RoleBinding")["subjects"][0]["name"] == "ml-runner"
     assert h.pod_spec(h.one(docs, "PyTorchJob"), "Master")["serviceAccountName"] == "ml-runner"
     # commonLabels/Annotations reach every pod; the prepare pod takes its own too
     docs = h.render(

@@ -242,7 +242,7 @@ def test_watcher_watches_on_node_0_and_idles_elsewhere(tmp_path):
     }
     # Events and the last-resort suspend on the TrainJob (spec.suspend), told the kind by PRETRAIN_JOB_KIND
     assert c["args"][c["args"].index("--kube") + 1] == "auto" and env["PRETRAIN_JOB_KIND"] == "TrainJob"
-    rules = {r["resources"][0]: r for r in h.one(docs, "Role")["rules"]}
+    rules = {r["resources"][0]: r for r in h.one(h.not_prepare(docs), "Role")["rules"]}
     assert rules["trainjobs"]["apiGroups"] == ["trainer.kubeflow.org"]
     assert rules["trainjobs"]["verbs"] == ["get", "patch"] and rules["events"]["verbs"] == ["create", "patch"]
     assert set(rules) == {"events", "trainjobs", "jobs"}  # jobs: the wait step reads the prepare Job
@@ -320,10 +320,9 @@ def test_node_0_services_prepare_affinity_and_notes(tmp_path):
     sel = budget["spec"]["selector"]
     assert sel.pop("batch.kubernetes.io/job-completion-index") == "0"  # the Job controller's pod label
     assert sel.items() <= pod_labels.items()
-    # a ReadWriteOnce data volume: the prepare pod goes to the trainer pod's node
-    prepare = h.one(docs, "Job")["spec"]["template"]["spec"]
-    match = prepare["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
-    assert match["labelSelector"]["matchLabels"].items() <= pod_labels.items()
+    # a ReadWriteOnce data volume: the prepare pod runs alone (the TrainJob has no pod until it is done)
+    assert "affinity" not in h.one(docs, "Job")["spec"]["template"]["spec"]
+    assert h.one(docs, "TrainJob")["spec"]["suspend"] is True
 
     env = {**os.environ, "KUBECONFIG": str(tmp_path / "none")}
     proc = subprocess.run(

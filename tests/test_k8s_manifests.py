@@ -63,7 +63,8 @@ def test_manifests_are_valid():
     h.validate_all(docs)
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(
-        ["ServiceAccount", "Role", "RoleBinding", "ConfigMap"]
+        ["ServiceAccount", "Role", "RoleBinding"] * 2  # the trainer's and the prepare's
+        + ["ConfigMap"]
         + ["PersistentVolumeClaim"] * 2
         + ["NetworkPolicy"] * 2
         + ["Job", "PyTorchJob"]
@@ -86,10 +87,10 @@ def test_manifests_reference_each_other():
             if "configMap" in vol:
                 assert ("ConfigMap", vol["configMap"]["name"]) in names
     assert ("ServiceAccount", h.pod_spec(job, "Master")["serviceAccountName"]) in names
-    binding = h.one(docs, "RoleBinding")
+    binding = h.one(h.not_prepare(docs), "RoleBinding")
     assert ("Role", binding["roleRef"]["name"]) in names
     assert ("ServiceAccount", binding["subjects"][0]["name"]) in names
-    rule = [r for r in h.one(docs, "Role")["rules"] if r["resources"] == ["pytorchjobs"]][0]
+    rule = [r for r in h.one(h.not_prepare(docs), "Role")["rules"] if r["resources"] == ["pytorchjobs"]][0]
     assert rule["resourceNames"] == [job["metadata"]["name"]]
 
 
@@ -160,14 +161,20 @@ def test_watcher_accepts_the_chart_args(rendered):
 
 def test_prepare_accepts_the_chart_args(rendered):
     from app.data import cli as prepare_cli
+    from app.data import prepare_job
 
     docs, _, _ = rendered
     c = h.one(docs, "Job")["spec"]["template"]["spec"]["containers"][0]
-    assert 'pretrain prepare "$@"' in c["command"][2]
+    assert c["command"] == ["python", "-m", "app.data.prepare_job"]
+    split = c["args"].index("--")
+    own = argparse.ArgumentParser(exit_on_error=False)
+    prepare_job.add_arguments(own)
+    pod = own.parse_args(c["args"][:split])
+    assert (pod.step, pod.job, pod.dir) == ("run", "PyTorchJob/pretrain", "/data/fineweb-edu-10bt")
     parser = argparse.ArgumentParser(exit_on_error=False)
     prepare_cli.add_arguments(parser)
-    args = parser.parse_args(c["args"])
+    args = parser.parse_args(c["args"][split + 1 :])
     assert args.input == ["hf://datasets/HuggingFaceFW/fineweb-edu?include=sample/10BT/*.parquet"]
     assert args.out == "/data/fineweb-edu-10bt" and args.tokenizer == "hf://openai-community/gpt2"
     with pytest.raises((argparse.ArgumentError, SystemExit)):
-        parser.parse_args([*c["args"], "--no-such-flag"])
+        parser.parse_args([*c["args"][split + 1 :], "--no-such-flag"])

@@ -1,5 +1,7 @@
 """Optional Kubernetes actions: Events on the job (a PyTorchJob, or a Kubeflow Trainer v2 TrainJob) for
-alerts and stops, and, as the last resort when the trainer ignores an immediate stop, suspending it.
+alerts and stops, and, as the last resort when the trainer ignores an immediate stop, suspending it. The
+prepare side (app/data/prepare_job.py) uses the same door to release the job it created suspended, and
+to say in the job's DataReady condition whether its data is ready.
 
 Under Kueue (the job carries the label kueue.x-k8s.io/queue-name) a suspend would not hold, so the last
 resort deactivates the job's Workload instead (why: docs/kubernetes.md, "Kueue").
@@ -21,11 +23,13 @@ from app.errors import UserError
 
 log = logging.getLogger("pretrain.budget")
 
-# kind -> (group, version, plural, the merge patch that suspends it)
+# kind -> (group, version, plural, where its suspend field is)
 JOB_KINDS = {
-    "PyTorchJob": ("kubeflow.org", "v1", "pytorchjobs", {"spec": {"runPolicy": {"suspend": True}}}),
-    "TrainJob": ("trainer.kubeflow.org", "v1alpha1", "trainjobs", {"spec": {"suspend": True}}),
+    "PyTorchJob": ("kubeflow.org", "v1", "pytorchjobs", ("spec", "runPolicy", "suspend")),
+    "TrainJob": ("trainer.kubeflow.org", "v1alpha1", "trainjobs", ("spec", "suspend")),
 }
+DATA_READY = "DataReady"  # the job's condition: is its data ready (set by the prepare side)
+READY_ANNOTATION = "pretrain/data-ready"  # the data fingerprint the job was released for (the chart reads it)
 KUEUE_GROUP, KUEUE_VERSION, WORKLOADS = "kueue.x-k8s.io", "v1beta1", "workloads"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
@@ -58,7 +62,7 @@ class KubeActions:
 
         self.namespace, self.job_name, self.kind = namespace, job_name, kind
         self.ref = f"{kind} {namespace}/{job_name}"  # for log lines
-        self.group, self.version, self.plural, self.suspend_patch = JOB_KINDS[kind]
+        self.group, self.version, self.plural, self.suspend_path = JOB_KINDS[kind]
         self.component, self.prefix = component, prefix  # Events are named <job>-<prefix>-<random>
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
@@ -101,7 +105,7 @@ class KubeActions:
                 )
                 self._job = dict(job.get("metadata", {}))
             except Exception as e:  # no 'get' permission or job gone
-                log.warning("budget: cannot read %s: %s", self.ref, _short(e))
+                log.warning("budget: cannot read %s: %s", self.ref, short_error(e))
                 return {}
         return self._job
 
@@ -110,8 +114,8 @@ class KubeActions:
             group, version, self.namespace, plural, name, body, **MERGE_PATCH
         )
 
-    def event(self, reason: str, message: str) -> bool:
-        """A Warning Event on the job (shows in `kubectl describe pytorchjob|trainjob`); True when posted."""
+    def event(self, reason: str, message: str, kind: str = "Warning") -> bool:
+        """An Event on the job (shows in `kubectl describe pytorchjob|trainjob`); True when posted."""
         try:
             uid = str(self._job_meta().get("uid", ""))
             now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -129,7 +133,7 @@ class KubeActions:
                 "involvedObject": involved,
                 "reason": reason,
                 "message": message[:1024],
-                "type": "Warning",
+                "type": kind,
                 "source": {"component": self.component},
                 "reportingComponent": self.component,
                 "reportingInstance": os.environ.get("HOSTNAME", self.component),
@@ -140,7 +144,7 @@ class KubeActions:
             self.core.create_namespaced_event(self.namespace, body, **TIMED)
             return True
         except Exception as e:
-            log.warning("budget: cannot create Event %s on %s: %s", reason, self.job_name, _short(e))
+            log.warning("budget: cannot create Event %s on %s: %s", reason, self.job_name, short_error(e))
             return False
 
     def suspend(self) -> bool:
@@ -149,11 +153,65 @@ class KubeActions:
         if (self._job_meta().get("labels") or {}).get(QUEUE_LABEL):
             return self._deactivate_workload()
         try:
-            self._patch(self.group, self.version, self.plural, self.job_name, self.suspend_patch)
+            self._patch(
+                self.group, self.version, self.plural, self.job_name, _nested(self.suspend_path, True)
+            )
             return True
         except Exception as e:
-            log.error("budget: cannot suspend %s: %s", self.ref, _short(e))
+            log.error("budget: cannot suspend %s: %s", self.ref, short_error(e))
             return False
+
+    def release(self, fingerprint: str, queue: str = "") -> None:
+        """Let the job, created suspended, start; raises the client's error. Under Kueue (a queue named) add
+        its queue label instead and leave `suspend` to Kueue, which owns it and clears it on admission:
+        the job joins the queue only now. The annotation records the data it was released for."""
+        meta: dict = {"annotations": {READY_ANNOTATION: fingerprint}}
+        if queue:
+            meta["labels"] = {QUEUE_LABEL: queue}
+            body = {"metadata": meta}
+        else:
+            body = {"metadata": meta, **_nested(self.suspend_path, False)}
+        self._patch(self.group, self.version, self.plural, self.job_name, body)
+
+    def set_condition(self, ready: bool, reason: str, message: str) -> None:
+        """The DataReady condition in the job's status (`kubectl describe` lists it), the operator's own
+        conditions kept: read the job, replace ours, and patch with the resourceVersion read, so that a
+        concurrent update of the operator is not lost (a conflict reads again). Raises the client's error."""
+        from kubernetes.client.exceptions import ApiException
+
+        status = "True" if ready else "False"
+        for attempt in range(3):
+            job = self.custom.get_namespaced_custom_object(
+                self.group, self.version, self.namespace, self.plural, self.job_name, **TIMED
+            )
+            conditions = (job.get("status") or {}).get("conditions") or []
+            old = next((c for c in conditions if c.get("type") == DATA_READY), {})
+            now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+            ours = {
+                "type": DATA_READY,
+                "status": status,
+                "reason": reason,
+                "message": message[:1024],
+                "lastTransitionTime": old.get("lastTransitionTime", now)
+                if old.get("status") == status
+                else now,
+            }
+            if (
+                self.kind == "PyTorchJob"
+            ):  # its JobCondition has one more time; a TrainJob's metav1.Condition not
+                ours["lastUpdateTime"] = now
+            body = {
+                "metadata": {"resourceVersion": job["metadata"]["resourceVersion"]},
+                "status": {"conditions": [c for c in conditions if c.get("type") != DATA_READY] + [ours]},
+            }
+            try:
+                self.custom.patch_namespaced_custom_object_status(
+                    self.group, self.version, self.namespace, self.plural, self.job_name, body, **MERGE_PATCH
+                )
+                return
+            except ApiException as e:
+                if e.status != 409 or attempt == 2:
+                    raise
 
     def _deactivate_workload(self) -> bool:
         """spec.active=false on the Kueue Workload owned by this job (found by Kueue's job-uid label, or
@@ -179,11 +237,18 @@ class KubeActions:
             log.error("budget: deactivated Kueue Workload %s of %s %s", name, self.kind, self.job_name)
             return True
         except Exception as e:
-            log.error("budget: cannot deactivate the Kueue Workload of %s: %s", self.job_name, _short(e))
+            log.error("budget: cannot deactivate the Kueue Workload of %s: %s", self.job_name, short_error(e))
             return False
 
 
-def _short(e: Exception) -> str:
+def _nested(path: tuple[str, ...], value: object) -> dict:
+    """{"a": {"b": value}} for ("a", "b")."""
+    for key in reversed(path):
+        value = {key: value}
+    return value  # type: ignore[return-value]
+
+
+def short_error(e: Exception) -> str:
     if status := getattr(e, "status", None):  # the client's ApiException
         return f"HTTP {status} {getattr(e, 'reason', None) or ''}".strip()
     return str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -198,5 +263,5 @@ def post_event(cfg: BudgetConfig, reason: str, message: str, warn=log.warning) -
         if kube is not None:
             return kube.event(reason, message)
     except Exception as e:  # noqa: BLE001 - an Event is an extra
-        warn(f"warning: cannot post the {reason} Event: {_short(e)}")
+        warn(f"warning: cannot post the {reason} Event: {short_error(e)}")
     return False

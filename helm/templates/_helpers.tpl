@@ -174,12 +174,49 @@ TrainJob (app/budget/kube.py, told which by PRETRAIN_JOB_KIND). "true" or "". */
 {{- . | toString | float64 -}}
 {{- end }}
 
-{{/* Name of the prepare Job: per hash of its pod template, so a `helm upgrade` that changes the template
-(image, arguments, resources) creates a new Job (Helm deletes the old one) instead of failing on the
-immutable spec.template of the existing one. <= 63 characters. */}}
+{{/* Name of the prepare Job (with prepare.parallelism > 1 the Indexed Job of the shares): per hash of its
+pod template, so a `helm upgrade` that changes the template (image, arguments, resources) creates a new Job
+(Helm deletes the old one) instead of failing on the immutable spec.template of the existing one; and of
+pretrain.prepareNonce. <= 58 characters: an Indexed Job's pods are named <job>-<index>. */}}
 {{- define "pretrain.prepareJobName" -}}
-{{- $hash := include "pretrain.prepareTemplate" . | sha256sum | trunc 8 -}}
-{{- printf "%s-prepare-%s" (include "pretrain.fullname" . | trunc 46 | trimSuffix "-") $hash -}}
+{{- $hash := printf "%s%s" (include "pretrain.prepareTemplate" (dict "ctx" . "role" "prepare")) (include "pretrain.prepareNonce" .) | sha256sum | trunc 8 -}}
+{{- printf "%s-prepare-%s" (include "pretrain.fullname" . | trunc 41 | trimSuffix "-") $hash -}}
+{{- end }}
+
+{{/* The finalizer Job of a sharded prepare (prepare.parallelism > 1): joins the shares, writes _READY and
+releases the training job. */}}
+{{- define "pretrain.finalizerJobName" -}}
+{{- $hash := printf "%s%s" (include "pretrain.prepareTemplate" (dict "ctx" . "role" "finalizer")) (include "pretrain.prepareNonce" .) | sha256sum | trunc 8 -}}
+{{- printf "%s-finalize-%s" (include "pretrain.fullname" . | trunc 44 | trimSuffix "-") $hash -}}
+{{- end }}
+
+{{/* The Job that writes the _READY marker, which the trainer's wait step watches. */}}
+{{- define "pretrain.readyJobName" -}}
+{{- if gt (int .Values.prepare.parallelism) 1 }}{{ include "pretrain.finalizerJobName" . }}{{ else }}{{ include "pretrain.prepareJobName" . }}{{ end -}}
+{{- end }}
+
+{{/* The training job is created suspended, and only a prepare pod releases it. A Job that already ran
+(Complete) runs no pod again, so an upgrade that (re)creates the training job (the user deleted it, as
+"Upgrades" in docs/kubernetes.md says to) must also create new prepare Jobs: their names then carry the
+revision, and the new pods find the marker and release the job within seconds. "" otherwise (an install, an
+upgrade of a live job, `helm template`), which keeps the names and a running prepare. */}}
+{{- define "pretrain.prepareNonce" -}}
+{{- if and .Release.IsUpgrade .Values.job.enabled (include "pretrain.training" .) -}}
+{{- $api := include "pretrain.trainJob" . | empty | ternary "kubeflow.org/v1" "trainer.kubeflow.org/v1alpha1" -}}
+{{- $kind := include "pretrain.trainJob" . | empty | ternary "PyTorchJob" "TrainJob" -}}
+{{- if and (.Capabilities.APIVersions.Has $api) (not (lookup $api $kind .Release.Namespace (include "pretrain.fullname" .))) -}}
+revision-{{ .Release.Revision }}
+{{- end -}}
+{{- end -}}
+{{- end }}
+
+{{/* The prepare pods' ServiceAccount: its own (only the prepare's Role is bound to it), or the given one. */}}
+{{- define "pretrain.prepareServiceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- printf "%s-prepare" (include "pretrain.fullname" .) }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
 {{- end }}
 
 {{/* "auto" volume permissions: on when a volume may be ReadWriteMany (an existing claim, or RWX). */}}
@@ -357,11 +394,11 @@ trainer. */}}
 {{- end -}}
 {{- end -}}
 {{- $d := $v.storage.data -}}
-{{- if and $v.prepare.enabled $v.job.enabled (include "pretrain.training" .) (not $d.existingClaim) (not (has "ReadWriteMany" $d.accessModes)) (or $v.prepare.nodeSelector $v.prepare.affinity) -}}
-{{- fail (printf "storage.data.accessModes=%v with prepare.nodeSelector/affinity: the prepare pod (CPU pool) and the trainer pod (GPU pool) mount the data volume on two nodes, which a ReadWriteOnce volume cannot do (both hang on Multi-Attach). Use ReadWriteMany for storage.data, or drop prepare.nodeSelector/affinity (the chart then puts the prepare pod on the trainer's node), or prepare first with job.enabled=false" $d.accessModes) -}}
+{{- if and $v.prepare.enabled (include "pretrain.training" .) (gt (int $v.prepare.parallelism) 1) (not $d.existingClaim) (not (has "ReadWriteMany" $d.accessModes)) -}}
+{{- fail (printf "prepare.parallelism=%d runs that many prepare pods, on different nodes, but storage.data.accessModes=%v cannot be mounted by more than one node: they would hang on Multi-Attach. Use [ReadWriteMany] for storage.data (with a StorageClass that supports it), or prepare.parallelism=1" (int $v.prepare.parallelism) $d.accessModes) -}}
 {{- end -}}
-{{- if and (not $v.serviceAccount.create) (not $v.serviceAccount.name) $v.rbac.create (include "pretrain.rbacNeeded" .) -}}
-{{- fail "serviceAccount.create=false without serviceAccount.name: the watcher's Role would be bound to the namespace's `default` ServiceAccount, which every other pod there uses. Set serviceAccount.name to an existing ServiceAccount, or rbac.create=false (and grant it yourself)" -}}
+{{- if and (not $v.serviceAccount.create) (not $v.serviceAccount.name) $v.rbac.create (or (include "pretrain.rbacNeeded" .) (include "pretrain.prepareRbacNeeded" .)) -}}
+{{- fail "serviceAccount.create=false without serviceAccount.name: the watcher's and the prepare's Roles would be bound to the namespace's `default` ServiceAccount, which every other pod there uses. Set serviceAccount.name to an existing ServiceAccount, or rbac.create=false (and grant it yourself)" -}}
 {{- end -}}
 {{- if and $v.bench.enabled $v.serve.enabled -}}
 {{- fail "bench.enabled and serve.enabled are both true: a benchmark release renders the benchmark job alone (no volumes, no training), so there is nothing to serve. Install the benchmark as its own release: helm install bench ./helm --set gpus=N --set bench.enabled=true" -}}
@@ -382,6 +419,13 @@ trainer. */}}
 {{- if and .Values.job.enabled (include "pretrain.training" .) -}}
 {{- if and (include "pretrain.watcherEnabled" .) (include "pretrain.watcherKube" .) }}true{{ end -}}
 {{- if and .Values.prepare.enabled .Values.prepare.wait.useKubernetesApi }}true{{ end -}}
+{{- end -}}
+{{- end }}
+
+{{/* Does the prepare side use the API: releasing the training job, or (sharded) reading the shares' Job. */}}
+{{- define "pretrain.prepareRbacNeeded" -}}
+{{- if and .Values.prepare.enabled (include "pretrain.training" .) -}}
+{{- if or .Values.job.enabled (gt (int .Values.prepare.parallelism) 1) }}true{{ end -}}
 {{- end -}}
 {{- end }}
 

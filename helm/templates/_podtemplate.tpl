@@ -452,7 +452,7 @@ capabilities of trainer.extraCapabilities (and IPC_LOCK for an RDMA fabric: pinn
 - --fingerprint
 - {{ include "pretrain.prepareFingerprint" .ctx | quote }}
 - --job
-- {{ include "pretrain.prepareJobName" .ctx | quote }}
+- {{ include "pretrain.readyJobName" .ctx | quote }}
 - --poll
 - {{ $v.prepare.wait.pollSeconds | int | quote }}
 - --timeout

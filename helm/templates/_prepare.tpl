@@ -1,20 +1,28 @@
 {{/*
-Pod template of the prepare Job. Its hash names the Job (pretrain.prepareJobName), so an upgrade that
-changes it creates a new Job rather than failing on the immutable spec.template of the old one; the new
-Job finds the marker of unchanged arguments and exits at once.
+Pod template of the prepare Jobs, called with (dict "ctx" $ "role" "prepare"|"finalizer"). Its hash names
+the Job (pretrain.prepareJobName), so an upgrade that changes it creates a new Job rather than failing on the
+immutable spec.template of the old one; the new Job finds the marker of unchanged arguments and exits at once.
 
-The script: a marker with the same fingerprint means this exact output exists already. `pretrain prepare`
-resumes a half-done output; only on success is DIR/_READY written (atomically: temp file, rename). On
-failure it writes DIR/_FAILED for the trainer's wait step, marked final when the Job will not try again:
-exit 2 (bad arguments; the podFailurePolicy fails the Job at once) or more failures than backoffLimit.
-SIGTERM/SIGINT (130/143: preemption, eviction) are not counted, as the podFailurePolicy ignores them.
+The pod runs `python -m app.data.prepare_job` (app/data/prepare_job.py): a marker DIR/_READY holding the
+fingerprint of the prepare arguments means this exact output exists; else `pretrain prepare` (which resumes a
+half-done output), then on success the marker, written atomically. The training job is created suspended;
+the prepare pod (with prepare.parallelism N > 1: the finalizer, after joining the N shares) releases it, with
+a token of its own ServiceAccount mounted in that container alone. A failure writes DIR/_FAILED for the
+trainer's wait step, marked final when the Job will not try again (exit 2, or more failures than
+backoffLimit; SIGTERM/SIGINT are not counted, as the podFailurePolicy ignores disruptions), and a final one
+leaves the job suspended with a PrepareFailed Event and the condition DataReady=False.
 */}}
 {{- define "pretrain.prepareTemplate" -}}
-{{- $v := .Values -}}
+{{- $ := .ctx -}}
+{{- $v := $.Values -}}
+{{- $finalizer := eq .role "finalizer" -}}
+{{- $shares := int $v.prepare.parallelism -}}
+{{- $api := or $finalizer (and (eq $shares 1) $v.job.enabled) -}}
 metadata:
   labels:
-    {{- include "pretrain.selectorLabels" . | nindent 4 }}
+    {{- include "pretrain.selectorLabels" $ | nindent 4 }}
     app.kubernetes.io/component: prepare
+    pretrain/prepare-role: {{ .role }}
     {{- with $v.commonLabels }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -32,6 +40,8 @@ metadata:
   {{- end }}
 spec:
   restartPolicy: Never
+  serviceAccountName: {{ include "pretrain.prepareServiceAccountName" $ }}
+  # The token is mounted (kube-api-access below) only where the pod releases the training job.
   automountServiceAccountToken: false
   enableServiceLinks: false
   {{- with $v.imagePullSecrets }}
@@ -50,84 +60,65 @@ spec:
   tolerations:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- $d := $v.storage.data }}
-  {{- if $v.prepare.affinity }}
+  {{- with $v.prepare.affinity }}
   affinity:
-    {{- toYaml $v.prepare.affinity | nindent 4 }}
-  {{- else if and $v.job.enabled (not $d.existingClaim) (not (has "ReadWriteMany" $d.accessModes)) }}
-  # A ReadWriteOnce data volume is mounted by one node: run on the node of the trainer's Master pod,
-  # whose wait-for-data step holds the volume already (else both pods hang on Multi-Attach).
-  affinity:
-    podAffinity:
-      requiredDuringSchedulingIgnoredDuringExecution:
-        - topologyKey: kubernetes.io/hostname
-          labelSelector:
-            matchLabels:
-              {{- include "pretrain.selectorLabels" . | nindent 14 }}
-              app.kubernetes.io/component: trainer
-              pretrain/replica-type: {{ include "pretrain.trainJob" . | empty | ternary "master" "node" }}
+    {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- if include "pretrain.volumePermissions" . }}
+  {{- if include "pretrain.volumePermissions" $ }}
   initContainers:
-    {{- include "pretrain.volumePermissionsContainer" (dict "ctx" . "dirs" (list "/data" (printf "/data/%s" $v.prepare.outputDir)) "mounts" (list (dict "name" "data" "mountPath" "/data"))) | nindent 4 }}
+    {{- include "pretrain.volumePermissionsContainer" (dict "ctx" $ "dirs" (list "/data" (printf "/data/%s" $v.prepare.outputDir)) "mounts" (list (dict "name" "data" "mountPath" "/data"))) | nindent 4 }}
   {{- end }}
   containers:
     - name: prepare
-      image: {{ include "pretrain.image" . }}
+      image: {{ include "pretrain.image" $ }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
-      command:
-        - sh
-        - -c
-        - |
-          set -eu
-          out="/data/$PREPARE_DIR"; marker="$out/_READY"
-          if [ "$(cat "$marker" 2>/dev/null)" = "$PREPARE_FINGERPRINT" ]; then
-            echo "prepare: $out is ready ($PREPARE_FINGERPRINT), nothing to do"; exit 0
-          fi
-          if ! { mkdir -p "$out" && touch "$out/.write-test" && rm -f "$out/.write-test"; } 2>/dev/null; then
-            echo "prepare: $out is not writable as uid $(id -u) gid $(id -g): keep volumePermissions.enabled=true, or give the data volume's root to that uid/gid (fsGroup is not applied to ReadWriteMany volumes of most CSI drivers)" >&2
-            exit 2
-          fi
-          rm -f "$marker"
-          rc=0; pretrain prepare "$@" || rc=$?
-          if [ "$rc" -ne 0 ]; then
-            n=0; [ "$(cut -d' ' -f1 "$out/_FAILURES" 2>/dev/null)" = "$PREPARE_FINGERPRINT" ] && n=$(cut -d' ' -f2 "$out/_FAILURES")
-            final=false
-            case "$rc" in
-              130|143) ;;
-              *) n=$((n + 1)); printf '%s %s\n' "$PREPARE_FINGERPRINT" "$n" > "$out/_FAILURES"
-                 if [ "$rc" -eq 2 ] || [ "$n" -gt "$PREPARE_BACKOFF_LIMIT" ]; then final=true; fi ;;
-            esac
-            printf '{"fingerprint": "%s", "exit_code": %d, "failures": %d, "backoff_limit": %d, "final": %s, "pod": "%s"}\n' \
-              "$PREPARE_FINGERPRINT" "$rc" "$n" "$PREPARE_BACKOFF_LIMIT" "$final" "$(hostname)" > "$out/_FAILED.tmp"
-            mv "$out/_FAILED.tmp" "$out/_FAILED"
-            echo "prepare: pretrain prepare exited $rc (failure $n, backoffLimit $PREPARE_BACKOFF_LIMIT, final: $final)" >&2
-            exit "$rc"
-          fi
-          rm -f "$out/_FAILED" "$out/_FAILURES"
-          printf '%s\n' "$PREPARE_FINGERPRINT" > "$marker.tmp"
-          mv "$marker.tmp" "$marker"
-          echo "prepare: wrote $marker ($PREPARE_FINGERPRINT)"
-        - prepare
+      command: ["python", "-m", "app.data.prepare_job"]
       args:
-        {{- include "pretrain.prepareArgs" . | nindent 8 }}
+        - {{ $finalizer | ternary "finalize" "run" }}
+        - --dir
+        - {{ printf "/data/%s" $v.prepare.outputDir | quote }}
+        - --fingerprint
+        - {{ include "pretrain.prepareFingerprint" $ | quote }}
+        - --backoff-limit
+        - {{ $v.prepare.backoffLimit | int | quote }}
+        {{- if and $api $v.job.enabled }}
+        - --job
+        - {{ printf "%s/%s" (include "pretrain.trainJob" $ | empty | ternary "PyTorchJob" "TrainJob") (include "pretrain.fullname" $) | quote }}
+        {{- with $v.job.kueueQueueName }}
+        - --queue
+        - {{ . | quote }}
+        {{- end }}
+        {{- end }}
+        {{- if gt $shares 1 }}
+        - --shard-count
+        - {{ $shares | quote }}
+        {{- end }}
+        {{- if $finalizer }}
+        - --shares-job
+        - {{ include "pretrain.prepareJobName" $ | quote }}
+        {{- end }}
+        - --
+        {{- include "pretrain.prepareArgs" $ | nindent 8 }}
       env:
-        - name: PREPARE_DIR
-          value: {{ $v.prepare.outputDir | quote }}
-        - name: PREPARE_FINGERPRINT
-          value: {{ include "pretrain.prepareFingerprint" . | quote }}
-        - name: PREPARE_BACKOFF_LIMIT
-          value: {{ $v.prepare.backoffLimit | int | quote }}
+        - name: POD_NAMESPACE
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.namespace
+        # This Job's uid: failures of an earlier Job of the same arguments are not counted against this one.
+        - name: PRETRAIN_JOB_UID
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.labels['batch.kubernetes.io/controller-uid']
         - name: HF_HOME
           value: /data/.cache/huggingface
-        {{- with (include "pretrain.hfTokenEnv" . | trim) }}
+        {{- with (include "pretrain.hfTokenEnv" $ | trim) }}
         {{- . | nindent 8 }}
         {{- end }}
         {{- with $v.prepare.env }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
       resources:
-        {{- toYaml $v.prepare.resources | nindent 8 }}
+        {{- toYaml ($finalizer | ternary $v.prepare.finalizer.resources $v.prepare.resources) | nindent 8 }}
       terminationMessagePolicy: FallbackToLogsOnError
       {{- with $v.containerSecurityContext }}
       securityContext:
@@ -136,8 +127,16 @@ spec:
       volumeMounts:
         - name: data
           mountPath: /data
+        {{- if $api }}
+        - name: kube-api-access
+          mountPath: /var/run/secrets/kubernetes.io/serviceaccount
+          readOnly: true
+        {{- end }}
   volumes:
     - name: data
       persistentVolumeClaim:
-        claimName: {{ include "pretrain.dataClaim" . }}
+        claimName: {{ include "pretrain.dataClaim" $ }}
+    {{- if $api }}
+    {{- include "pretrain.kubeApiVolume" $ | nindent 4 }}
+    {{- end }}
 {{- end }}

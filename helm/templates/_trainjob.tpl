@@ -114,7 +114,8 @@ metadata:
   labels:
     {{- include "pretrain.labels" $ | nindent 4 }}
     app.kubernetes.io/component: {{ $component }}
-    {{- if $v.job.kueueQueueName }}
+    {{- if and $v.job.kueueQueueName (or $bench (not $v.prepare.enabled)) }}
+    {{- /* with prepare.enabled the prepare side adds the label when the data is ready */}}
     kueue.x-k8s.io/queue-name: {{ $v.job.kueueQueueName | quote }}
     {{- end }}
   annotations:
@@ -123,6 +124,11 @@ metadata:
     {{- . | nindent 4 }}
     {{- end }}
 spec:
+  {{- if and $v.prepare.enabled (not $bench) }}
+  # No pod (no GPU) until the prepare side has written the data and releases the job
+  # (app/data/prepare_job.py); under Kueue it adds the queue label instead and Kueue unsuspends it.
+  suspend: true
+  {{- end }}
   runtimeRef:
     apiGroup: trainer.kubeflow.org
     kind: TrainingRuntime

@@ -1,0 +1,457 @@
+"""The chart's prepare pods (`python -m app.data.prepare_job`): run `pretrain prepare`, record how it ended on
+the data volume, and tell the training job, which the chart creates suspended (no trainer pod exists, so no
+GPU is billed) and which stays so until its data is ready.
+
+    python -m app.data.prepare_job run OPTIONS -- PREPARE_ARGS       a prepare pod: the whole input, or with
+                                                                    --shard-count N share $JOB_COMPLETION_INDEX
+    python -m app.data.prepare_job finalize OPTIONS -- PREPARE_ARGS  the finalizer of a sharded prepare
+
+run: DIR/_READY holding --fingerprint means this exact output exists: it only releases the job. Else it runs
+`pretrain prepare PREPARE_ARGS`. Success writes DIR/_READY (atomically) and releases the job. A failure
+writes DIR/_FAILED ({fingerprint, exit_code, failures, backoff_limit, final, pod, reason}), final when the
+Job will not try again: exit 2 (bad arguments: the Job's podFailurePolicy fails it at once) or more failures
+than --backoff-limit; SIGTERM/SIGINT (130/143: preemption, eviction) are not counted, as the
+podFailurePolicy ignores disruptions. A final failure posts a PrepareFailed Event and the condition
+DataReady=False on the job, which stays suspended. A share keeps its markers in DIR/shares/N/ (_FAILED.I)
+and leaves the job to the finalizer.
+
+finalize: waits for the shares, joins them (`pretrain prepare ... --finalize`), writes DIR/_READY and
+releases the job. A share that failed for good (its final marker), or the shares' Job Failed (read through
+the API), ends it with exit 4, a final DIR/_FAILED naming the share, and the same Event and condition.
+
+Releasing is a patch of the job's suspend field (under Kueue: its queue label; app/budget/kube.py) with
+the prepare's own ServiceAccount, allowed that patch on this release's job alone. Detail:
+docs/kubernetes.md, "Data preparation and its ordering".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from app.errors import EXIT_DATA_NOT_READY, UserError, print_stderr
+from app.files import atomic_write_json, fsync_dir
+
+READY, FAILED, FAILURES = "_READY", "_FAILED", "_FAILURES"
+COMPONENT = "pretrain-prepare"
+TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+LOG_EVERY_SECONDS = 60.0
+PERMANENT_HTTP = (401, 403, 422)  # a release that retrying cannot fix (RBAC, refused)
+RELEASE_PATIENCE = (
+    120.0  # seconds of retries: the job may not exist yet (kubectl and Helm create it after the Job)
+)
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def is_ready(out: Path, fingerprint: str) -> bool:
+    try:
+        return (out / READY).read_text().strip() == fingerprint
+    except OSError:
+        return False
+
+
+def write_ready(out: Path, fingerprint: str) -> None:
+    tmp = out / f"{READY}.tmp"
+    tmp.write_text(f"{fingerprint}\n")
+    os.replace(tmp, out / READY)
+    fsync_dir(out)
+    say(f"prepare: wrote {out / READY} ({fingerprint})")
+
+
+def unwritable(out: Path) -> str:
+    """'' when files can be made in `out` (created if needed), else the one line that says how to fix it."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test.{socket.gethostname()}.{os.getpid()}"  # several pods may probe at once
+        probe.touch()
+        probe.unlink()
+        return ""
+    except OSError:
+        return (
+            f"prepare: {out} is not writable as uid {os.getuid()} gid {os.getgid()}: keep "
+            "volumePermissions.enabled=true, or give the data volume's root to that uid/gid (fsGroup is not "
+            "applied to ReadWriteMany volumes of most CSI drivers)"
+        )
+
+
+# ---- the training job ----------------------------------------------------------------------------------
+
+
+def api_client() -> Any:
+    """The API client: in a pod with a service-account token, else from $KUBECONFIG; None without either."""
+    from kubernetes import client, config
+
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and TOKEN.exists():
+        config.load_incluster_config()
+    elif os.environ.get("KUBECONFIG"):
+        config.load_kube_config()
+    else:
+        return None
+    return client.ApiClient()
+
+
+class TrainingJob:
+    """The suspended training job, told about its data: Preparing, released, or failed."""
+
+    def __init__(self, spec: str, namespace: str, queue: str, api: Any) -> None:
+        from app.budget.kube import JOB_KINDS, KubeActions
+
+        kind, _, name = spec.partition("/")
+        if kind not in JOB_KINDS or not name:
+            raise UserError(f"--job {spec}: expected KIND/NAME with KIND one of {', '.join(JOB_KINDS)}")
+        self.kind, self.name, self.namespace, self.queue = kind, name, namespace, queue
+        self.kube = KubeActions(namespace, name, api, component=COMPONENT, prefix="data", kind=kind)
+
+    def release_command(self) -> str:
+        """What a user runs to release the job by hand."""
+        where = f"kubectl -n {self.namespace}"
+        if self.queue:
+            return f"{where} label {self.kind.lower()} {self.name} kueue.x-k8s.io/queue-name={self.queue}"
+        patch = (
+            {"spec": {"runPolicy": {"suspend": False}}}
+            if self.kind == "PyTorchJob"
+            else {"spec": {"suspend": False}}
+        )
+        return f"{where} patch {self.kind.lower()} {self.name} --type merge -p '{json.dumps(patch, separators=(',', ':'))}'"
+
+    def _condition(self, ready: bool, reason: str, message: str) -> None:
+        """The DataReady condition: what `kubectl describe` shows; a failure to set it is only logged."""
+        from app.budget.kube import short_error
+
+        try:
+            self.kube.set_condition(ready, reason, message)
+        except Exception as e:  # noqa: BLE001 - the Event and the logs carry the same fact
+            print_stderr(
+                f"prepare: cannot set the DataReady condition of {self.kind} {self.name}: {short_error(e)}"
+            )
+
+    def preparing(self, what: str) -> None:
+        self._condition(False, "Preparing", f"{what}; the job starts when the data is ready")
+
+    def release(self, out: Path, fingerprint: str) -> int:
+        """Release the job: 0; 2 when retrying cannot help (RBAC, the job missing for RELEASE_PATIENCE);
+        1 after RELEASE_PATIENCE of other errors (the Job's next pod tries again)."""
+        from app.budget.kube import short_error
+
+        deadline = time.monotonic() + RELEASE_PATIENCE
+        while True:
+            try:
+                self.kube.release(fingerprint, self.queue)
+                break
+            except Exception as e:  # noqa: BLE001 - the client raises several types
+                status = getattr(e, "status", None)
+                if status not in PERMANENT_HTTP and time.monotonic() < deadline:
+                    time.sleep(2.0)
+                    continue
+                print_stderr(
+                    f"prepare: the data is ready but {self.kind} {self.namespace}/{self.name} was not released: "
+                    f"{short_error(e)}; release it by hand: {self.release_command()}"
+                )
+                return 2 if status in (*PERMANENT_HTTP, 404) else 1
+        done = f"handed to Kueue queue {self.queue}" if self.queue else "released"
+        line = f"the data in {out} is ready ({fingerprint}): {done}"
+        say(f"prepare: {self.kind} {self.name} {done}")
+        self._condition(True, "DataPrepared", line)
+        self.kube.event("DataReady", line, kind="Normal")
+        return 0
+
+    def failed(self, line: str) -> None:
+        message = f"{line}; the job stays suspended until a prepare succeeds"
+        self.kube.event("PrepareFailed", message)
+        self._condition(False, "PrepareFailed", message)
+
+
+def release(job: TrainingJob | None, out: Path, fingerprint: str) -> int:
+    return job.release(out, fingerprint) if job is not None else 0
+
+
+# ---- how a prepare ended -------------------------------------------------------------------------------
+
+
+def run_prepare(cmd: list[str]) -> tuple[int, str]:
+    """Run `cmd`, its stdout passed through and its stderr echoed line by line: (exit code, last stderr
+    line). SIGTERM and SIGINT to this process (the pod's PID 1) go on to it, so it stops as it would alone."""
+    try:
+        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace")
+    except OSError as e:
+        return 127, f"cannot run {cmd[0]}: {e.strerror}"
+    previous = {
+        s: signal.signal(s, lambda signum, _: proc.send_signal(signum))
+        for s in (signal.SIGTERM, signal.SIGINT)
+    }
+    last = ""
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            last = line.strip() or last
+        rc = proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return (128 - rc if rc < 0 else rc), last[-500:]
+
+
+def record_failure(
+    failed: Path, failures: Path, fingerprint: str, rc: int, backoff_limit: int, reason: str, **extra: Any
+) -> dict:
+    """The _FAILED marker of a failed attempt; final when the Job will not try again. Failures are counted
+    per arguments and per Job ($PRETRAIN_JOB_UID): a new Job after a fix has its whole backoff limit."""
+    uid = os.environ.get("PRETRAIN_JOB_UID", "")
+    n = 0
+    try:
+        seen, count, *seen_uid = failures.read_text().split()
+        n = int(count) if [seen, *seen_uid] == [fingerprint, *([uid] if uid else [])] else 0
+    except (OSError, ValueError):
+        pass
+    final = False
+    if rc not in (130, 143):  # a disruption: the podFailurePolicy does not count it either
+        n += 1
+        failures.write_text(f"{fingerprint} {n} {uid}".strip() + "\n")
+        final = rc == 2 or n > backoff_limit
+    marker = {
+        "fingerprint": fingerprint,
+        "exit_code": rc,
+        "failures": n,
+        "backoff_limit": backoff_limit,
+        "final": final,
+        "pod": socket.gethostname(),
+        "reason": reason,
+        "job_uid": uid,
+        **extra,
+    }
+    atomic_write_json(failed, marker, durable=False)
+    print_stderr(
+        f"prepare: pretrain prepare exited {rc} (failure {n}, backoffLimit {backoff_limit}, final: {str(final).lower()})"
+    )
+    return marker
+
+
+def failure_line(marker: dict) -> str:
+    who = f"share {marker['share']} of {marker['shard_count']}" if "share" in marker else "`pretrain prepare`"
+    return (
+        f"{who} failed for good: exit {marker['exit_code']} in pod {marker['pod']} (failure {marker['failures']}, "
+        f"backoffLimit {marker['backoff_limit']}): {marker.get('reason') or 'no message'}"
+    )
+
+
+def _share_markers(out: Path, count: int, index: int) -> tuple[Path, Path]:
+    root = out / "shares" / str(count)
+    root.mkdir(parents=True, exist_ok=True)
+    return root / f"{FAILED}.{index}", root / f"{FAILURES}.{index}"
+
+
+def run(args: argparse.Namespace, prepare_args: list[str], job: TrainingJob | None) -> int:
+    out, fp = Path(args.dir), args.fingerprint
+    index = None
+    if args.shard_count > 1:
+        completion = os.environ.get("JOB_COMPLETION_INDEX", "")
+        if not completion.isdigit():
+            raise UserError(
+                f"--shard-count {args.shard_count}: this pod has no $JOB_COMPLETION_INDEX (not an Indexed Job)"
+            )
+        index = int(completion)
+    if is_ready(out, fp):
+        say(f"prepare: {out} is ready ({fp}), nothing to do")
+        return release(job, out, fp) if index is None else 0
+    if why := unwritable(out):
+        print_stderr(why)
+        return 2
+    cmd = ["pretrain", "prepare", *prepare_args]
+    if index is None:
+        (out / READY).unlink(missing_ok=True)
+        failed, failures = out / FAILED, out / FAILURES
+        if job is not None:
+            job.preparing(f"`pretrain prepare` is writing {out}")
+    else:
+        cmd += ["--shard-count", str(args.shard_count), "--shard-index", str(index)]
+        failed, failures = _share_markers(out, args.shard_count, index)
+    rc, reason = run_prepare(cmd)
+    if rc != 0:
+        extra = {} if index is None else {"share": index, "shard_count": args.shard_count}
+        marker = record_failure(failed, failures, fp, rc, args.backoff_limit, reason, **extra)
+        if marker["final"] and job is not None:
+            job.failed(failure_line(marker))
+        return rc
+    failed.unlink(missing_ok=True)
+    failures.unlink(missing_ok=True)
+    if index is not None:
+        say(f"prepare: share {index} of {args.shard_count} is done")
+        return 0
+    write_ready(out, fp)
+    return release(job, out, fp)
+
+
+# ---- the finalizer -------------------------------------------------------------------------------------
+
+
+def share_failure(out: Path, fingerprint: str, count: int, job_uid: str = "") -> str:
+    """The line of the first share whose failure is final, or ''. With the shares' Job's uid, a marker an
+    earlier Job left (before a fix and a new Job) is not this one's."""
+    for i in range(count):
+        try:
+            marker = json.loads((out / "shares" / str(count) / f"{FAILED}.{i}").read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(marker, dict) or marker.get("final") is not True:
+            continue
+        if marker.get("fingerprint") == fingerprint and (
+            not job_uid or marker.get("job_uid") in ("", job_uid)
+        ):
+            return failure_line(marker)
+    return ""
+
+
+def job_uid(api: Any, namespace: str, name: str) -> str:
+    """The uid of a batch Job, or '' when it cannot be read."""
+    from kubernetes import client
+
+    try:
+        return (
+            client.BatchV1Api(api).read_namespaced_job(name, namespace, _request_timeout=5.0).metadata.uid
+            or ""
+        )
+    except Exception:  # noqa: BLE001 - without it, every final marker counts
+        return ""
+
+
+def finalize(args: argparse.Namespace, prepare_args: list[str], job: TrainingJob | None, api: Any) -> int:
+    from app.data import cli
+    from app.data.shares import Shares
+    from app.data.wait import JobReader
+
+    out, fp, count = Path(args.dir), args.fingerprint, args.shard_count
+    if is_ready(out, fp):
+        say(f"prepare: {out} is ready ({fp}), nothing to do")
+        return release(job, out, fp)
+    if why := unwritable(out):
+        print_stderr(why)
+        return 2
+    (out / READY).unlink(missing_ok=True)
+    if job is not None:
+        job.preparing(f"{count} prepare pods are writing {out}")
+    parser = argparse.ArgumentParser(prog="pretrain prepare")
+    cli.add_arguments(parser)
+    cfg = cli.config_from_args(parser.parse_args([*prepare_args, "--shard-count", str(count), "--finalize"]))
+    shares = Shares(cfg)
+    reader = JobReader(args.namespace, args.shares_job, api) if api is not None and args.shares_job else None
+    uid = job_uid(api, args.namespace, args.shares_job) if reader is not None else ""
+    last_log = -float("inf")
+    start = time.monotonic()
+    while True:
+        state = reader.state() if reader is not None else "unknown"
+        why = share_failure(out, fp, count, uid)
+        if not why and state.startswith("failed"):
+            why = f"the shares' job/{args.shares_job} {state}"
+        if why:
+            return give_up(out, fp, why, job)
+        pending = shares.pending()
+        if not pending:
+            break
+        if time.monotonic() - last_log >= LOG_EVERY_SECONDS:
+            waiting = ", ".join(f"{i} ({what})" for i, what in pending.items())
+            say(f"prepare: waiting for shares {waiting} of {count}, {time.monotonic() - start:.0f} s")
+            last_log = time.monotonic()
+        time.sleep(args.poll)
+    try:
+        shares.join(say)
+    except UserError as e:
+        return give_up(out, fp, str(e), job)
+    write_ready(out, fp)
+    return release(job, out, fp)
+
+
+def give_up(out: Path, fingerprint: str, line: str, job: TrainingJob | None) -> int:
+    """A final failure of the sharded prepare: a final _FAILED marker, the job told, exit 4."""
+    marker = {
+        "fingerprint": fingerprint,
+        "exit_code": EXIT_DATA_NOT_READY,
+        "failures": 1,
+        "backoff_limit": 0,
+        "final": True,
+        "pod": socket.gethostname(),
+        "reason": line,
+    }
+    atomic_write_json(out / FAILED, marker, durable=False)
+    print_stderr(f"prepare: {line}")
+    if job is not None:
+        job.failed(line)
+    return EXIT_DATA_NOT_READY
+
+
+# ---- the command ---------------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("step", choices=("run", "finalize"), help="run: a prepare pod; finalize: join the shares")
+    p.add_argument("--dir", required=True, help="the prepare output dir, e.g. /data/fineweb-edu-10bt")
+    p.add_argument(
+        "--fingerprint", required=True, help="the prepare arguments' fingerprint (_READY holds it)"
+    )
+    p.add_argument(
+        "--backoff-limit", type=int, default=3, help="failures after which one is final (default 3)"
+    )
+    p.add_argument(
+        "--job",
+        default="",
+        metavar="KIND/NAME",
+        help="the suspended training job to release (PyTorchJob/NAME or TrainJob/NAME)",
+    )
+    p.add_argument("--queue", default="", help="its Kueue LocalQueue: releasing adds the queue label instead")
+    p.add_argument("--namespace", default="", help="the jobs' namespace (default $POD_NAMESPACE)")
+    p.add_argument(
+        "--shard-count",
+        type=int,
+        default=1,
+        help="N > 1: a sharded prepare (run: share $JOB_COMPLETION_INDEX)",
+    )
+    p.add_argument("--shares-job", default="", help="finalize: the shares' Indexed Job, read through the API")
+    p.add_argument(
+        "--poll", type=float, default=10.0, help="finalize: seconds between looks at the shares (default 10)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from app.command import Parser, guarded
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    own, prepare_args = argv[:split], argv[split + 1 :]
+
+    def go() -> int:
+        parser = Parser(prog="python -m app.data.prepare_job", description=__doc__.splitlines()[0])
+        add_arguments(parser)
+        args = parser.parse_args(own)
+        if args.shard_count < 1 or args.backoff_limit < 0 or not args.poll > 0:
+            raise UserError("--shard-count must be >= 1, --backoff-limit >= 0 and --poll > 0")
+        args.namespace = args.namespace or os.environ.get("POD_NAMESPACE", "default")
+        api = api_client() if args.job or args.shares_job else None
+        job = None
+        if args.job:
+            if api is None:
+                raise UserError(
+                    f"--job {args.job}: no Kubernetes API here (no service-account token, no $KUBECONFIG) to "
+                    "release the job when the data is ready"
+                )
+            job = TrainingJob(args.job, args.namespace, args.queue, api)
+        if args.step == "finalize":
+            return finalize(args, prepare_args, job, api)
+        return run(args, prepare_args, job)
+
+    return guarded(go, prefix="prepare")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
