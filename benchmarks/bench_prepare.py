@@ -8,6 +8,11 @@
 2. Peak RSS (VmHWM) of a prepare run's main process and largest worker process on a 1/4-size and a
    full-size input (default 200 MB of text; PRETRAIN_BENCH_MB=40 for a quick run). Goal: flat as the
    input grows.
+3. A sharded prepare (`--shard-count N`, app/data/shares.py): tokens/s of 1 share (one process, one core)
+   and of 2 shares (two processes at once, one core each, then the finalizer), wall clock from the first
+   start to the joined data dir (counting pass, start-up and finalizer included), on a quarter of the
+   input (at most 40 MB), best of ROUNDS - 1 rounds; the scaling ratio 2 shares / 1 share (ideal: 2.0 on
+   2 idle cores). The joined result is checked to be the one-process token stream.
 
 The text is the embedded Shakespeare corpus, repeated with a per-copy prefix to reach the size.
 """
@@ -20,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,6 +207,50 @@ def _tokenizer(directory: Path) -> Path:
     return directory
 
 
+def _prepare_cmd(data: Path, tok_dir: Path, out: Path, *extra: str) -> list[str]:
+    flags = ["--tokenizer", str(tok_dir), "--workers", "1", "--val-fraction", "0.01", "--progress", "none"]
+    return [sys.executable, "-m", "app.data.cli", "--input", str(data), "--out", str(out), *flags, *extra]
+
+
+def _shares_rate(data: Path, tok_dir: Path, out: Path, count: int) -> tuple[int, float]:
+    """(tokens, tokens/s) of `count` one-core shares at once and the finalizer (count 1: one process)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    t0 = time.perf_counter()
+    if count == 1:
+        subprocess.run(_prepare_cmd(data, tok_dir, out), cwd=ROOT, env=env, check=True, capture_output=True)
+    else:
+        share = ["--shard-count", str(count)]
+        procs = [
+            subprocess.Popen(
+                _prepare_cmd(data, tok_dir, out, *share, "--shard-index", str(i)),
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(count)
+        ]
+        for p in procs:
+            _, err = p.communicate()
+            if p.returncode != 0:
+                raise RuntimeError(f"benchmark share failed: {err.strip()[-2000:]}")
+        finalize = _prepare_cmd(data, tok_dir, out, *share, "--finalize")
+        subprocess.run(finalize, cwd=ROOT, env=env, check=True, capture_output=True)
+    seconds = time.perf_counter() - t0
+    manifest = json.loads((out / "manifest.json").read_text())
+    tokens = sum(s["tokens"] for split in ("train", "val") for s in manifest[split])
+    return tokens, tokens / seconds
+
+
+def _stream(out: Path) -> bytes:
+    from app.data.manifest import Manifest
+    from app.data.shards import open_shard
+
+    m = Manifest.load(out)
+    return b"".join(bytes(open_shard(out / s.file)) for split in ("train", "val") for s in m.split(split))
+
+
 def _k(x: float) -> str:
     return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.0f}k"
 
@@ -259,6 +309,23 @@ def run() -> list[str]:
             f"{f['rss_workers_mb']:.0f} MB; ratio for {full_text / quarter_text:.1f}x the input: main "
             f"{f['rss_main_mb'] / q_main:.2f}x, worker {f['rss_workers_mb'] / q_work:.2f}x (goal: flat); "
             f"{_k(f['tokens'] / f['seconds'])} tok/s"
+        )
+
+        # 3. Shares: one core per share, at once.
+        shares_mb = min(40.0, full_mb / 4)
+        shares_text = _make_input(tmp / "shares-in", shares_mb)
+        rates: dict[int, list[float]] = {1: [], 2: []}
+        for r in range(ROUNDS - 1):
+            for count in (1, 2) if r % 2 == 0 else (2, 1):  # alternate which runs first
+                _, rate = _shares_rate(tmp / "shares-in", tok_dir, tmp / f"shares-{count}-{r}", count)
+                rates[count].append(rate)
+        assert _stream(tmp / "shares-1-0") == _stream(tmp / "shares-2-0"), "2 shares != 1 process"
+        one, two = max(rates[1]), max(rates[2])
+        spread = ", ".join(f"{n} share(s) {'/'.join(_k(x) for x in rates[n])}" for n in (1, 2))
+        lines.append(
+            f"shares, {shares_text / 1e6:.0f} MB, one core each: 1 share {_k(one)} tok/s, 2 shares at once + finalizer "
+            f"{_k(two)} tok/s: scaling {two / one:.2f}x on {cores} cores (ideal 2.00 on 2 idle cores; rounds: {spread}); "
+            "same token stream"
         )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -125,3 +125,40 @@ def test_the_checkpoint_size_estimate_is_what_a_save_writes(tmp_path):
     opt.step()
     saved = CheckpointWriter(tmp_path, 0, 1).save(1, model, opt, {"step": 1}, {})
     assert checkpoint_bytes(cfg) <= saved.bytes < checkpoint_bytes(cfg) + 100_000
+
+
+def test_the_prepares_cpu_time_is_counted_apart_from_the_gpu_budget(capsys):
+    """The tokens the run reads, at the reference rate per core, on the prepare pod's cores at the CPU price:
+    a line of its own, which changes nothing in the GPU plan."""
+    args = ["--budget-usd", "35", "--gpu", "a100-80gb"]
+    assert P.main(args) == 0
+    out = capsys.readouterr().out
+    plan = P.make_plan(35, "a100-80gb", 1)
+    (line,) = [x for x in out.splitlines() if x.strip().startswith("prepare (CPU)")]
+    core_hours = plan.tokens / P.PREPARE_TOKENS_PER_CORE_SECOND / 3600
+    assert f"{core_hours:,.1f} core-hours, {core_hours / 16:,.2f} h on 16 cores" in line
+    assert f"${core_hours * P.DEFAULT_CPU_PRICE:,.2f} at $0.05/core-hour" in line
+    assert (
+        P.main([*args, "--cpu-price-per-hour", "0.02", "--prepare-cores", "64", "--prepare-tokens", "10B"])
+        == 0
+    )
+    other = capsys.readouterr().out
+    (line,) = [x for x in other.splitlines() if x.strip().startswith("prepare (CPU)")]
+    core_hours = 10e9 / P.PREPARE_TOKENS_PER_CORE_SECOND / 3600
+    assert "10B tokens (the corpus)" in line and f"${core_hours * 0.02:,.2f} at $0.02/core-hour" in line
+    assert f"{core_hours / 64:,.2f} h on 64 cores" in line
+    assert [x for x in out.splitlines() if "prepare (CPU)" not in x] == [
+        x for x in other.splitlines() if "prepare (CPU)" not in x
+    ]
+    assert (
+        P.main(["--preset", "gpt2-124m", "--gpu", "h100-sxm", "--gpus", "8", "--prepare-tokens", "9B"]) == 0
+    )
+    assert "prepare (CPU)   9B tokens (the corpus)" in capsys.readouterr().out
+    for bad, needle in (
+        (["--cpu-price-per-hour", "-1"], "--cpu-price-per-hour must be a number >= 0, got -1.0"),
+        (["--prepare-cores", "0"], "--prepare-cores must be >= 1, got 0"),
+        (["--prepare-tokens", "lots"], "--prepare-tokens: expected a token count like 10000000000 or 10B"),
+    ):
+        assert P.main([*args, *bad]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, err

@@ -151,11 +151,44 @@ def preset_table(args: argparse.Namespace) -> list[str]:
                 f"{hours:>7.2f} {price:>8.2f} {hours * n * price:>9,.0f}"
             )
     lines.append(volume_line(cfg, "  "))
+    if cfg.train.batch_tokens:
+        lines += prepare_lines(steps * cfg.train.batch_tokens, args)
     lines.append(
         f"  train with one of these layouts: pretrain train --preset {cfg.preset} --gpu-type GPU --gpus N"
         + (" --resume PHASE1_RUN" if args.from_step else "")
     )
     return lines
+
+
+# ---------------------------------------------------------------- the prepare, on CPUs
+
+# Tokens per second per CPU core of `pretrain prepare` with the GPT-2 tokenizer: FineWeb-Edu's 10B-token
+# sample in about 30 minutes on 16 vCPUs, a reference setup's figure (10e9 / (1800 s x 16)).
+PREPARE_TOKENS_PER_CORE_SECOND = 350_000.0
+DEFAULT_CPU_PRICE = 0.05  # USD per vCPU-hour: about an on-demand cloud vCPU (spot is cheaper)
+DEFAULT_PREPARE_CORES = 16  # the chart's prepare.resources request
+
+
+def prepare_lines(run_tokens: float, args: argparse.Namespace) -> list[str]:
+    """The prepare's CPU time and cost: of --prepare-tokens (the corpus), else of the run's tokens read once.
+    Billed on the CPU pool, apart from the GPU budget (the training job waits suspended meanwhile, with no
+    GPU; docs/budget.md)."""
+    price, cores, corpus = args.cpu_price_per_hour, args.prepare_cores, args.prepare_tokens
+    if not (price >= 0 and math.isfinite(price)):
+        raise UserError(f"--cpu-price-per-hour must be a number >= 0, got {price}")
+    if cores < 1:
+        raise UserError(f"--prepare-cores must be >= 1, got {cores}")
+    if corpus is not None and not corpus >= 1:
+        raise UserError(f"--prepare-tokens must be >= 1, got {corpus:g}")
+    tokens = corpus or run_tokens
+    what = "the corpus" if corpus else "the run's, read once; --prepare-tokens for the corpus"
+    core_hours = tokens / PREPARE_TOKENS_PER_CORE_SECOND / 3600
+    return [
+        f"  prepare (CPU)   {_si(tokens)} tokens ({what}) at ~{_si(PREPARE_TOKENS_PER_CORE_SECOND)} tokens/s "
+        f"per core: {core_hours:,.1f} core-hours, {core_hours / cores:,.2f} h on {cores} cores (--prepare-cores; "
+        f"prepare.parallelism pods divide it), ${core_hours * price:,.2f} at ${price:g}/core-hour "
+        "(--cpu-price-per-hour); not in the GPU budget: no GPU waits for it",
+    ]
 
 
 # ---------------------------------------------------------------- CLI
@@ -174,6 +207,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--price-per-gpu-hour", type=float, help="USD per GPU-hour, > 0 (default: the built-in table)")
     add("--mfu", type=float, default=DEFAULT_MFU, help=f"expected MFU, in (0, 1] (default {DEFAULT_MFU})")
     add("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU, > 0 (default: the built-in table)")
+    cpu = "USD per CPU core-hour of the prepare's CPU pool, counted apart from the GPU budget"
+    add(
+        "--cpu-price-per-hour",
+        type=float,
+        default=DEFAULT_CPU_PRICE,
+        help=f"{cpu} (default {DEFAULT_CPU_PRICE})",
+    )
+    cores = "CPU cores of one prepare pod (the chart's prepare.resources)"
+    add(
+        "--prepare-cores",
+        type=int,
+        default=DEFAULT_PREPARE_CORES,
+        help=f"{cores} (default {DEFAULT_PREPARE_CORES})",
+    )
+    corpus = "tokens `pretrain prepare` makes (the corpus, e.g. 10B for FineWeb-Edu's sample)"
+    add("--prepare-tokens", type=_tokens, metavar="N", help=f"{corpus}; default: the run's tokens, read once")
+
+
+def _tokens(text: str) -> float:
+    """A count with an optional K/M/B/T suffix: 10B = 1e10."""
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(text.strip()[-1:].lower(), 1.0)
+    try:
+        return float(text.strip()[:-1] if scale != 1.0 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a token count like 10000000000 or 10B, got {text!r}"
+        ) from None
 
 
 def _si(x: float) -> str:
@@ -229,7 +289,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"pass {budget} or --preset NAME (time and cost of a preset)")
     gpus = args.gpus or 1  # 0 was refused above
     plan = make_plan(args.budget_usd, args.gpu, gpus, args.price_per_gpu_hour, args.mfu, args.peak_tflops)
-    print("\n".join(format_plan(plan, preset_params())))
+    lines = format_plan(plan, preset_params())
+    lines[lines.index("") : lines.index("")] = prepare_lines(plan.tokens, args)  # before the GPU table
+    print("\n".join(lines))
     return 0
 
 
