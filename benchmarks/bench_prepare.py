@@ -325,7 +325,7 @@ def run() -> list[str]:
         lines.append(
             f"shares, {shares_text / 1e6:.0f} MB, one core each: 1 share {_k(one)} tok/s, 2 shares at once + finalizer "
             f"{_k(two)} tok/s: scaling {two / one:.2f}x on {cores} cores (ideal 2.00 on 2 idle cores; rounds: {spread}); "
-            "same token stream"
+            f"same token stream; load average {os.getloadavg()[0]:.1f} (other processes share these cores)"
         )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

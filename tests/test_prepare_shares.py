@@ -104,21 +104,25 @@ def test_three_shares_and_the_finalizer_equal_one_process(tmp_path, tokenizer, m
     monkeypatch.setattr(shares, "PEER_PATIENCE", 0.0)
     lines: list[str] = []
     for index in (2, 0, 1):
-        prepare(
+        shares.run(
             config(inp, tmp_path / "sharded", str(tokenizer), shard_count=3, shard_index=index),
             log=lines.append,
         )
     assert any("counting it here" in line for line in lines)
-    prepare(config(inp, tmp_path / "sharded", str(tokenizer), shard_count=3, finalize=True), log=lines.append)
+    shares.run(
+        config(inp, tmp_path / "sharded", str(tokenizer), shard_count=3, finalize=True), log=lines.append
+    )
     assert_same_data(tmp_path / "sharded", tmp_path / "one")
     manifest = Manifest.load(tmp_path / "sharded")
     assert {s.file.split("/")[2] for s in manifest.train} == {"0", "1", "2"}  # every share contributed
     windows = TokenWindows(tmp_path / "sharded", "train", 64)
     assert windows.count > 100 and windows.window(windows.count - 1).size == 65
     # a re-run of a finished share changes nothing; the finalizer again gives the same
-    prepare(config(inp, tmp_path / "sharded", str(tokenizer), shard_count=3, shard_index=1), log=lines.append)
+    shares.run(
+        config(inp, tmp_path / "sharded", str(tokenizer), shard_count=3, shard_index=1), log=lines.append
+    )
     assert "is up to date" in lines[-3]
-    prepare(
+    shares.run(
         config(inp, tmp_path / "sharded", str(tokenizer), shard_count=3, finalize=True), log=lambda s: None
     )
     assert_same_data(tmp_path / "sharded", tmp_path / "one")
@@ -178,7 +182,7 @@ def test_a_share_killed_midway_resumes_and_gives_the_same_result(tmp_path, token
     inp = make_input(tmp_path / "in", scale=6)
     prepare(config(inp, tmp_path / "one", str(tokenizer)), log=lambda s: None)
     out = tmp_path / "sharded"
-    prepare(config(inp, out, str(tokenizer), shard_count=3, shard_index=0), log=lambda s: None)
+    shares.run(config(inp, out, str(tokenizer), shard_count=3, shard_index=0), log=lambda s: None)
     share1 = shares.share_dir(out, 1, 3)
     proc = subprocess.Popen(
         _share_cmd(inp, out, str(tokenizer), 3, "--shard-index", "1"),
@@ -202,7 +206,7 @@ def test_a_share_killed_midway_resumes_and_gives_the_same_result(tmp_path, token
     # the shards recorded before the kill are kept (one renamed but not yet recorded is made again)
     resumed = re.search(r"resuming: (\d+) shards already written and verified", again.stdout)
     assert resumed and 1 <= int(resumed.group(1)) <= kept, again.stdout
-    prepare(config(inp, out, str(tokenizer), shard_count=3, shard_index=2), log=lambda s: None)
+    shares.run(config(inp, out, str(tokenizer), shard_count=3, shard_index=2), log=lambda s: None)
     done = _run(_share_cmd(inp, out, str(tokenizer), 3, "--finalize"))
     assert done.returncode == 0, done.stderr
     assert_same_data(out, tmp_path / "one")
@@ -242,7 +246,7 @@ def test_two_processes_at_once_and_the_finalizer_equal_one_process(tmp_path):
 def test_unfinished_or_stale_shares_are_refused_in_one_line(tmp_path, tokenizer):
     inp = make_input(tmp_path / "in")
     out = tmp_path / "sharded"
-    prepare(config(inp, out, str(tokenizer), shard_count=3, shard_index=0), log=lambda s: None)
+    shares.run(config(inp, out, str(tokenizer), shard_count=3, shard_index=0), log=lambda s: None)
 
     def run(*extra: str) -> subprocess.CompletedProcess:
         return _run(_share_cmd(inp, out, str(tokenizer), 3, *extra))
@@ -258,7 +262,7 @@ def test_unfinished_or_stale_shares_are_refused_in_one_line(tmp_path, tokenizer)
     assert proc.returncode == 2 and "leave out --shard-index" in proc.stderr
     # an input changed after share 0 was made: it no longer counts as finished for these inputs
     for index in (1, 2):
-        prepare(config(inp, out, str(tokenizer), shard_count=3, shard_index=index), log=lambda s: None)
+        shares.run(config(inp, out, str(tokenizer), shard_count=3, shard_index=index), log=lambda s: None)
     lines = [json.dumps({"text": t}) for t in _docs(21, 5)]
     with open(inp / "c.jsonl", "a") as f:
         f.write("\n".join(lines) + "\n")

@@ -179,9 +179,9 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.data.prepare import prepare
+    from app.data import shares
 
-    prepare(config_from_args(args), log=lambda line: print(line, flush=True))
+    shares.run(config_from_args(args), log=lambda line: print(line, flush=True))
     return 0
 
 

@@ -234,14 +234,10 @@ def _tasks(inp: DocumentStream, plan: Plan, period: int, on_file_done) -> Iterat
 
 
 def prepare(cfg: PrepareConfig, log: Log = print) -> PrepareResult:
-    """Run `pretrain prepare`: resolve inputs, get a tokenizer, write (or finish) the shards and manifest.
-    With --shard-count N: tokenize one share, or join the finished shares (app/data/shares.py)."""
+    """Run `pretrain prepare` in one process: resolve inputs, get a tokenizer, write (or finish) the shards
+    and manifest. (A sharded prepare, --shard-count N, runs through app.data.shares.run.)"""
     t0 = time.time()
     check_config(cfg)
-    if cfg.shard_count > 1:
-        from app.data import shares
-
-        return shares.Shares(cfg).join(log) if cfg.finalize else shares.prepare_share(cfg, log)
     out = Path(cfg.out_dir)
     with _dir_lock(out):
         files = hub.resolve_inputs(cfg.inputs, cfg.revision, cfg.includes)

@@ -40,6 +40,10 @@ from typing import Any
 from app.errors import EXIT_DATA_NOT_READY, UserError, print_stderr
 from app.files import atomic_write_json, fsync_dir
 
+DESCRIPTION = (
+    "The chart's prepare pods: run `pretrain prepare` (or join the shares), record how it ended on the data "
+    "volume, and release the suspended training job, or report a failed prepare on it."
+)
 READY, FAILED, FAILURES = "_READY", "_FAILED", "_FAILURES"
 COMPONENT = "pretrain-prepare"
 TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
@@ -431,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     own, prepare_args = argv[:split], argv[split + 1 :]
 
     def go() -> int:
-        parser = Parser(prog="python -m app.data.prepare_job", description=__doc__.splitlines()[0])
+        parser = Parser(prog="python -m app.data.prepare_job", description=DESCRIPTION)
         add_arguments(parser)
         args = parser.parse_args(own)
         if args.shard_count < 1 or args.backoff_limit < 0 or not args.poll > 0:

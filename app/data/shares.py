@@ -46,6 +46,7 @@ from app.data.prepare import (
     _run,
     _tokenizer,
     check_document_count,
+    prepare,
 )
 from app.data.progress import Log, summary
 from app.data.settings import PrepareConfig, check_config, check_dtype
@@ -264,6 +265,13 @@ class Share:
                 f"use another --out or delete {self.root}"
             )
         return tok
+
+
+def run(cfg: PrepareConfig, log: Log = print) -> PrepareResult:
+    """`pretrain prepare`, sharded or not: one process, share cfg.shard_index, or the finalizer."""
+    if cfg.shard_count == 1:
+        return prepare(cfg, log)
+    return Shares(cfg).join(log) if cfg.finalize else prepare_share(cfg, log)
 
 
 def prepare_share(cfg: PrepareConfig, log: Log = print) -> PrepareResult:
