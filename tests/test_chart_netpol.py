@@ -125,11 +125,12 @@ def test_restricted_egress_dns_peers_api_server_and_downloads_only(scheduler):
             assert not allowed(nps, trainer, dst, port), (dst, port)
         assert not allowed(nps, trainer, other_release(trainer), NCCL)
     assert allowed(nps, prepare, HF_HUB, 443) and allowed(nps, prepare, KUBE_DNS, 53, "UDP")
+    assert allowed(nps, prepare, API_SERVER, 443)  # it releases the suspended training job
     for dst, port in (
         (HF_HUB, 80),
         (METADATA, 80),
         (PRIVATE, 443),
-        (API_SERVER, 443),
+        (API_SERVER, 22),
         (by["trainer"][0][0], NCCL),
     ):
         assert not allowed(nps, prepare, dst, port), (dst, port)
@@ -159,9 +160,15 @@ def test_restricted_egress_needs_the_api_servers_address_while_pods_call_it():
     (line,) = [x for x in err.splitlines() if "networkPolicy.restrictEgress" in x]
     assert "networkPolicy.egress.apiServer" in line and "budget.watcher.kubernetesActions=false" in line
     quiet = {"budget.watcher.kubernetesActions": False, "prepare.wait.useKubernetesApi": False}
-    docs = render("pytorchjob", {"networkPolicy.restrictEgress": True, **quiet})
+    err = h.render_error({"networkPolicy.restrictEgress": True, **quiet})
+    assert "the prepare releases the training job (created suspended) through the API server" in err
+    docs = render("pytorchjob", {"networkPolicy.restrictEgress": True, **quiet, **API})
     trainer = pods(docs)["trainer"][0][0]
     assert not allowed(policies(docs), trainer, API_SERVER, 443)
+    assert allowed(policies(docs), pods(docs)["prepare"][0][0], API_SERVER, 443)
+    own_data = {"prepare.enabled": False, "config": {"data": {"dataset": "/data/x"}}}
+    docs = render("pytorchjob", {"networkPolicy.restrictEgress": True, **quiet, **own_data})
+    assert not allowed(policies(docs), pods(docs)["trainer"][0][0], API_SERVER, 443)
 
 
 def test_who_may_call_the_server_follows_the_service_type_and_values():
