@@ -482,6 +482,17 @@ def test_5_an_upgrade_that_creates_the_training_job_again_runs_a_prepare_that_re
     assert job_names(cluster.render(sharded, "--is-upgrade")) == install
 
 
+def test_5_a_cluster_with_trainer_v2_alone_installs(cluster):
+    """The shape guard looks up a PyTorchJob; where the v1 operator is not installed there is none to look
+    up, and Helm's lookup of an API the cluster does not serve would fail the install."""
+    cluster.GROUPS = {gv: r for gv, r in cluster.GROUPS.items() if gv != "kubeflow.org/v1"}
+    cluster.GROUPS["trainer.kubeflow.org/v1alpha1"] = ["trainjobs", "trainingruntimes"]
+    cluster.KINDS = {**cluster.KINDS, "trainjobs": "TrainJob", "trainingruntimes": "TrainingRuntime"}
+    proc = cluster.render({"scheduler": "trainjob"}, "--is-upgrade")
+    assert proc.returncode == 0, proc.stderr
+    assert "kind: TrainJob" in proc.stdout
+
+
 def test_5_an_upgrade_that_reshapes_a_running_job_is_refused(cluster):
     """The operator never replaces running pods: a new Worker with --nnodes=2 would wait forever beside
     the old Master with --nnodes=1. A real `helm upgrade` looks the job up and refuses."""

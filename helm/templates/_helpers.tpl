@@ -433,7 +433,9 @@ trainer. */}}
 never replaces running pods, so new Workers with the new --nnodes would wait forever beside the old
 Master. Refused with the commands that apply it. (`lookup` is empty in `helm template`.) */}}
 {{- define "pretrain.upgradeGuard" -}}
-{{- if or .Values.job.enabled .Values.bench.enabled -}}
+{{- /* A cluster without the v1 operator (Trainer v2 only) has no PyTorchJob to look up: Helm's lookup of an
+unserved API fails the install instead of answering empty. */ -}}
+{{- if and (or .Values.job.enabled .Values.bench.enabled) (.Capabilities.APIVersions.Has "kubeflow.org/v1") -}}
 {{- $name := include "pretrain.fullname" . -}}
 {{- $old := lookup "kubeflow.org/v1" "PyTorchJob" .Release.Namespace $name -}}
 {{- if $old -}}
