@@ -12,8 +12,9 @@
    and of 2 shares (two processes at once, one core each, then the finalizer), wall clock from the first
    start to the joined data dir (counting pass, start-up and finalizer included), on the input's size up
    to 40 MB, best of ROUNDS - 1 rounds; the scaling ratio 2 shares / 1 share (ideal: 2.0 on 2 idle cores)
-   and the finalizer's own seconds (a fixed cost: process start-up, checks, the manifest). The joined
-   result is checked to be the one-process token stream.
+   and the finalizer's own seconds (a fixed cost: process start-up, checks, the manifest), beside the
+   scaling of raw encode_batch from 1 to N processes measured above in the same run (what the shared
+   cores gave). The joined result is checked to be the one-process token stream.
 
 The text is the embedded Shakespeare corpus, repeated with a per-copy prefix to reach the size.
 """
@@ -329,7 +330,8 @@ def run() -> list[str]:
         lines.append(
             f"shares, {shares_text / 1e6:.0f} MB, one core each: 1 share {_k(one)} tok/s, 2 shares at once + finalizer "
             f"{_k(two)} tok/s: scaling {two / one:.2f}x on {cores} cores (ideal 2.00 on 2 idle cores; rounds: {spread}; "
-            f"the finalizer {min(finalizer):.1f} s of it); "
+            f"the finalizer {min(finalizer):.1f} s of it; this run's raw encode_batch went {bn / b1:.2f}x from 1 to "
+            f"{cores} processes: what the cores gave); "
             f"same token stream; load average {os.getloadavg()[0]:.1f} (other processes share these cores)"
         )
     finally:
