@@ -13,6 +13,9 @@ EXIT_OUT_OF_SPACE = 6  # a checkpoint save failed for space (space does not free
 EXIT_LOW_MFU = 7  # train.mfu_floor: a restart on the same node pool would burn the budget at the same pace
 EXIT_LEASE_BUSY = 142  # 128 + SIGALRM: another trainer holds the run dir's lease (retried later)
 EXIT_PEER_LOST = 144  # a peer rank or node (or the launcher) was lost: retried, like 128 + signal
+EXIT_SMALLER_BATCH = (
+    145  # out of memory at an auto micro-batch on several ranks: a smaller one is recorded, retried
+)
 
 
 class UserError(Exception):
@@ -23,6 +26,13 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """The resolved config is invalid."""
+
+
+class RestartSmaller(UserError):
+    """train.micro_batch_size=auto ran out of memory on one of several ranks: the smaller micro-batch is
+    recorded in the run dir, and the restart (retryable exit code) starts with it."""
+
+    exit_code = EXIT_SMALLER_BATCH
 
 
 def print_stderr(line: str) -> None:

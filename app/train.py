@@ -22,7 +22,7 @@ from app.budget import BudgetExhausted, PriceAboveMax
 from app.config import Config
 from app.data.loader import Prefetcher, TrainLoader, fit_vocab, resolve_data_dir
 from app.data.manifest import Manifest
-from app.errors import UserError
+from app.errors import RestartSmaller, UserError
 from app.trainer import checkpoint as ckpt
 from app.trainer import distributed as peers
 from app.trainer import layout
@@ -37,7 +37,7 @@ from app.trainer.lease import hold_run_dir, release
 from app.trainer.metrics import device_peak, flops_per_token
 from app.trainer.model import count_parameters
 from app.trainer.optim import build_optimizer, set_lr, set_muon_momentum, step_unless
-from app.trainer.parallelize import grad_sync, unwrap
+from app.trainer.parallelize import forget_compiled_graphs, grad_sync, unwrap
 from app.trainer.report import Reporter
 from app.trainer.rundir import check_fresh_start, move_run_aside
 from app.trainer.runtime import autocast_for, configure_device, grad_accum_steps, pick_device
@@ -213,8 +213,13 @@ class Trainer:
         smaller = (
             layout.halve_after_oom(self.cfg, self.env.world_size, self.run_dir, self.warn) if early else 0
         )
-        if not smaller or self.env.world_size > 1:
+        if not smaller:
             raise error
+        if self.env.world_size > 1:  # a peer's collective cannot be unwound: the restart retries (exit 145)
+            raise RestartSmaller(
+                f"out of memory at micro-batch {old} (step {step + 1}): restarting at micro-batch {smaller}"
+            ) from error
+        forget_compiled_graphs()  # the old size's graphs never run again
         self.optimizer.zero_grad(set_to_none=True)
         self.steplog.discard(step + 1)
         self.batches.close()

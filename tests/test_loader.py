@@ -89,3 +89,25 @@ def test_val_batches_split_across_ranks_without_overlap(data_dir):
     first = {int(x[i, 0]) for x in r0 for i in range(x.size(0))}
     second = {int(x[i, 0]) for x in r1 for i in range(x.size(0))}
     assert first and second and not first & second
+
+
+def test_a_micro_batch_crosses_to_the_device_as_one_contiguous_int32_block(data_dir):
+    """What the pinned copy moves (app/data/loader.py Prefetcher): one contiguous (B, T+1) int32 tensor per
+    micro-batch, not two strided int64 views, so that on a GPU `.to(cuda, non_blocking=True)` copies the
+    pinned buffer itself; inputs and targets are int64 views of it made on the device. The pinning and the
+    copy's overlap need a GPU (`make gpu-check` reports them); this checks the layout that allows them."""
+    import torch
+
+    from app.data.loader import Prefetcher
+
+    loader = TrainLoader(data_dir, 16, 4, 0, 1, 0)
+    expected = TrainLoader(data_dir, 16, 4, 0, 1, 0).next()
+    batches = Prefetcher(loader, torch.device("cpu"), depth=2)
+    host = batches.host_rows(0)
+    assert host.is_contiguous() and host.dtype == torch.int32 and host.shape == (4, 17)
+    assert host.untyped_storage().nbytes() == 4 * 17 * 4  # its own buffer, not a view of a wider one
+    x, y = batches.next()
+    batches.close()
+    assert x.dtype == y.dtype == torch.int64
+    assert torch.equal(x, expected[0]) and torch.equal(y, expected[1])
+    assert x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()  # one copy, split after it

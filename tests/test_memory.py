@@ -18,9 +18,10 @@ from tests.test_switches import SWITCHES
 GB = memory.GB
 
 
-def measure(cfg: ModelConfig, micro_batch: int, checkpointing: bool) -> dict:
+def measure(cfg: ModelConfig, micro_batch: int, checkpointing: bool, autocast: bool = False) -> dict:
     """Peak bytes by kind over two training steps (the second has optimizer state), from MemTracker,
-    which follows every tensor storage through torch's dispatcher."""
+    which follows every tensor storage through torch's dispatcher; `autocast`: bf16 autocast on the CPU
+    (the GPU's eager path: the same casts, the same saved tensors)."""
     mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
     torch.manual_seed(0)
     model = build_model(cfg)
@@ -33,10 +34,12 @@ def measure(cfg: ModelConfig, micro_batch: int, checkpointing: bool) -> dict:
     y = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len))
     mt = mem_tracker.MemTracker()
     mt.track_external(model, opt, x, y)
+    cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
     with mt:
         for _ in range(2):
             mt.reset_mod_stats()
-            out = model(x, y)
+            with cast:
+                out = model(x, y)
             out.loss.backward()
             del out
             opt.step()
@@ -70,6 +73,63 @@ def test_estimate_is_within_15_percent_of_measured_cpu_allocations(checkpointing
     assert math.isclose(e.total, m["Total"], rel_tol=0.15)
 
 
+def test_the_eager_estimate_under_bf16_autocast_is_what_autograd_keeps():
+    """train.compile=false on a GPU: eager blocks under bf16 autocast. CPU autocast makes the same casts and
+    saves the same tensors (fp32 residual and norms, bf16 linear inputs and outputs, no fp32 copy of q/k:
+    RoPE's products by constant tables save nothing), so MemTracker measures what a GPU keeps, plus the
+    autocast weight copies the estimate counts as buffers."""
+    cfg = ModelConfig(
+        vocab_size=512, seq_len=128, n_layer=3, d_model=128, n_head=4, n_kv_head=2, tie_embeddings=False
+    )
+    mb = 8
+    m = measure(cfg, mb, False, autocast=True)
+    e = memory.estimate(cfg, mb, "ddp", 1, cuda=False, autocast=True)
+    weight_copies = 2 * memory.param_split(cfg).linear
+    assert e.buffers == weight_copies + mb * cfg.seq_len * cfg.vocab_size * 8
+    assert math.isclose(e.activations + weight_copies, m["Activation"], rel_tol=0.02), (e.describe(), m)
+    compiled = memory.estimate(cfg, mb, "ddp", 1, cuda=False, autocast=True, compiled=True)
+    assert compiled.activations < 0.75 * e.activations  # what compiling the blocks and the loss saves
+
+
+def _saved_bytes_per_token(cfg: ModelConfig, micro_batch: int, autocast: bool, compiled: bool) -> float:
+    """Bytes per token that one block and the loss keep for backward (parameters and their casts aside),
+    from autograd's saved-tensor hooks, which also see what a compiled graph saves."""
+    from app.trainer.parallelize import compile_blocks
+
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    if compiled:
+        compile_blocks(model, "default")
+    x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len))
+    weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        per_token = t.dim() > 1 and t.shape[0] in (micro_batch, micro_batch * cfg.seq_len)
+        if per_token and t.is_floating_point():  # not the weights' casts; the ids are the estimate's + 16
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    h = model.tok_emb(x).detach().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.loss(model.blocks[0](h, model.rope_cos, model.rope_sin), x)
+    kept = sum(n for ptr, n in storages.items() if ptr not in weights)
+    return kept / (micro_batch * cfg.seq_len)
+
+
+@pytest.mark.slow  # compiles a block and the loss twice (about 30 s on 2 cores)
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_the_compiled_estimate_is_what_the_compiled_graphs_keep(autocast):
+    """train.compile on (the GPU default): what inductor's graphs save for backward, one block and the loss,
+    against the compiled estimate; eager's saved tensors against the eager one, the same way."""
+    cfg = ModelConfig(vocab_size=512, seq_len=64, n_layer=1, d_model=128, n_head=4, n_kv_head=2)
+    for compiled in (False, True):
+        measured = _saved_bytes_per_token(cfg, 4, autocast, compiled)
+        estimated = memory.activation_bytes(cfg, 1, autocast, False, compiled) / cfg.seq_len - 16
+        assert math.isclose(measured, estimated, rel_tol=0.02), (compiled, measured, estimated)
+
+
 def test_fsdp_shards_the_static_memory_and_not_the_activations():
     cfg = load_config("x1-50m").model
     P = count_parameters(cfg).total
@@ -100,7 +160,10 @@ def test_seed_table_plausibility(capsys):
         ddp = memory.estimates(preset, 8, cuda=True)["ddp"]
         preset.train.activation_checkpointing = False
         fsdp_full = memory.estimates(preset, 8, cuda=True)["fsdp"]
-        small = load_config("char-d64", overrides=[f"model.n_layer={depth}", "model.d_model=2368"])
+        # the seed's figures are eager ones (its trainer did not compile): compared with the eager estimate
+        small = load_config(
+            "char-d64", overrides=[f"model.n_layer={depth}", "model.d_model=2368", "train.compile=false"]
+        )
         small.train.activation_checkpointing = False
         seedlike = memory.estimates(small, 8, cuda=True)["fsdp"]
         rows.append((depth, seed_gb, seedlike, fsdp_ac, fsdp_full, ddp))

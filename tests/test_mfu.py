@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
-from app.config import ModelConfig, config_from_dict, load_config
+from app.config import ModelConfig, config_from_dict, load_config, vocab_for_estimates
 from app.trainer import layout
 from app.trainer.memory import GB
 from app.trainer.model import build_model, count_parameters
@@ -116,6 +117,36 @@ def test_out_of_memory_halves_the_micro_batch_and_retries_the_same_data(tmp_path
     assert weights(auto, 6).keys() == weights(fixed, 6).keys() and len(losses_by_step(auto)) == 6
 
 
+@pytest.mark.slow  # two launches of 2 gloo ranks
+def test_out_of_memory_on_several_ranks_records_the_smaller_batch_and_exits_retryable(tmp_path):
+    """With several ranks a half-done collective cannot be unwound: the ranks record the smaller micro-batch
+    and exit 145 (retryable, one line), which the operator's restart policy retries; the restart trains at
+    it. Before, the rank crashed with exit 1, a permanent failure: the recorded size was never used."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, cli_env
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "app.launch", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0"]
+    args = ["-m", "app.train", "--out", str(run), "--max-steps", "2", *FAST]
+    args += ["--set", "train.micro_batch_size=auto", "--set", f"train.batch_tokens={8 * 64 * 2}"]
+
+    def launch(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [*cmd, *args, *extra], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300
+        )
+
+    first = launch("--set", "train.inject_oom_above=4")
+    assert first.returncode == 145, first.stdout[-2000:] + first.stderr[-3000:]
+    assert "out of memory at micro-batch 8 (step 1): restarting at micro-batch 4" in first.stderr
+    assert "Traceback" not in first.stderr, first.stderr[-3000:]
+    assert json.loads((run / layout.OOM_RECORD).read_text()) == {"micro_batch_size": 4}
+    again = launch()
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "micro-batch 4 x accumulation 2 per rank" in again.stdout
+
+
 def test_bench_reports_the_padded_vocab_and_the_chosen_micro_batch(tmp_path):
     from tests.test_performance import _bench
 
@@ -141,3 +172,48 @@ def test_a_layout_kept_from_a_checkpoint_keeps_the_configured_device_memory():
     assert (kept.micro_batch, kept.accum) == (8, 64)
     layout.apply(cfg, kept)
     assert cfg.train.micro_batch_size == 8 and cfg.train.device_memory_gb == 40
+
+
+@pytest.mark.parametrize(
+    "name,key,peak",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100-sxm", 989),
+        ("NVIDIA H100 PCIe", "h100-pcie", 756),
+        ("NVIDIA H100 NVL", "h100-nvl", 835),
+        ("NVIDIA H800", "h800", 989),
+        ("NVIDIA H800 PCIe", "h800-pcie", 756),
+        ("NVIDIA H20", "h20", 148),
+        ("NVIDIA H200", "h200", 989),
+        ("NVIDIA H200 NVL", "h200-nvl", 835),
+        ("NVIDIA GH200 480GB", "gh200", 989),
+        ("NVIDIA A100-SXM4-80GB", "a100", 312),
+        ("NVIDIA A800-SXM4-80GB", "a800", 312),
+        ("NVIDIA B200", "b200", 2250),
+        ("NVIDIA L40S", "l40s", 362),
+        ("NVIDIA L40", "l40", 181),
+        ("NVIDIA L4", "l4", 121),
+        ("NVIDIA GeForce RTX 4090", "", 0),
+    ],
+)
+def test_cuda_device_names_get_their_own_peak(name, key, peak):
+    """An H100 NVL is not an SXM (835, not 989 TFLOP/s), an H800 or H20 is no unknown GPU."""
+    from app.trainer.metrics import detect_gpu_type, peak_flops
+
+    assert detect_gpu_type(name) == key
+    assert peak_flops(key) == peak * 1e12
+
+
+def test_the_planner_and_the_run_see_the_same_device_size():
+    """A plan on a machine without the GPU uses the size a run's micro-batch auto reads from the device
+    (torch.cuda.mem_get_info: an 80 GiB H100 shows about 85 GB), so both pick the same micro-batch."""
+    from app.trainer import layout
+    from app.trainer.memory import GB, GPU_MEMORY_GB
+
+    assert GPU_MEMORY_GB["h100-sxm"] == 85.0
+    cfg = load_config("x1-50m")
+    cfg.model.vocab_size = vocab_for_estimates(cfg)
+    planned = layout.fit(cfg, "h100-sxm", 1)
+    run = load_config("x1-50m", overrides=[f"train.device_memory_gb={85.0}"])
+    run.model.vocab_size = vocab_for_estimates(run)
+    at_start = layout.auto_micro_batch(run, 1, "cuda")
+    assert planned.micro_batch == at_start.micro_batch and planned.device_gb * GB == 85.0 * GB

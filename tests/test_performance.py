@@ -152,11 +152,11 @@ def test_the_prefetcher_gives_the_loaders_batches_and_moves_only_on_take(embedde
     plain = loader()
     expected = [plain.next() for _ in range(6)]
     ahead = loader()
-    pre = Prefetcher(ahead, torch.device("cpu"), depth=3)
+    pre = Prefetcher(ahead, torch.device("cpu"), depth=3, threaded=True)  # CUDA's reading thread
     got = [pre.next() for _ in range(4)]
     assert ahead.state.micro_steps == 4  # the reader is ahead; the position counts what was taken
     pre.close()
-    again = Prefetcher(ahead, torch.device("cpu"), depth=3)  # a resume from that position
+    again = Prefetcher(ahead, torch.device("cpu"), depth=3)  # a resume from that position, read in the loop
     got += [again.next() for _ in range(2)]
     again.close()
     for (x, y), (ex, ey) in zip(got, expected, strict=True):
@@ -165,18 +165,20 @@ def test_the_prefetcher_gives_the_loaders_batches_and_moves_only_on_take(embedde
 
 def test_a_reading_error_reaches_the_loop_at_its_batch():
     class Broken:
-        state = type("S", (), {"micro_steps": 0})()
+        def __init__(self):
+            self.state = type("S", (), {"micro_steps": 0})()
 
-        def batch_at(self, m):
+        def rows_at(self, m):
             if m == 2:
                 raise ValueError("bad shard")
-            return torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long)
+            return torch.zeros(1, 3, dtype=torch.int32)
 
-    pre = Prefetcher(Broken(), torch.device("cpu"), depth=4)
-    pre.next(), pre.next()
-    with pytest.raises(ValueError, match="bad shard"):
-        pre.next()
-    pre.close()
+    for depth in (0, 4):  # read in the loop (CPU), or by the reading thread (CUDA's, run here on a CPU)
+        pre = Prefetcher(Broken(), torch.device("cpu"), depth=depth, threaded=True)
+        pre.next(), pre.next()
+        with pytest.raises(ValueError, match="bad shard"):
+            pre.next()
+        pre.close()
 
 
 @pytest.mark.slow  # over 8 s: `make test-slow` (CI runs it); keeps `make test` near 10 min
@@ -240,6 +242,23 @@ def test_bench_bad_input_is_one_line(tmp_path):
         assert "Traceback" not in proc.stderr
 
 
+def test_bench_out_of_memory_is_one_line_naming_the_micro_batch_to_try(tmp_path):
+    """A micro-batch that does not fit (the drill fails like a full GPU above 4 sequences): exit 2 and the
+    setting to rerun with, the next divisor of train.batch_tokens' sequences, no traceback."""
+    model = ["--set", "model.n_layer=2", "--set", "model.d_model=64", "--set", "model.n_head=4"]
+    args = ["--steps", "1", "--warmup", "0", "--breakdown-steps", "0", "--out", str(tmp_path / "x.json")]
+    cases = [
+        (["--set", "train.micro_batch_size=16"], "--set train.micro_batch_size=8"),
+        (["--set", "train.micro_batch_size=auto", "--set", f"train.batch_tokens={12 * 128}"], "=6"),
+    ]
+    for extra, want in cases:
+        proc = pretrain("bench", *args, *model, "--set", "train.inject_oom_above=4", *extra)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert "out of memory at micro-batch" in lines[0] and want in lines[0], lines[0]
+        assert not (tmp_path / "x.json").exists()
+
+
 @pytest.mark.slow
 def test_bench_under_torchrun_measures_two_ranks_and_their_communication(tmp_path):
     def run_bench(*args):
@@ -285,6 +304,68 @@ def test_a_compiled_run_follows_eager(tmp_path, looped):
     assert sorted(le) == sorted(lc) == list(range(1, 7))
     for s in le:
         assert lc[s] == pytest.approx(le[s], rel=1e-4)
+
+
+def test_the_compile_counter_sees_a_recompile():
+    """compile_counts (what bench and `make gpu-check` report) counts a second shape as a recompile."""
+    from app.trainer.parallelize import compile_counts
+
+    def double(x):
+        return x * 2
+
+    compiled = torch.compile(double, fullgraph=True, dynamic=False)
+    before = compile_counts()
+    compiled(torch.ones(3))
+    compiled(torch.ones(3))
+    after_one = compile_counts()
+    compiled(torch.ones(5))
+    after_two = compile_counts()
+    assert after_one["graphs"] - before["graphs"] == 1 and after_one["recompiles"] == before["recompiles"]
+    assert after_two["recompiles"] - after_one["recompiles"] == 1
+
+
+@pytest.mark.slow
+def test_no_recompile_after_an_out_of_memory_halving_or_over_a_short_validation_batch(tmp_path):
+    """train.micro_batch_size=auto on a compiled run: micro-batch 8 compiles, runs out of memory (the drill,
+    after the forward), the retry at 4 compiles anew instead of recompiling with a symbolic batch size
+    (dynamic=False, old graphs dropped), and evaluation over the whole validation split (598 windows: a
+    last batch of 2) runs eagerly: 4 graphs (block and loss, twice), 0 recompiles, 0 graph breaks."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, cli_env
+
+    wrapper = (
+        "import json, sys; from app.cli import main; rc = main(sys.argv[1:]); "
+        "from app.trainer.parallelize import compile_counts; print('COMPILED', json.dumps(compile_counts())); "
+        "from torch._dynamo.utils import get_compilation_metrics as m; print('FRAMES', [x.co_name for x in m()]); "
+        "sys.exit(rc)"
+    )
+    run = tmp_path / "run"
+    args = ["train", "--out", str(run), "--max-steps", "2", *FAST, *COMPILE]
+    args += ["--set", "train.micro_batch_size=auto", "--set", f"train.batch_tokens={8 * 64}"]
+    args += [
+        "--set",
+        "train.inject_oom_above=4",
+        "--set",
+        "train.eval_every=2",
+        "--set",
+        "train.eval_batches=150",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", wrapper, *args],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "out of memory at micro-batch 8 (step 1): retrying it at micro-batch 4" in proc.stdout
+    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals if r["kind"] == "eval"] == [0, 2]
+    counts = json.loads(proc.stdout.split("COMPILED ", 1)[1].splitlines()[0])
+    assert counts == {"graphs": 4, "recompiles": 0, "graph_breaks": 0}, proc.stdout.split("COMPILED ", 1)[1]
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import urllib.request
 import torch
 
 from app.trainer import checkpoint as ckpt
-from app.trainer.spikes import SpikeDetector, spike_batch
+from app.trainer.spikes import SpikeDetector, spike_rows
 from tests.conftest import FAST, REPO, cli_env, train_rows
 from tests.prom_helpers import free_port, sets
 
@@ -49,12 +49,11 @@ def test_detector_state_round_trips():
     assert again.state_dict() == det.state_dict() and again.count == 1
 
 
-def test_spike_batch_is_random_tokens_seeded_by_step():
-    x = torch.zeros(4, 16, dtype=torch.long)
-    a, b = spike_batch(x, 7, 100), spike_batch(x, 7, 100)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    assert a[0].shape == x.shape and torch.equal(a[0][:, 1:], a[1][:, :-1])  # targets are inputs shifted
-    assert not torch.equal(spike_batch(x, 8, 100)[0], a[0]) and int(a[0].max()) < 100
+def test_spike_rows_are_random_tokens_seeded_by_step():
+    rows = torch.zeros(4, 17, dtype=torch.int32)
+    a, b = spike_rows(rows, 7, 100), spike_rows(rows, 7, 100)
+    assert torch.equal(a, b) and a.shape == rows.shape and a.dtype == torch.int32
+    assert not torch.equal(spike_rows(rows, 8, 100), a) and int(a.max()) < 100 and int(a.min()) >= 0
 
 
 # ---------------------------------------------------------------- a real training

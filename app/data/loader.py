@@ -67,15 +67,26 @@ class TokenWindows:
         start = (index - int(self.offsets[shard])) * self.seq_len
         return self.arrays[shard][start : start + self.seq_len + 1]
 
-    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = np.stack([self.window(int(i)) for i in indices]).astype(np.int64)
+    def rows(self, indices: np.ndarray) -> torch.Tensor:
+        """The windows as one contiguous (B, T+1) int32 tensor: the ids a device copy moves in one piece
+        (int64 is made on the device; uint16 shards are widened here, an int32 on a GPU widens to int64
+        with any torch). Inputs are rows[:, :-1], targets rows[:, 1:] (`split_rows`)."""
+        rows = np.stack([self.window(int(i)) for i in indices]).astype(np.int32, copy=False)
         if self.vocab_size and (top := int(rows.max())) >= self.vocab_size:
             raise UserError(
                 f"the '{self.split}' shards of {self.data_dir} hold token id {top}, beyond the model's vocab "
                 f"size {self.vocab_size}: they do not match their tokenizer; re-run `pretrain prepare`"
             )
-        t = torch.from_numpy(rows)
-        return t[:, :-1], t[:, 1:]
+        return torch.from_numpy(rows)
+
+    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        return split_rows(self.rows(indices))
+
+
+def split_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) as int64 views of one (B, T+1) tensor of token ids, on its device."""
+    rows = rows.long()
+    return rows[:, :-1], rows[:, 1:]
 
 
 class TrainLoader:
@@ -112,12 +123,12 @@ class TrainLoader:
             out[j] = self._permutation(epoch)[pos]
         return out
 
-    def batch_at(self, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's micro-batch number `micro_step` (the position does not move)."""
-        return self.windows.batch(self.indices(micro_step))
+    def rows_at(self, micro_step: int) -> torch.Tensor:
+        """This rank's micro-batch number `micro_step` as (B, T+1) token ids (the position does not move)."""
+        return self.windows.rows(self.indices(micro_step))
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = self.batch_at(self.state.micro_steps)
+        x, y = split_rows(self.rows_at(self.state.micro_steps))
         self.state.micro_steps += 1
         return x, y
 
@@ -134,37 +145,44 @@ class TrainLoader:
 
 
 class Prefetcher:
-    """A loader's micro-batches on the device, read `depth` ahead on a side thread (into pinned memory on
-    CUDA) and copied without blocking the host, so the GPU never waits for the memmap. The loader's
-    position moves when a batch is taken, not when it is read ahead: checkpoints stay exact. Errors of
-    the reading thread (e.g. token ids beyond the vocab) are raised by the `next()` that meets them.
-    `source` has `batch_at(micro_step)` and `state.micro_steps` (TrainLoader, or synthetic batches).
-    `wait_seconds` adds up the time the loop waited in `next()`."""
+    """A loader's micro-batches on the device. On CUDA they are read `depth` ahead on a side thread into
+    pinned memory, one contiguous (B, T+1) int32 tensor each, which the loop copies without blocking and
+    widens and splits on the GPU: the GPU never waits for the memmap and the copy never goes through a
+    pageable staging buffer. On a CPU the batch is read in the loop: the read (a memmap slice, microseconds)
+    saves nothing there, and a reading thread only competes with the step's compute threads for the cores
+    (docs/performance.md). The loader's position moves when a batch is taken, not when it is read ahead:
+    checkpoints stay exact. Errors of the reading thread (e.g. token ids beyond the vocab) are raised by
+    the `next()` that meets them. `source` has `rows_at(micro_step)` and `state.micro_steps` (TrainLoader,
+    or synthetic batches). `wait_seconds` adds up the time the loop waited in `next()`.
 
-    def __init__(self, source, device: torch.device, depth: int) -> None:
-        self.source, self.device, self.depth = source, device, depth
+    Not testable without a GPU: that pinned memory and the non-blocking copy overlap the step (the CPU
+    tests check the layout that makes it possible: `host_rows` is one contiguous int32 tensor)."""
+
+    def __init__(self, source, device: torch.device, depth: int, threaded: bool | None = None) -> None:
+        self.source, self.device = source, device
+        self.pin = device.type == "cuda"
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.wait_seconds = 0.0
-        if depth > 0:
+        if depth > 0 and (self.pin if threaded is None else threaded):  # threaded: tests run it on a CPU
             self._queue = queue.Queue(maxsize=depth)
             first = source.state.micro_steps
             self._thread = threading.Thread(target=self._read, args=(first,), name="prefetch", daemon=True)
             self._thread.start()
 
+    def host_rows(self, micro_step: int) -> torch.Tensor:
+        """Micro-batch `micro_step` as the device copy reads it: (B, T+1) int32, contiguous, pinned on CUDA."""
+        rows = self.source.rows_at(micro_step).to(torch.int32).contiguous()
+        return rows.pin_memory() if self.pin else rows
+
     def _read(self, micro_step: int) -> None:
-        pin = self.device.type == "cuda"
         while not self._stop.is_set():
             try:
-                x, y = self.source.batch_at(micro_step)
-                item = (x.pin_memory(), y.pin_memory()) if pin else (x, y)
+                item = self.host_rows(micro_step)
             except BaseException as e:  # handed to the loop, which raises it
                 item = e
-            while not self._stop.is_set():
-                with contextlib.suppress(queue.Full):
-                    self._queue.put(item, timeout=0.1)
-                    break
+            self._queue.put(item)  # blocks while the queue is full (no polling); close() makes room
             if isinstance(item, BaseException):
                 return
             micro_step += 1
@@ -172,21 +190,22 @@ class Prefetcher:
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         start = time.perf_counter()
         if self._queue is None:
-            x, y = self.source.batch_at(self.source.state.micro_steps)
+            rows = self.host_rows(self.source.state.micro_steps)
         else:
-            item = self._queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            x, y = item
+            rows = self._queue.get()
+            if isinstance(rows, BaseException):
+                raise rows
         self.source.state.micro_steps += 1
         self.wait_seconds += time.perf_counter() - start
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return split_rows(rows.to(self.device, non_blocking=True))
 
     def close(self) -> None:
         """Stop the reader and wait for it: a thread still inside torch at interpreter exit aborts it."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        while self._thread is not None and self._thread.is_alive():
+            with contextlib.suppress(queue.Empty):
+                self._queue.get_nowait()  # a reader blocked on a full queue wakes, sees the stop and ends
+            self._thread.join(timeout=0.01)
 
 
 def val_batches(

@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 class SyntheticBatches:
     """Uniform random token ids, fixed by (seed, rank, micro-step): a loader without a data dir, with the
-    interface the Prefetcher reads (`batch_at`, `state.micro_steps`)."""
+    interface the Prefetcher reads (`rows_at`, `state.micro_steps`)."""
 
     def __init__(self, vocab_size: int, seq_len: int, micro_batch: int, rank: int, seed: int) -> None:
         from app.data.loader import LoaderState
@@ -52,12 +52,11 @@ class SyntheticBatches:
         self.vocab, self.T, self.B, self.rank, self.seed = vocab_size, seq_len, micro_batch, rank, seed
         self.state = LoaderState()
 
-    def batch_at(self, micro_step: int):
+    def rows_at(self, micro_step: int):
         import torch
 
         g = torch.Generator().manual_seed(self.seed + 1_000_003 * self.rank + micro_step)
-        rows = torch.randint(0, self.vocab, (self.B, self.T + 1), generator=g)
-        return rows[:, :-1], rows[:, 1:]
+        return torch.randint(0, self.vocab, (self.B, self.T + 1), generator=g, dtype=torch.int32)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out and out.exists() and not args.force:
         raise UserError(f"--out {out} exists; choose a new file, or add --force to replace it")
     check_writable_dir(out.parent, "--out")
-    result = measure(cfg, args.steps, args.warmup, args.breakdown_steps)
+    result = measure_or_explain(cfg, args.steps, args.warmup, args.breakdown_steps)
     if result is None:  # not global rank 0
         return 0
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -83,6 +82,38 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out}")
     print(json.dumps(result), flush=True)
     return 0
+
+
+def measure_or_explain(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
+    """measure(), with an out-of-memory error as one line that names the setting to try (exit 2): a bench is
+    how a user finds the micro-batch that fits, so running out is an answer, not a crash."""
+    import torch
+
+    from app.errors import UserError
+    from app.trainer.layout import smaller_micro_batch
+
+    auto = cfg.train.micro_batch_size == "auto"
+    try:
+        return measure(cfg, steps, warmup, breakdown_steps)
+    except torch.OutOfMemoryError:
+        t, m = cfg.train, cfg.model
+        smaller = smaller_micro_batch(cfg, 1 if not t.batch_tokens else _world_size())
+        try_instead = (
+            f"--set train.micro_batch_size={smaller}"
+            if smaller
+            else "--set train.activation_checkpointing=true or a smaller model.seq_len"
+        )
+        raise UserError(
+            f"out of memory at micro-batch {t.micro_batch_size} x seq {m.seq_len} (preset {cfg.preset}"
+            f"{', chosen by micro-batch auto' if auto else ''}): "
+            f"rerun with {try_instead}"
+        ) from None
+
+
+def _world_size() -> int:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
@@ -97,14 +128,16 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
     from app.trainer.metrics import device_peak, flops_per_token
     from app.trainer.model import count_parameters
     from app.trainer.optim import build_optimizer
-    from app.trainer.parallelize import build_parallel_model, compile_enabled, unwrap
+    from app.trainer.parallelize import build_parallel_model, compile_counts, compile_enabled, unwrap
     from app.trainer.runtime import autocast_for, configure_device, grad_accum_steps, pick_device
     from app.trainer.steplog import StepLog
     from app.trainer.stopping import auto_every
 
     cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
     env = init_distributed("cuda" if cuda else "cpu", cfg.train.collective_timeout_minutes)
-    try:
+    stack = contextlib.ExitStack()
+    stack.callback(shutdown_distributed)
+    with stack:
         device = pick_device(cfg, env.local_rank)
         configure_device(device)
         auto = layout.for_run(cfg, env.world_size, device, None, None, lambda msg: None)  # micro-batch auto
@@ -116,6 +149,7 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
         m, t = cfg.model, cfg.train
         source = SyntheticBatches(m.vocab_size, m.seq_len, t.micro_batch_size, env.rank, t.seed)
         batches = Prefetcher(source, device, t.prefetch)
+        stack.callback(batches.close)  # also after an error: no reading thread left inside torch at exit
         log = StepLog(env)
         parts = dict(
             model=model,
@@ -131,6 +165,7 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
+        compiles_before = compile_counts()
         n, first_seconds = 0, 0.0
         for i in range(warmup):
             t0 = time.perf_counter()
@@ -151,7 +186,7 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
             _timed_step(parts, env, sync, phases)
         peak_bytes, how = _peak_memory(device, lambda: (train_step(step=n + 1, **parts), log.read()), parts)
         agreement = _agreement_seconds()
-        batches.close()
+        compiles = {k: v - compiles_before[k] for k, v in compile_counts().items()}
         tokens_per_step = accum * t.micro_batch_size * m.seq_len * env.world_size
         tps = steps * tokens_per_step / seconds
         fpt = flops_per_token(m)
@@ -192,6 +227,9 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
             "estimated_memory_bytes": (choice.fsdp if choice.mode == "fsdp" else choice.ddp).total,
             "first_step_seconds": first_seconds,
             "compile_seconds": max(0.0, first_seconds - step_seconds) if compiled else 0.0,
+            "compiled_graphs": compiles["graphs"],
+            "recompiles": compiles["recompiles"],
+            "graph_breaks": compiles["graph_breaks"],
             "breakdown_seconds": {k: v / max(breakdown_steps, 1) for k, v in phases.items()},
             "breakdown_share": {k: v / total for k, v in phases.items()} if total else {},
             "stop_agreement_seconds": agreement,
@@ -200,8 +238,6 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
             "unix_time": time.time(),
         }
         return result if env.is_rank0 else None
-    finally:
-        shutdown_distributed()
 
 
 def _timed_step(parts: dict, env, sync, phases: dict[str, float]) -> None:
@@ -309,7 +345,8 @@ def describe(r: dict) -> list[str]:
         s, c = r["first_step_seconds"], r["compile_seconds"]
         lines.append(
             f"  compile      first step {s:.1f} s (~{c:.1f} s compiling); compiled: every block and the loss "
-            f"(norm, head, cross-entropy): 100% of the FLOPs counted, {r['head_flops_share']:.0%} of them the head"
+            f"(norm, head, cross-entropy): 100% of the FLOPs counted, {r['head_flops_share']:.0%} of them the head; "
+            f"{r['compiled_graphs']} graphs, {r['recompiles']} recompiles, {r['graph_breaks']} graph breaks"
         )
     if r["breakdown_share"]:
         parts = ", ".join(f"{k.replace('_', '+')} {v:.0%}" for k, v in r["breakdown_share"].items())

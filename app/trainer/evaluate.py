@@ -32,11 +32,14 @@ def validation_loss(
     batches = val_batches(
         data_dir, m.seq_len, t.micro_batch_size, t.eval_batches, env.rank, env.world_size, m.vocab_size
     )
-    for x, y in batches:
-        with autocast:
-            out = gpt(x.to(device), y.to(device))
-        total[0] += out.loss.double() * x.size(0)
-        total[1] += x.size(0)
+    # Eager even when the blocks are compiled: no-grad mode and a short last batch would each compile
+    # (and keep) graphs of their own; an eval forward costs a fraction of the steps between evals.
+    with torch.compiler.set_stance("force_eager"):
+        for x, y in batches:
+            with autocast:
+                out = gpt(x.to(device), y.to(device))
+            total[0] += out.loss.double() * x.size(0)
+            total[1] += x.size(0)
     all_reduce_sum(total, env)
     gpt.train()
     val = float(total[0] / total[1])

@@ -150,11 +150,18 @@ def for_run(cfg: Config, world_size: int, device, resumed, run_dir: Path | None,
     return True
 
 
+def smaller_micro_batch(cfg: Config, world_size: int) -> int:
+    """At most half the micro-batch, still a divisor of each rank's sequences per step when
+    train.batch_tokens fixes them (0: none is left)."""
+    t = cfg.train
+    per_rank = t.batch_tokens // (cfg.model.seq_len * world_size) if t.batch_tokens else 0
+    return next((d for d in range(t.micro_batch_size // 2, 0, -1) if not per_rank or per_rank % d == 0), 0)
+
+
 def halve_after_oom(cfg: Config, world_size: int, run_dir: Path, warn) -> int:
     """The next smaller micro-batch after an out-of-memory error (0: none), recorded for the next start."""
     t = cfg.train
-    per_rank = t.batch_tokens // (cfg.model.seq_len * world_size)
-    smaller = next((d for d in range(t.micro_batch_size // 2, 0, -1) if per_rank % d == 0), 0)
+    smaller = smaller_micro_batch(cfg, world_size)
     if smaller:
         atomic_write_json(run_dir / OOM_RECORD, {"micro_batch_size": smaller})
         warn(
@@ -165,13 +172,15 @@ def halve_after_oom(cfg: Config, world_size: int, run_dir: Path, warn) -> int:
 
 
 def oom_drill(limit: int):
-    """train.inject_oom_above: a forward pre-hook that fails like a full GPU on micro-batches above
-    `limit` sequences (tests the auto fallback on a CPU)."""
+    """train.inject_oom_above: a forward hook that fails like a full GPU on training micro-batches above
+    `limit` sequences (tests the auto fallback on a CPU; evaluation, without gradients, needs far less
+    memory and passes). It fails after the forward, as a real one does mid-step: the blocks have run (and
+    compiled, with train.compile) at the size that does not fit."""
 
-    def hook(_module, args):
+    def hook(module, args, _output):
         import torch
 
-        if args[0].size(0) > limit:
+        if module.training and args[0].size(0) > limit:
             raise torch.OutOfMemoryError(f"injected: micro-batch {args[0].size(0)} > {limit}")
 
     return hook

@@ -3,15 +3,26 @@ for DDP and FSDP at a world size) and the `train.parallel=auto` decision built o
 their check against torch's tracker: docs/parallel.md ("Memory estimate").
 
 Activations per token of one block (d = d_model, kv = KV width, f = SwiGLU width, h = heads; a = bytes
-of matmul inputs/outputs: 2 under bf16 autocast, 4 in fp32; the residual stream and RMSNorm stay fp32):
+of matmul inputs/outputs: 2 under bf16 autocast, 4 in fp32; the residual stream and RMSNorm stay fp32).
+Eager (train.compile off), what autograd saves op by op:
 
     attention  block input 4d, normalized 4d, linear inputs (4d once in fp32; 3 bf16 casts 3*2d under
                autocast), rotated q a*d and k a*kv, v a*kv, SDPA output a*d and logsumexp 4h (flash
                kernels save no T x T matrix), the re-laid-out output a*d
     MLP        input 4d, normalized 4d, linear inputs (4d, or 2 casts 2*2d), gate/up/silu/product 4*a*f
 
-The read-out adds the final norm and the fp32 log-softmax (4V; the logits themselves are not kept: the
-loss is all the training step asks for), and the int64 inputs and targets.
+Compiled (each block one graph: the norms fused, their output cast once, silu recomputed in backward):
+the block input 4d, the normalized inputs of attention and MLP a*d each, q a*d, k and v a*kv each, the
+SDPA output a*d and logsumexp 4h, the re-laid-out output a*d, the attention output a*d (the MLP norm's
+input is recomputed from it), gate/up/product 3*a*f.
+
+The read-out adds, eager, the final norm (4d + 4d + its cast) and the fp32 log-softmax (4V; the logits
+themselves are not kept); compiled, the norm's input 4d and cast a*d and the logits as the head writes
+them (a*V_padded; log-softmax is recomputed in backward); and the int64 inputs and targets. Both were
+measured on CPU against what autograd saves (tests/test_memory.py: MemTracker for eager in fp32 and bf16
+autocast, the compiled graphs' saved tensors for compiled); on a GPU `pretrain bench` and `make gpu-check`
+compare the allocator's peak with it. The logits' gradients in backward (8V: d(log-softmax), d(logits))
+are counted for both: under compile they are an upper bound (not measurable on CPU).
 
 The model switches (docs/recipes.md) change these terms: ReLU squared keeps up and its square (2*a*f) and
 casts its input once; parameter-free norms keep no normalized copy before a gain (-4d per norm); QK-norm
@@ -19,6 +30,8 @@ keeps q and k before the norm (4d + 4kv) and their inverse RMS; the x0 skip keep
 before the mix (4d) and the embedding once; a block with a value embedding keeps v before the mix and the
 table's row in the value dtype; the soft-cap keeps its tanh (4V per read-out); an embedding norm keeps the
 raw embedding (4d). U-net skips keep nothing new: the early block's output is kept as the next input.
+Compiled, the switches' terms are eager's (an upper bound: only the default model's compiled terms are
+measured), ReLU squared keeping 2*a*f for 3*a*f.
 """
 
 from __future__ import annotations
@@ -35,15 +48,23 @@ GIB = 1 << 30
 HEADROOM = 0.9  # auto: DDP must fit in this share of the device memory
 CUDA_OVERHEAD = 3 * GIB  # CUDA context (~0.5-1 GiB), NCCL buffers (~1 GiB), allocator fragmentation
 
-# Device memory by GPU type (keys of app.budget.pricing), for planning on a machine without the GPU.
+# Device memory by GPU type (keys of app.budget.pricing and app.trainer.metrics), for planning on a machine
+# without the GPU: what torch.cuda.mem_get_info reports as the device's total on that GPU (GB = 1e9 bytes;
+# an "80GB" H100 has 80 GiB of HBM, of which the driver shows about 85 GB), so that a plan and the run's
+# train.micro_batch_size=auto, which asks the device itself, pick the same micro-batch.
 GPU_MEMORY_GB = {
-    "a100-40gb": 40,
-    "a100-80gb": 80,
-    "h100-pcie": 80,
-    "h100-sxm": 80,
-    "h200": 141,
-    "b200": 180,
-    "l40s": 48,
+    "a100-40gb": 42.3,
+    "a100-80gb": 85.0,
+    "a800": 85.0,
+    "h100-pcie": 85.0,
+    "h100-sxm": 85.0,
+    "h100-nvl": 100.0,
+    "h800": 85.0,
+    "h200": 150.0,
+    "h200-nvl": 150.0,
+    "b200": 191.0,
+    "l40s": 47.7,
+    "l4": 23.7,
 }
 
 
@@ -116,22 +137,29 @@ def _runs_of_block(m: ModelConfig, i: int) -> int:
     return 1 if i < lp.prelude else m.loop.recurrence if i < lp.prelude + lp.recurrent else readouts
 
 
-def activation_bytes(m: ModelConfig, micro_batch: int, autocast: bool, checkpointing: bool) -> int:
+def activation_bytes(
+    m: ModelConfig, micro_batch: int, autocast: bool, checkpointing: bool, compiled: bool = False
+) -> int:
     """Peak saved activations of one micro-batch (forward done, backward about to start)."""
     d, kv, f, h, v = m.d_model, _kv(m), m.ffn_dim, m.n_head, m.vocab_size
     a = 2 if autocast else 4
     gain = 0 if m.parameter_free_norms else 4 * d  # the normalized copy a norm's gain keeps
-    # per token of one block, then of one read-out (final norm, logits, fp32 log-softmax): module docstring
-    attention = 4 * d + gain + (3 * 2 * d if autocast else 4 * d) + 3 * a * d + 2 * a * kv + 4 * h
-    if m.qk_norm:
-        attention += 4 * d + 4 * kv + 4 * (h + m.kv_heads)
-    casts = m.mlp_matrices - 1  # the MLP's matrices that read the normalized input
-    mlp = 4 * d + gain + (casts * 2 * d if autocast else 4 * d) + (4 if m.mlp == "swiglu" else 2) * a * f
-    per_block = attention + mlp + (4 * d if m.x0_skip else 0)
+    qk = 4 * d + 4 * kv + 4 * (h + m.kv_heads) if m.qk_norm else 0
+    x0 = 4 * d if m.x0_skip else 0
+    softcap = 4 * v if m.logit_softcap else 0
+    # per token of one block, then of one read-out (final norm, logits, loss): module docstring
+    if compiled:
+        mlp = (3 if m.mlp == "swiglu" else 2) * a * f
+        per_block = 4 * d + 6 * a * d + 2 * a * kv + 4 * h + 8 + mlp + qk + x0
+        readout_one = 4 * d + a * d + a * m.padded_vocab + 12 + softcap
+    else:
+        attention = 4 * d + gain + (3 * 2 * d if autocast else 4 * d) + 3 * a * d + 2 * a * kv + 4 * h + qk
+        casts = m.mlp_matrices - 1  # the MLP's matrices that read the normalized input
+        mlp = 4 * d + gain + (casts * 2 * d if autocast else 4 * d) + (4 if m.mlp == "swiglu" else 2) * a * f
+        per_block = attention + mlp + x0
+        readout_one = 4 * d + gain + (2 * d if autocast else 4 * d) + 4 * v + softcap
     readouts, blocks_run = readouts_and_blocks_run(m)
-    readout = readouts * (
-        4 * d + gain + (2 * d if autocast else 4 * d) + 4 * v * (2 if m.logit_softcap else 1)
-    )
+    readout = readouts * readout_one
     # once per forward: the raw embedding under a norm, the embedding for the x0 skip, the table lookups;
     # per run of a block with a value embedding: v before the mix and (autocast) the row in bf16
     once = (
@@ -181,14 +209,17 @@ def estimate(
     cuda: bool = True,
     bf16: bool = True,
     optimizer: str = "adamw",
+    compiled: bool = False,
+    autocast: bool | None = None,
 ) -> MemoryEstimate:
     """Bytes per GPU. `bf16` means bf16 autocast (DDP) / bf16 parameters (FSDP mixed precision), which the
-    trainer uses on CUDA only; on CPU everything is fp32."""
-    mixed = cuda and bf16
+    trainer uses on CUDA; on CPU everything is fp32 unless `autocast` (train.dtype=bf16 on a CPU).
+    `compiled`: the blocks and the loss run compiled (train.compile), which saves fewer activations."""
+    mixed = cuda and bf16 if autocast is None else autocast
     n = max(1, world_size)
     ps = param_split(m)
     P = ps.total
-    act = activation_bytes(m, micro_batch, mixed, checkpointing)
+    act = activation_bytes(m, micro_batch, mixed, checkpointing, compiled)
     logit_grads = micro_batch * m.seq_len * m.vocab_size * 4 * 2  # d(log-softmax), d(logits)
     muon = ps.matrices if optimizer == "muon" else 0  # block matrices
     opt_bytes = 8 * P - 4 * muon
@@ -207,10 +238,22 @@ def estimate(
     return MemoryEstimate("ddp", n, 4 * P, 4 * P, opt_bytes, act, buffers, overhead)
 
 
+def compiles(cfg: Config, cuda: bool) -> bool:
+    """train.compile as the trainer resolves it: auto is on for CUDA (fused kernels pay), off for CPU
+    (compile time dominates)."""
+    return cfg.train.compile == "true" or (cfg.train.compile == "auto" and cuda)
+
+
 def estimates(cfg: Config, world_size: int, cuda: bool) -> dict[str, MemoryEstimate]:
     """Both modes for a resolved config (model.vocab_size must be set)."""
     t = cfg.train
-    kw = dict(checkpointing=t.activation_checkpointing, cuda=cuda, bf16=t.dtype in ("auto", "bf16"))
+    kw = dict(
+        checkpointing=t.activation_checkpointing,
+        cuda=cuda,
+        bf16=t.dtype in ("auto", "bf16"),
+        compiled=compiles(cfg, cuda),
+        autocast=(cuda and t.dtype in ("auto", "bf16")) or t.dtype == "bf16",
+    )
     return {
         mode: estimate(cfg.model, t.micro_batch_size, mode, world_size, optimizer=cfg.optim.name, **kw)
         for mode in ("ddp", "fsdp")
@@ -337,7 +380,7 @@ def print_lines(cfg: Config, world_size: int) -> list[str]:
     lines = [
         f"# memory per GPU at world size {world_size} ({where}; micro-batch {t.micro_batch_size} x "
         f"seq {cfg.model.seq_len}; activation checkpointing {'on' if t.activation_checkpointing else 'off'}; "
-        "GB = 1e9 bytes):",
+        f"{'compiled' if compiles(cfg, cuda) else 'eager'}; GB = 1e9 bytes):",
         f"#   {c.ddp.describe()}",
         *([f"#   {c.fsdp.describe()}"] if world_size > 1 else []),
         f"#   device memory: {c.device_bytes / GB:.1f} GB ({c.device_source})"
@@ -346,8 +389,9 @@ def print_lines(cfg: Config, world_size: int) -> list[str]:
         f"#   train.parallel={t.parallel} -> {c.mode}: {c.reason}",
     ]
     if c.device_bytes is None and cuda and t.parallel == "auto" and world_size > 1:
-        alt, why = choose("auto", c.ddp, c.fsdp, int(80 * GB), world_size)
-        lines.append(f"#   on 80 GB GPUs auto would pick {alt}: {why}")
+        h100 = int(GPU_MEMORY_GB["h100-sxm"] * GB)
+        alt, why = choose("auto", c.ddp, c.fsdp, h100, world_size)
+        lines.append(f"#   on H100s ({h100 / GB:.0f} GB) auto would pick {alt}: {why}")
     if world_size == 1:
         lines.append(
             "#   (pass --gpus N, or run under torchrun, to plan for N GPUs; FSDP needs more than one)"

@@ -34,7 +34,9 @@ def grad_sync(model: torch.nn.Module, last_micro_batch: bool):
 
 def compile_enabled(cfg, device: torch.device) -> bool:
     """train.compile=auto: on for CUDA (where fused kernels pay), off for CPU (compile time dominates)."""
-    return cfg.train.compile == "true" or (cfg.train.compile == "auto" and device.type == "cuda")
+    from app.trainer.memory import compiles
+
+    return compiles(cfg, device.type == "cuda")
 
 
 def compile_mode_for(mode: str, fsdp: bool, log: Callable[[str], None] = print) -> str:
@@ -50,11 +52,36 @@ def compile_blocks(model: torch.nn.Module, mode: str) -> None:
     """Regional compilation: torch.compile each block's forward and the loss (final norm, head,
     cross-entropy) in place, so names, hence checkpoints, do not change. One graph per input shape for all
     blocks, so compile time is one block's; the module's hooks (FSDP2's gathers, activation checkpointing)
-    stay outside the graphs. fullgraph=True: a graph break is an error, not a silent slowdown."""
-    kwargs = {} if mode == "default" else {"mode": mode}
+    stay outside the graphs. fullgraph=True: a graph break is an error, not a silent slowdown.
+    dynamic=False: a new micro-batch size (after an out-of-memory halving) compiles static kernels again
+    instead of graphs with a symbolic batch size, which are slower and would serve every later step (and
+    with a symbolic sequence length SDPA's is_causal becomes symbolic, which fullgraph refuses).
+    Evaluation and sampling run these blocks eagerly (app/trainer/evaluate.py): no compile for their
+    shapes or for no-grad mode."""
+    kwargs = {"fullgraph": True, "dynamic": False, **({} if mode == "default" else {"mode": mode})}
     for block in model.blocks:
-        block.forward = torch.compile(block.forward, fullgraph=True, **kwargs)
-    model.loss = torch.compile(model.loss, fullgraph=True, **kwargs)
+        block.forward = torch.compile(block.forward, **kwargs)
+    model.loss = torch.compile(model.loss, **kwargs)
+
+
+def forget_compiled_graphs() -> None:
+    """Drop every compiled graph (the next call compiles anew): after an out-of-memory halving the graphs
+    of the old micro-batch never run again, and their kernels (CUDA graphs under max-autotune) hold memory."""
+    torch.compiler.reset()
+
+
+def compile_counts() -> dict[str, int]:
+    """Since the process started: graphs compiled, of which recompiles (a guard failed on an input shape, a
+    dtype or grad mode; 0 in a healthy run, `make gpu-check` reports it), and graph breaks (fullgraph=True
+    makes a break an error, so 0 unless compile is used elsewhere)."""
+    from torch._dynamo.utils import counters, get_compilation_metrics
+
+    metrics = get_compilation_metrics()
+    return {
+        "graphs": len(metrics),
+        "recompiles": sum(m.recompile_reason is not None for m in metrics),
+        "graph_breaks": sum(counters["graph_break"].values()),
+    }
 
 
 def apply_activation_checkpointing(model: torch.nn.Module) -> None:
@@ -123,7 +150,7 @@ def build_parallel_model(
     if cfg.train.inject_oom_above:  # drill: out of memory above a micro-batch size (app/trainer/layout.py)
         from app.trainer.layout import oom_drill
 
-        model.register_forward_pre_hook(oom_drill(cfg.train.inject_oom_above))
+        model.register_forward_hook(oom_drill(cfg.train.inject_oom_above))
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile_enabled(cfg, device):

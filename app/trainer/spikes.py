@@ -32,16 +32,16 @@ class SpikeDetector:
         self.avg, self.seen, self.count = float(state["avg"]), int(state["seen"]), int(state["count"])
 
 
-def spike_batch(x: torch.Tensor, step: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch of uniformly random token ids: for a trained model, rare tokens in random order carry a
-    loss near log(vocab), far above its running loss. Seeded by step, so runs stay reproducible."""
+def spike_rows(rows: torch.Tensor, step: int, vocab_size: int) -> torch.Tensor:
+    """A micro-batch (B, T+1 token ids, as `rows`) of uniformly random tokens: for a trained model, rare
+    tokens in random order carry a loss near log(vocab), far above its running loss. Seeded by step, so
+    runs stay reproducible."""
     g = torch.Generator().manual_seed(10_007 * step + 1)
-    rows = torch.randint(0, vocab_size, (x.size(0), x.size(1) + 1), generator=g)
-    return rows[:, :-1].to(x.device), rows[:, 1:].to(x.device)
+    return torch.randint(0, vocab_size, tuple(rows.shape), generator=g).to(rows.dtype)
 
 
 class SpikeDrill:
-    """A batch source (`batch_at`, `state`, as app/data/loader.py's Prefetcher reads) that replaces the
+    """A batch source (`rows_at`, `state`, as app/data/loader.py's Prefetcher reads) that replaces the
     batches of optimizer steps [start, start + steps) (0-based: the steps taken after `start` were done)
     with spike batches: the observability drill train.inject_spike_at_step / train.spike_batches."""
 
@@ -52,6 +52,6 @@ class SpikeDrill:
     def covers(self, step_index: int) -> bool:
         return self.start <= step_index < self.start + self.steps
 
-    def batch_at(self, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = self.source.batch_at(micro_step)
-        return spike_batch(x, micro_step, self.vocab) if self.covers(micro_step // self.accum) else (x, y)
+    def rows_at(self, micro_step: int) -> torch.Tensor:
+        rows = self.source.rows_at(micro_step)
+        return spike_rows(rows, micro_step, self.vocab) if self.covers(micro_step // self.accum) else rows
