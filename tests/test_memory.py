@@ -111,9 +111,9 @@ def _saved_bytes_per_token(cfg: ModelConfig, micro_batch: int, autocast: bool, c
         return t
 
     h = model.tok_emb(x).detach().requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model.loss(model.blocks[0](h, model.rope_cos, model.rope_sin), x)
+    cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    with cast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.loss(model.blocks[0](h, model.rope_cos, model.rope_sin), x)
     kept = sum(n for ptr, n in storages.items() if ptr not in weights)
     return kept / (micro_batch * cfg.seq_len)
 

@@ -156,8 +156,9 @@ FSDP_WORKER = """
 import torch, torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
 from app.config import ModelConfig, OptimConfig
+from app.trainer import optim
 from app.trainer.model import build_model
-from app.trainer.optim import build_optimizer
+from app.trainer.optim import build_optimizer, step_unless
 from app.trainer.distributed import init_distributed
 from app.trainer.parallelize import shard_model
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -166,8 +167,9 @@ def optimizer_state_dict(model, opt):
     return get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
 
 env = init_distributed("cpu")
-# d_ff > d_model: some matrices are tall, the case torch's Muon transposes (and gets wrong on shards)
-cfg = ModelConfig(vocab_size=64, seq_len=16, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=96,
+# d_ff > d_model: some matrices are tall, the case torch's Muon transposes (and gets wrong on shards);
+# d_ff odd: their rows split unevenly over 2 ranks; 3 layers: a shape's matrices do not split evenly
+cfg = ModelConfig(vocab_size=64, seq_len=16, n_layer=3, d_model=32, n_head=4, n_kv_head=2, d_ff=95,
                   tie_embeddings=False)
 oc = OptimConfig(name="muon", matrix_lr=0.02, embedding_lr=0.01, head_lr=0.004)
 torch.manual_seed(0)
@@ -176,25 +178,51 @@ torch.manual_seed(0)
 sharded = shard_model(build_model(cfg), torch.device("cpu"))
 o_ref, o_sh = build_optimizer(ref, oc, torch.device("cpu")), build_optimizer(sharded, oc, torch.device("cpu"))
 params = dict(ref.named_parameters())
-for step in range(3):
+calls = []
+orthogonalise = optim.newton_schulz
+optim.newton_schulz = lambda update, group: calls.append(tuple(update.shape)) or orthogonalise(update, group)
+mine = 0
+for step in range(5):
     g = torch.Generator().manual_seed(100 + step)  # the same full gradients on every rank
+    bad_step = step == 3  # a non-finite gradient: both skip it on the device
     for n, p in sharded.named_parameters():
         full = torch.randn(params[n].shape, generator=g)
+        if bad_step:
+            full.view(-1)[0] = float("nan")
         params[n].grad = full.clone()
         p.grad = distribute_tensor(full, p.device_mesh, p.placements)
-    o_ref.step(); o_sh.step(); o_ref.zero_grad(); o_sh.zero_grad()
+    skip = torch.tensor(1.0 if bad_step else 0.0)
+    before = {n: p.detach().clone() for n, p in params.items()}
+    buffers = {n: st["momentum_buffer"].clone() for n, p in params.items() if "momentum_buffer" in (st := o_ref.state[p])}
+    step_unless(o_ref, skip)
+    if bad_step:
+        kept = all(torch.equal(before[n], p) for n, p in params.items())
+        kept &= len(buffers) == 21 and all(torch.equal(b, o_ref.state[params[n]]["momentum_buffer"]) for n, b in buffers.items())
+        print(f"rank {env.rank} skipped step kept every parameter and buffer: {kept}", flush=True)
+    calls.clear()
+    step_unless(o_sh, skip)
+    mine += len(calls)
+    o_ref.zero_grad(); o_sh.zero_grad()
 bad = [n for n, p in sharded.named_parameters() if not torch.equal(p.full_tensor(), params[n].detach())]
 so_ref, so_sh = optimizer_state_dict(ref, o_ref), optimizer_state_dict(sharded, o_sh)
+matrices = len(o_ref.param_groups[0]["params"])
 if env.rank == 0:
     for n, entry in so_ref["state"].items():
         bad += [f"{n}.{k}" for k, v in entry.items() if not torch.equal(so_sh["state"][n][k], v)]
     kinds = sorted({k for e in so_sh["state"].values() for k in e})
-    print("EQUAL" if not bad else f"DIFFER {bad}", kinds)
+    print("EQUAL" if not bad else f"DIFFER {bad}", kinds, flush=True)
+dist.barrier()
+print(f"rank {env.rank} orthogonalised {mine} of {5 * matrices}", flush=True)
 dist.destroy_process_group()
 """
 
 
-def test_muon_under_fsdp2_equals_the_single_process_update(tmp_path):
+def test_muon_under_fsdp2_equals_the_single_process_update_with_each_rank_orthogonalising_its_share(
+    tmp_path,
+):
+    """Two gloo ranks: FSDP2's Muon (each matrix orthogonalised on one rank, rows exchanged by all-to-all)
+    gives the single-process update bit for bit, over steps with a skipped non-finite one; each rank runs
+    Newton-Schulz on its share of the matrices only."""
     import subprocess
 
     script = tmp_path / "worker.py"
@@ -209,6 +237,11 @@ def test_muon_under_fsdp2_equals_the_single_process_update(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "EQUAL ['exp_avg', 'exp_avg_sq', 'momentum_buffer', 'step']" in proc.stdout, proc.stdout
+    # 21 matrices in 4 shapes, dealt out in turns of 2: (32, 32) x 6, (16, 32) x 6 and (95, 32) x 6 go 3 to
+    # each rank, (32, 95) x 3 goes 2 to rank 0 and 1 to rank 1; each of 5 steps, the skipped one too
+    assert "rank 0 skipped step kept every parameter and buffer: True" in proc.stdout, proc.stdout
+    assert "rank 0 orthogonalised 55 of 105" in proc.stdout, proc.stdout
+    assert "rank 1 orthogonalised 50 of 105" in proc.stdout, proc.stdout
 
 
 # ---------------------------------------------------------------- exact resume and mode changes, real CLI

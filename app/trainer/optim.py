@@ -1,8 +1,8 @@
 """The optimizer: AdamW for every parameter (optim.name=adamw), or Muon for the hidden weight matrices and
 AdamW for the rest (optim.name=muon). Either way one torch Optimizer with four named parameter groups
-(GROUPS), each at its own peak LR, so checkpoints keep torch's standard state dict. Under FSDP2 Muon
-all-gathers one matrix at a time, because Newton-Schulz must see the whole matrix; the update is then
-bit-identical to the single-process one. Details: docs/recipes.md ("Optimizers and parameter groups").
+(GROUPS), each at its own peak LR, so checkpoints keep torch's standard state dict. Under FSDP2 each rank
+orthogonalises a share of the matrices whole and sends the others their rows (ShardedMuon); the update
+is bit-identical to the single-process one. Details: docs/recipes.md ("Optimizers and parameter groups").
 """
 
 from __future__ import annotations
@@ -51,49 +51,131 @@ def param_groups(gpt: torch.nn.Module, cfg: OptimConfig) -> list[dict]:
     ]
 
 
+def newton_schulz(update: torch.Tensor, group: dict) -> torch.Tensor:
+    """torch's Muon orthogonalisation of one whole matrix (it casts to bf16 first and returns bf16)."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    return _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of an FSDP2 parameter (a DTensor), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _shard_rows(rows: int, world: int) -> list[int]:
+    """The rows of each rank under FSDP2's Shard(0): torch.chunk's split (the last ranks may hold none)."""
+    per = -(-rows // world)
+    return [max(0, min(per, rows - r * per)) for r in range(world)]
+
+
 # The fallback base keeps this module importable on a torch without Muon, so that such a torch is refused
 # in one line at start-up (app/trainer/features.py) instead of failing at import.
 class ShardedMuon(torch.optim.Muon if hasattr(torch.optim, "Muon") else torch.optim.Optimizer):
-    """torch.optim.Muon, plus the gather for FSDP2's DTensor shards (see the module docstring) and a skip
-    decided on the device (`found_inf`, as GradScaler sets it): the lines of torch's _single_tensor_muon,
-    one matrix at a time."""
+    """torch.optim.Muon's update (the lines of its _single_tensor_muon) for plain tensors and for FSDP2's
+    DTensor shards, with a skip decided on the device (`found_inf`, as GradScaler sets it).
+
+    Newton-Schulz needs whole matrices, and under FSDP2 each rank holds some rows of each. The matrices of
+    one shape are dealt out to the ranks in turns of world-size matrices; in a turn, one all-to-all brings
+    each owner the rows of its matrix (in bf16, the precision Newton-Schulz runs in), the owner
+    orthogonalises it, and a second all-to-all brings every rank its rows of each result. So each matrix is
+    orthogonalised once, on one rank (as in nanochat's and modded-nanogpt's distributed Muon), not on every
+    rank after an all-gather per matrix, and the update is bit-identical to the one-process update
+    (tests/test_optim.py). The turns run one after another: communication does not overlap Newton-Schulz.
+
+    A skipped step (a non-finite gradient, or train.skip_spike_updates) keeps every parameter and momentum
+    buffer: the gradient is zeroed, and the momentum's weight, the weight decay and the update are scaled to
+    zero on the device, without copying a matrix."""
 
     @torch.no_grad()
     def step(self, closure=None):  # the closure, if any, is MuonAdamW.step's to evaluate
-        from torch.distributed.tensor import DTensor, distribute_tensor
-        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
-
         found_inf = getattr(self, "found_inf", None)
         skip = None if found_inf is None else found_inf.bool()
         for group in self.param_groups:
-            lr, wd, mom = group["lr"], group["weight_decay"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
-                buf = state["momentum_buffer"]
-                sharded = isinstance(p, DTensor)
-                local = p.to_local() if sharded else p
-                local_buf = buf.to_local() if sharded else buf
-                if skip is not None:  # one matrix's copy at a time, restored below when the step is skipped
-                    kept = (local.clone(), local_buf.clone())
-                buf.lerp_(p.grad, 1 - mom)
-                update = p.grad.lerp(buf, mom) if group["nesterov"] else buf
-                args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
-                if sharded:  # Newton-Schulz on the whole matrix; this rank applies its own rows
-                    full = _zeropower_via_newtonschulz(update.full_tensor(), *args)
-                    update = distribute_tensor(
-                        full, p.device_mesh, p.placements, src_data_rank=None
-                    ).to_local()
-                else:
-                    update = _zeropower_via_newtonschulz(update, *args)
-                local.mul_(1 - lr * wd)
-                local.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
-                if skip is not None:
-                    local.copy_(torch.where(skip, kept[0], local))
-                    local_buf.copy_(torch.where(skip, kept[1], local_buf))
+            params = [p for p in group["params"] if p.grad is not None]
+            updates = [self._momentum(p, group, skip) for p in params]
+            for p, orthogonal in zip(params, self._orthogonalise(params, updates, group), strict=True):
+                self._apply(p, orthogonal, group, skip)
+
+    def _momentum(self, p: torch.Tensor, group: dict, skip: torch.Tensor | None) -> torch.Tensor:
+        """Momentum and the Nesterov update, on this rank's rows (elementwise: a shard is enough)."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad)
+        buf, grad = _local(state["momentum_buffer"]), _local(p.grad)
+        mom = group["momentum"]
+        weight = 1 - mom
+        if skip is not None:  # a non-finite gradient would poison the buffer even at weight 0
+            grad.masked_fill_(skip, 0.0)
+            weight = torch.where(skip, 0.0, weight)
+        buf.lerp_(grad, weight)
+        return grad.lerp(buf, mom) if group["nesterov"] else buf
+
+    def _orthogonalise(self, params: list, updates: list, group: dict) -> list[torch.Tensor]:
+        """Each parameter's orthogonalised update, as this rank's rows of it."""
+        out: list = [None] * len(params)
+        turns: dict[tuple, list[int]] = {}  # sharded matrices by shape
+        for i, (p, update) in enumerate(zip(params, updates, strict=True)):
+            if hasattr(p, "device_mesh"):
+                turns.setdefault(tuple(p.shape), []).append(i)
+            else:
+                out[i] = newton_schulz(update, group)
+        for shape, members in turns.items():
+            world = params[members[0]].device_mesh.size()
+            for first in range(0, len(members), world):
+                turn = members[first : first + world]
+                owned = _orthogonalise_turn(params[turn[0]], [updates[i] for i in turn], group, shape)
+                for i, rows in zip(turn, owned, strict=True):
+                    out[i] = rows
+        return out
+
+    def _apply(
+        self, p: torch.Tensor, orthogonal: torch.Tensor, group: dict, skip: torch.Tensor | None
+    ) -> None:
+        lr, wd = group["lr"], group["weight_decay"]
+        decay = 1 - lr * wd
+        if skip is not None:
+            decay = torch.where(skip, 1.0, decay)
+            orthogonal = orthogonal.masked_fill(skip, 0.0)
+        local = _local(p)
+        local.mul_(decay)
+        local.add_(orthogonal, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+
+
+def _adjust_lr(lr: float, adjust_lr_fn, shape) -> float:
+    from torch.optim._muon import _adjust_lr as torch_adjust_lr
+
+    return torch_adjust_lr(lr, adjust_lr_fn, shape)
+
+
+def _orthogonalise_turn(p, updates: list[torch.Tensor], group: dict, shape: tuple) -> list[torch.Tensor]:
+    """One turn of FSDP2's Muon (ShardedMuon): rank j owns updates[j] (this rank's rows of each); returns
+    this rank's rows of every orthogonalised update. Two all-to-alls over the parameters' mesh."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+        raise NotImplementedError(f"Muon supports FSDP2's row sharding only, not {p.placements}")
+    mesh = p.device_mesh.get_group()
+    world, rank = p.device_mesh.size(), p.device_mesh.get_local_rank()
+    rows, cols = shape
+    mine = _shard_rows(rows, world)
+    owned = rank < len(updates)
+    # bf16 travels as its bytes: gloo has no bf16, and the bits are all Newton-Schulz reads
+    send = torch.cat([u.bfloat16().reshape(-1) for u in updates]).view(torch.uint8)
+    to_owners = [2 * mine[rank] * cols] * len(updates) + [0] * (world - len(updates))
+    from_ranks = [2 * n * cols if owned else 0 for n in mine]
+    gathered = send.new_empty(sum(from_ranks))
+    dist.all_to_all_single(gathered, send, from_ranks, to_owners, group=mesh)
+    if owned:  # the pieces arrive in rank order, which is row order
+        result = newton_schulz(gathered.view(torch.bfloat16).view(rows, cols), group).contiguous()
+        back = result.reshape(-1).view(torch.uint8)
+    else:
+        back = send.new_empty(0)
+    returned = send.new_empty(sum(to_owners))
+    dist.all_to_all_single(returned, back, to_owners, from_ranks, group=mesh)
+    pieces = returned.view(torch.bfloat16).view(len(updates), mine[rank], cols)
+    return list(pieces.unbind())
 
 
 def _adamw(groups: list[dict], cfg: OptimConfig, fused: bool) -> torch.optim.AdamW:
