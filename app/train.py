@@ -37,7 +37,7 @@ from app.trainer.lease import hold_run_dir, release
 from app.trainer.metrics import device_peak, flops_per_token
 from app.trainer.model import count_parameters
 from app.trainer.optim import build_optimizer, set_lr, set_muon_momentum, step_unless
-from app.trainer.parallelize import forget_compiled_graphs, grad_sync, unwrap
+from app.trainer.parallelize import clip_grad_norm, forget_compiled_graphs, grad_sync, unwrap
 from app.trainer.report import Reporter
 from app.trainer.rundir import check_fresh_start, move_run_aside
 from app.trainer.runtime import autocast_for, configure_device, grad_accum_steps, pick_device
@@ -72,8 +72,7 @@ def train_step(
         (out.loss / accum).backward()
         micro_losses = torch.stack([out.loss.detach(), *out.loop_losses])
         losses = micro_losses if losses is None else losses + micro_losses
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: DTensor
+    grad_norm = clip_grad_norm(model, grad_clip or float("inf"))
     log.add(step, lr, losses / accum, grad_norm)
     skip = ~torch.isfinite(grad_norm)  # the norm is global: every rank takes the same decision
     if skip_update is not None:

@@ -342,3 +342,117 @@ def test_resume_onto_another_world_size(straight, tmp_path, src, nproc, mode):
     wa, wb = weights(straight[src], 2 * K), weights(out, 2 * K)
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-5)
+
+
+def test_a_gpu_rank_binds_its_device_before_joining_nccl(monkeypatch):
+    """NCCL ranks set their GPU, then join the group with device_id (eager, bound communicator). No GPU
+    here: the CUDA and NCCL calls are recorded, not run; the gloo path is every other test's."""
+    import torch.distributed as dist
+
+    from app.trainer import distributed
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(
+        dist, "init_process_group", lambda **kw: calls.append(("init", kw["backend"], kw["device_id"]))
+    )
+    monkeypatch.setattr(dist, "new_group", lambda **kw: calls.append(("group", kw["backend"])))
+    monkeypatch.setattr(distributed, "_CONTROL_GROUP", None)
+    for key, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    env = distributed.init_distributed("cuda")
+    assert env.local_rank == 1
+    assert calls == [("set_device", 1), ("init", "nccl", torch.device("cuda", 1)), ("group", "gloo")]
+    calls.clear()
+    distributed.init_distributed("cpu")
+    assert calls == [("init", "gloo", None)]
+
+
+FSDP_WIRING_WORKER = """
+import torch, torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.fsdp import FSDPModule
+from app.config import load_config
+from app.trainer.distributed import init_distributed
+from app.trainer.optim import build_optimizer
+from app.trainer.parallelize import build_parallel_model, clip_grad_norm
+
+prefetch = {"forward": [], "backward": []}
+for kind in prefetch:
+    original = getattr(FSDPModule, f"set_modules_to_{kind}_prefetch")
+    def record(self, modules, kind=kind, original=original):
+        prefetch[kind].append((self, modules))
+        return original(self, modules)
+    setattr(FSDPModule, f"set_modules_to_{kind}_prefetch", record)
+
+env = init_distributed("cpu")
+over = ["model.n_layer=3", "model.d_model=64", "model.n_head=4", "model.n_kv_head=2", "model.seq_len=32",
+        "model.vocab_size=256", "train.parallel=fsdp", "train.fp8=emulate"]
+cfg = load_config(overrides=over)
+model = build_parallel_model(cfg, env, torch.device("cpu"), "fsdp", log=lambda line: None)
+blocks = list(model.blocks)
+order = [(blocks.index(a), [blocks.index(m) for m in ms]) for a, ms in prefetch["forward"]]
+back = [(blocks.index(a), [blocks.index(m) for m in ms]) for a, ms in prefetch["backward"]]
+print(f"rank {env.rank} prefetch forward {order} backward {back}", flush=True)
+optimizer = build_optimizer(model, cfg.optim, torch.device("cpu"))
+x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(env.rank))
+loss = model(x, x).loss
+gathered = [not isinstance(b.attn.wq.weight, DTensor) for b in blocks]
+print(f"rank {env.rank} gathered after forward {gathered}", flush=True)
+loss.backward()
+saved = [p.grad.full_tensor().clone() for p in model.parameters()]
+with CommDebugMode() as comm:
+    norm = clip_grad_norm(model, 0.5)
+ours = comm.get_total_counts()
+clipped = [p.grad.full_tensor() for p in model.parameters()]
+for p, g in zip(model.parameters(), saved):
+    p.grad = torch.distributed.tensor.distribute_tensor(g, p.device_mesh, p.placements)
+with CommDebugMode() as comm:
+    reference = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).full_tensor()
+same = torch.equal(norm, reference) and all(torch.equal(a, p.grad.full_tensor()) for a, p in zip(clipped, model.parameters()))
+print(f"rank {env.rank} clip collectives {ours} vs {comm.get_total_counts()}, same {same}", flush=True)
+hooks = len(optimizer._optimizer_step_post_hooks)
+f8 = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
+fsdp_f8 = all(m.config.enable_fsdp_float8_all_gather for m in f8)
+optimizer.step()
+print(f"rank {env.rank} fp8 layers {len(f8)} gathered in float8 {fsdp_f8} scale hooks {hooks}", flush=True)
+loss = model(x, x).loss
+loss.backward()
+print(f"rank {env.rank} second step loss finite {bool(torch.isfinite(loss))}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_wiring_last_block_kept_gathered_prefetch_one_clip_collective_and_fp8_gathers(tmp_path):
+    """On 2 gloo ranks, through build_parallel_model: the last block keeps its parameters gathered after
+    forward (the others reshard), each block prefetches its neighbour explicitly, gradient clipping
+    reduces the norm exactly once with clip_grad_norm_'s result, and FP8 weights
+    are all-gathered in float8 with their scales precomputed after each optimizer step. Whether the
+    prefetch overlaps compute and what float8 gathers save need GPUs (`make gpu-check`)."""
+    import subprocess
+
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(FSDP_WIRING_WORKER))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+        cwd=REPO,
+        env=cli_env(PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for rank in (0, 1):
+        assert f"rank {rank} prefetch forward [(0, [1]), (1, [2])] backward [(1, [0]), (2, [1])]" in out, out
+        assert f"rank {rank} gathered after forward [False, False, True]" in out, out
+        assert (
+            f"rank {rank} clip collectives 1 vs " in out and f"rank {rank} clip collectives 1 vs 0" not in out
+        )
+        assert ", same True" in out, out
+        assert f"rank {rank} fp8 layers 21 gathered in float8 True scale hooks 1" in out, out
+        assert f"rank {rank} second step loss finite True" in out, out

@@ -248,6 +248,7 @@ def _timed_step(parts: dict, env, sync, phases: dict[str, float]) -> None:
     import torch.distributed as dist
 
     from app.trainer.optim import step_unless
+    from app.trainer.parallelize import clip_grad_norm
 
     model, accum = parts["model"], parts["accum"]
     separate_comm = isinstance(model, torch.nn.parallel.DistributedDataParallel)
@@ -270,8 +271,7 @@ def _timed_step(parts: dict, env, sync, phases: dict[str, float]) -> None:
                 dist.all_reduce(p.grad)
                 p.grad /= env.world_size
         mark("communication")
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), parts["grad_clip"] or float("inf"))
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    norm = clip_grad_norm(model, parts["grad_clip"] or float("inf"))
     step_unless(parts["optimizer"], (~torch.isfinite(norm)).float())
     parts["optimizer"].zero_grad(set_to_none=True)
     mark("optimizer")

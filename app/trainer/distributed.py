@@ -84,7 +84,15 @@ def init_distributed(device_type: str, timeout_minutes: float = 30.0) -> DistEnv
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
         timeout = timedelta(minutes=timeout_minutes)
-        dist.init_process_group(backend=backend, timeout=timeout)
+        device_id = None
+        if backend == "nccl":
+            # this rank's GPU first: NCCL binds its communicator to the current device, and with device_id
+            # it sets it up now, on that GPU, instead of lazily at the first collective (where a rank
+            # still on GPU 0 would put its context, and its peers' traffic, there); NCCL only: CUDA
+            # cannot run here, tests/test_fsdp.py checks the order with the calls recorded
+            torch.cuda.set_device(env.local_rank)
+            device_id = torch.device("cuda", env.local_rank)
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
         _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
     return env
 

@@ -61,16 +61,38 @@ def load_float8():
 
 
 def convert_to_fp8(
-    model: torch.nn.Module, device: torch.device, log: Callable[[str], None] = print, mode: str = "true"
+    model: torch.nn.Module,
+    device: torch.device,
+    log: Callable[[str], None] = print,
+    mode: str = "true",
+    fsdp: bool = False,
 ) -> int:
-    """Swap the eligible nn.Linear layers for torchao Float8Linear, in place; returns how many."""
+    """Swap the eligible nn.Linear layers for torchao Float8Linear, in place; returns how many. Under FSDP2
+    (`fsdp`) the weights are all-gathered in float8 (half the bytes of bf16) with scales computed once per
+    step for all of them after the optimizer step (`scale_after_step`), as torchao and torchtitan do."""
     if mode != "emulate":
         check_fp8_device(device)
     float8 = load_float8()
     before = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    config = float8.Float8LinearConfig(emulate=mode == "emulate")
+    config = float8.Float8LinearConfig(emulate=mode == "emulate", enable_fsdp_float8_all_gather=fsdp)
     float8.convert_to_float8_training(model, config=config, module_filter_fn=_fp8_ok)
     converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
     emulated = ", emulated" if mode == "emulate" else ""
     log(f"fp8: {converted} of {before} linear layers run in float8 (torchao{emulated})")
     return converted
+
+
+def scale_after_step(model: torch.nn.Module):
+    """An optimizer step post-hook that precomputes the float8 scales of every weight FSDP2 gathers in
+    float8 (one all-reduce of their amaxes for all of them, not one per weight in the next forward), or
+    None when the model has none."""
+    gathered = [
+        m
+        for m in model.modules()
+        if getattr(getattr(m, "config", None), "enable_fsdp_float8_all_gather", False)
+    ]
+    if not gathered:
+        return None
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    return lambda _optimizer, _args, _kwargs: precompute_float8_dynamic_scale_for_fsdp(model)

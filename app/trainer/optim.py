@@ -231,11 +231,17 @@ def fused_adamw(cfg: OptimConfig, device: torch.device) -> bool:
 
 
 def build_optimizer(gpt: torch.nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    from app.trainer.fp8 import scale_after_step
+
     fused = fused_adamw(cfg, device)
     groups = param_groups(gpt, cfg)
     if cfg.name == "muon":  # torch.optim.Muon is there: features.require checked at start-up
-        return MuonAdamW(groups, cfg, fused)
-    return _adamw(groups, cfg, fused)
+        optimizer = MuonAdamW(groups, cfg, fused)
+    else:
+        optimizer = _adamw(groups, cfg, fused)
+    if hook := scale_after_step(gpt):  # FP8 under FSDP2: the next forward's float8 scales, after the update
+        optimizer.register_step_post_hook(hook)
+    return optimizer
 
 
 def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:

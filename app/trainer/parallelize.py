@@ -94,15 +94,41 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
 
 
 def shard_model(model: torch.nn.Module, device: torch.device, dtype: str = "auto") -> torch.nn.Module:
-    """FSDP2: fully_shard every block, then the root (embedding, final norm, head). In place."""
+    """FSDP2: fully_shard every block, then the root (embedding, final norm, head). In place.
+
+    The last block keeps its parameters gathered after forward (backward needs them at once; FSDP2 does
+    the same for the root), and in a plain model each block gathers the next one's parameters as it starts
+    (forward) and the previous one's (backward): explicit prefetch, so a gather overlaps a block's compute
+    even when the CPU runs behind. The looped model's blocks run in a data-dependent order (a recurrence
+    repeats them): FSDP2's own prefetch, which follows the order it saw, serves it. Whether the prefetch
+    overlaps needs GPUs to see (streams); tests/test_fsdp.py checks the wiring on 2 gloo ranks."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # torch >= 2.6 (features.py)
 
     bf16 = device.type == "cuda" and dtype in ("auto", "bf16")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    for block in model.blocks:
-        fully_shard(block, mp_policy=mp or MixedPrecisionPolicy())
+    blocks = list(model.blocks)
+    for i, block in enumerate(blocks):
+        fully_shard(block, mp_policy=mp or MixedPrecisionPolicy(), reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mp_policy=mp or MixedPrecisionPolicy())
+    if not model.cfg.looped:
+        for earlier, later in zip(blocks, blocks[1:], strict=False):
+            earlier.set_modules_to_forward_prefetch([later])
+            later.set_modules_to_backward_prefetch([earlier])
     return model
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ (the same two functions it runs), returning the global norm as a plain
+    tensor on every rank. Under FSDP2 the norm is a partial sum over shards: it is reduced exactly once
+    here and the clip coefficient comes from that reduced norm, whatever a torch version's
+    clip_grad_norm_ does with a DTensor norm before the loop's full_tensor() (the review counted two
+    collectives on the base's torch; torch 2.13 on CPU does one)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], error_if_nonfinite=False)
+    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor holding each rank's share
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
 
 
 def materialize(model: torch.nn.Module, device: torch.device, seed: int, rank: int) -> None:
@@ -146,7 +172,7 @@ def build_parallel_model(
     meta_init = meta_init and fsdp
     model = build_model(cfg.model, "meta" if meta_init else device)
     if fp8_mode(cfg.train.fp8) != "false":
-        convert_to_fp8(model, device, log, fp8_mode(cfg.train.fp8))
+        convert_to_fp8(model, device, log, fp8_mode(cfg.train.fp8), fsdp=fsdp)
     if cfg.train.inject_oom_above:  # drill: out of memory above a micro-batch size (app/trainer/layout.py)
         from app.trainer.layout import oom_drill
 
