@@ -29,7 +29,7 @@ PEER_DEPS    ?= pyyaml prometheus-client numpy tqdm
 PEER_STAMP   := $(PEER_VENV)/.setup-stamp
 PEER_LOG     := $(PEER_VENV)/setup.log
 
-.PHONY: setup train test test-slow lint bench peer-env helm chart k8s image image-smoke clean help
+.PHONY: setup train test test-slow lint bench gpu-check peer-env helm chart k8s image image-smoke clean help
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -67,6 +67,9 @@ bench: $(STAMP)  ## benchmarks; figures printed as ratios against a baseline mea
 	@mkdir -p $(PEER_VENV) && $(MAKE) --no-print-directory $(PEER_STAMP) > $(PEER_LOG) 2>&1 \
 		|| echo "$(PEER_VENV) not created (log: $(PEER_LOG)); bench_peer will say it is skipped"
 	PEER_VENV=$(PEER_VENV) $(PY) -m benchmarks
+
+gpu-check: $(STAMP)  ## on a GPU machine (setup with TORCH_SPEC=torch): 10 minutes of figures with their expected ranges, runs/gpu-check.json
+	$(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 $(PEER_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(PEER_VENV)
