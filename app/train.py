@@ -22,7 +22,7 @@ from app.budget import BudgetExhausted, PriceAboveMax
 from app.config import Config
 from app.data.loader import Prefetcher, TrainLoader, fit_vocab, resolve_data_dir
 from app.data.manifest import Manifest
-from app.errors import RestartSmaller, UserError
+from app.errors import UserError
 from app.trainer import checkpoint as ckpt
 from app.trainer import distributed as peers
 from app.trainer import layout
@@ -209,15 +209,9 @@ class Trainer:
         order; with several ranks, whose collectives cannot be unwound, the retry is the restart."""
         t, old = self.cfg.train, self.cfg.train.micro_batch_size
         early = self.auto_micro_batch and step < self.first_step + OOM_RETRY_STEPS
-        smaller = (
-            layout.halve_after_oom(self.cfg, self.env.world_size, self.run_dir, self.warn) if early else 0
-        )
+        smaller = layout.halve_after_oom(self.cfg, self.env, self.run_dir, self.warn, step) if early else 0
         if not smaller:
             raise error
-        if self.env.world_size > 1:  # a peer's collective cannot be unwound: the restart retries (exit 145)
-            raise RestartSmaller(
-                f"out of memory at micro-batch {old} (step {step + 1}): restarting at micro-batch {smaller}"
-            ) from error
         forget_compiled_graphs()  # the old size's graphs never run again
         self.optimizer.zero_grad(set_to_none=True)
         self.steplog.discard(step + 1)

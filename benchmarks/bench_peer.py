@@ -19,6 +19,15 @@ CPU-second of this process (steady under other load with one thread) and per wal
                   instantiate_torch_optimizer("AdamW", fused=False), chunked_cross_entropy (128-row
                   chunks), clip to max_norm 1.0 (what fabric.clip_gradients runs).
 
+Then the trainers as processes, as a user runs them: `pretrain bench` (the trainer's own step, data
+path and optimizer, torch's default threads) against a LitGPT trainer loop at the same shapes (LitGPT's
+model, its pretrain script's AdamW and chunked cross-entropy, clipping, random token batches; torch's
+default threads), each a fresh process, alternating, ROUNDS_TRAINER rounds: once on the machine as it is
+("quiet"), once beside a background load that this benchmark starts itself (another training process,
+the same for both, stopped at the end). Each ratio is the median of per-round tokens per wall second
+ratios; goals: >= 1.0 quiet, >= 0.95 loaded. PEER_OURS_ROOT runs "our" side from another checkout (to
+compare a change with the code before it).
+
 LitGPT lives only in the peer environment (`make peer-env`: .venv-peer, git-ignored). Run from the
 project's .venv (`make bench`) this module re-runs itself there; with no peer environment it prints one
 line saying it is skipped and why. `python -m benchmarks.bench_peer --profile [shipped]` (in
@@ -47,12 +56,15 @@ ROUNDS = int(os.environ.get("PEER_ROUNDS", 7))
 # per-core efficiency, which is what the ratio is about. PEER_THREADS=2 for both cores of a quiet machine.
 THREADS = int(os.environ.get("PEER_THREADS", 1))
 FUSED = os.environ.get("PEER_FUSED", "0") == "1"  # the model-only optimizer's fused flag (both models)
+ROUNDS_TRAINER = int(os.environ.get("PEER_TRAINER_ROUNDS", 5))  # process pairs per condition (quiet, loaded)
+TRAINER_STEPS, TRAINER_WARMUP = int(os.environ.get("PEER_TRAINER_STEPS", 10)), 3
 N_BATCHES = 8  # distinct random token batches, cycled
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_VENV = ROOT / os.environ.get("PEER_VENV", ".venv-peer")  # relative: to the repository root
 PEER_STAMP = PEER_VENV / ".setup-stamp"
 PEER_LOG = PEER_VENV / "setup.log"
+OURS_ROOT = Path(os.environ.get("PEER_OURS_ROOT", ROOT))
 CHILD_TIMEOUT_S = 1800
 
 
@@ -272,6 +284,122 @@ def measure() -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------- the trainers as processes
+
+
+def peer_trainer(steps: int, warmup: int) -> float:
+    """LitGPT as its pretrain script trains on a CPU (its model, AdamW(fused=False), chunked cross-entropy,
+    clipping at 1.0), on random token batches made each step as `pretrain bench` makes them, with torch's
+    default threads: tokens per wall second over `steps` steps after `warmup`."""
+    from litgpt.utils import chunked_cross_entropy, instantiate_torch_optimizer
+
+    _, peer = build_pair()
+    optimizer = instantiate_torch_optimizer("AdamW", peer.parameters(), fused=False)
+    start = 0.0
+    for i in range(warmup + steps):
+        if i == warmup:
+            start = time.perf_counter()
+        g = torch.Generator().manual_seed(1337 + i)
+        rows = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g, dtype=torch.int32).long()
+        loss = chunked_cross_entropy(peer(rows[:, :-1]), rows[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(peer.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    loss.item()
+    return steps * BATCH * SEQ / (time.perf_counter() - start)
+
+
+def background_load() -> None:
+    """Another training process (pretrain's GPT at the same shapes, a plain loop, torch's default threads)
+    until it is stopped: the load both trainers share in the loaded rounds."""
+    from app.trainer.model import build_model
+
+    model = build_model(pretrain_config())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, VOCAB, (BATCH, SEQ))
+    while True:
+        model(x, x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def ours_bench(work: Path) -> float:
+    """`pretrain bench` at the peer's shapes, as the CLI runs it: tokens per wall second."""
+    out = work / "ours.json"
+    shapes = [
+        f"model.vocab_size={VOCAB}",
+        f"model.seq_len={SEQ}",
+        f"model.n_layer={N_LAYER}",
+        f"model.d_model={D_MODEL}",
+        f"model.n_head={N_HEAD}",
+        f"model.n_kv_head={N_HEAD}",
+        "model.tie_embeddings=true",
+        f"train.micro_batch_size={BATCH}",
+        "train.batch_tokens=0",
+        "train.device=cpu",
+    ]
+    steps = ["--steps", str(TRAINER_STEPS), "--warmup", str(TRAINER_WARMUP), "--breakdown-steps", "0"]
+    cmd = [OURS_PYTHON, "-m", "app.cli", "bench", "--preset", "tiny", *steps, "--out", str(out), "--force"]
+    cmd += [a for kv in shapes for a in ("--set", kv)]
+    subprocess.run(cmd, cwd=OURS_ROOT, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=True)
+    import json
+
+    return json.loads(out.read_text())["tokens_per_second"]
+
+
+def peer_bench() -> float:
+    cmd = [str(PEER_VENV / "bin" / "python"), "-m", "benchmarks.bench_peer", "--trainer"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=True)
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
+def trainer_rounds(work: Path) -> list[float]:
+    """Per-round ratios pretrain bench / LitGPT trainer, the order alternating."""
+    ratios = []
+    for r in range(ROUNDS_TRAINER):
+        if r % 2 == 0:
+            ours = ours_bench(work)
+            peer = peer_bench()
+        else:
+            peer = peer_bench()
+            ours = ours_bench(work)
+        ratios.append(ours / peer)
+    return ratios
+
+
+def trainer_ratios() -> list[str]:
+    """The quiet and the loaded ratio of the trainers (see the module docstring)."""
+    import tempfile
+
+    if not (PEER_STAMP.exists() and (PEER_VENV / "bin" / "python").exists()):
+        return [f"trainers: skipped: no peer environment with litgpt: {_skip_reason()}"]
+    lines = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        quiet = trainer_rounds(work)
+        load = subprocess.Popen([OURS_PYTHON, "-m", "benchmarks.bench_peer", "--load"], cwd=ROOT)
+        try:
+            time.sleep(5)  # its start-up done: the load is a training loop when the rounds start
+            loaded = trainer_rounds(work)
+        finally:
+            load.terminate()
+            load.wait(timeout=60)
+    for label, ratios, goal in (("quiet", quiet, 1.0), ("loaded", loaded, 0.95)):
+        r = sorted(ratios)
+        verdict = "meets" if statistics.median(r) >= goal else "BELOW"
+        lines.append(
+            f"trainers {label}: pretrain bench / LitGPT trainer tokens per wall second = "
+            f"{statistics.median(r):.3f}x (range {r[0]:.3f}-{r[-1]:.3f}, {len(r)} rounds); goal >= {goal}: {verdict}"
+        )
+    lines.append(
+        f"  each a fresh process: {TRAINER_STEPS} steps after {TRAINER_WARMUP}, torch's default threads "
+        f"({os.cpu_count()} CPUs), os.getloadavg() at the end {os.getloadavg()[0]:.1f}; loaded: beside one more "
+        "training process started by this benchmark"
+    )
+    return lines
+
+
 # ---------------------------------------------------------------- profile (--profile)
 
 CATEGORIES = [  # first match wins; matched against the lower-cased op name
@@ -400,11 +528,19 @@ def run() -> list[str]:
     try:
         import litgpt  # noqa: F401
     except ImportError:
-        return _in_peer_env()
+        return _in_peer_env() + trainer_ratios()
     return measure()
+
+
+OURS_PYTHON = sys.executable  # the project's environment: `make bench` runs this module from .venv
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    for line in profile(shipped="shipped" in args) if "--profile" in args else run():
-        print(line, flush=True)
+    if "--trainer" in args:
+        print(peer_trainer(TRAINER_STEPS, TRAINER_WARMUP), flush=True)
+    elif "--load" in args:
+        background_load()
+    else:
+        for line in profile(shipped="shipped" in args) if "--profile" in args else run():
+            print(line, flush=True)

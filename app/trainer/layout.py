@@ -17,7 +17,7 @@ from pathlib import Path
 
 from app.budget.pricing import normalize
 from app.config import Config
-from app.errors import UserError
+from app.errors import RestartSmaller, UserError
 from app.files import atomic_write_json
 from app.trainer.memory import GB, GPU_MEMORY_GB, HEADROOM, choose, estimates
 
@@ -158,15 +158,22 @@ def smaller_micro_batch(cfg: Config, world_size: int) -> int:
     return next((d for d in range(t.micro_batch_size // 2, 0, -1) if not per_rank or per_rank % d == 0), 0)
 
 
-def halve_after_oom(cfg: Config, world_size: int, run_dir: Path, warn) -> int:
-    """The next smaller micro-batch after an out-of-memory error (0: none), recorded for the next start."""
+def halve_after_oom(cfg: Config, env, run_dir: Path, warn, step: int) -> int:
+    """The next smaller micro-batch after an out-of-memory error at optimizer step `step` (0-based; 0: no
+    smaller one), recorded for the next start. With several ranks (`env`) the error leaves a collective
+    half-done that cannot be unwound: RestartSmaller (exit 145, retryable), and the restart uses it."""
     t = cfg.train
-    smaller = smaller_micro_batch(cfg, world_size)
+    smaller = smaller_micro_batch(cfg, env.world_size)
     if smaller:
         atomic_write_json(run_dir / OOM_RECORD, {"micro_batch_size": smaller})
         warn(
             f"out of memory at micro-batch {t.micro_batch_size}: from now on at most {smaller} "
             f"({run_dir / OOM_RECORD})"
+        )
+    if smaller and env.world_size > 1:
+        raise RestartSmaller(
+            f"out of memory at micro-batch {t.micro_batch_size} (step {step + 1}): restarting at micro-batch "
+            f"{smaller}"
         )
     return smaller
 
