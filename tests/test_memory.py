@@ -209,7 +209,7 @@ def test_auto_picks_each_mode_where_it_should(preset, world, device_gb, want):
 
 def test_explicit_modes_are_kept_and_gpu_types_give_the_memory():
     cfg = _cfg("char-d64", "train.parallel=ddp", "budget.gpu_type=h100-sxm")
-    assert memory.device_memory_bytes(cfg)[0] == 80 * GB
+    assert memory.device_memory_bytes(cfg)[0] == 85 * GB  # an 80 GiB H100 as its driver reports it
     assert memory.plan(cfg, 8).mode == "ddp"
     cfg.train.parallel = "fsdp"
     assert memory.plan(cfg, 8).mode == "fsdp"
