@@ -76,7 +76,7 @@ def compile_counts() -> dict[str, int]:
     makes a break an error, so 0 unless compile is used elsewhere)."""
     from torch._dynamo.utils import counters, get_compilation_metrics
 
-    metrics = get_compilation_metrics()
+    metrics = [m for m in get_compilation_metrics() if m.co_name]  # frames (a backward's entry has none)
     return {
         "graphs": len(metrics),
         "recompiles": sum(m.recompile_reason is not None for m in metrics),
