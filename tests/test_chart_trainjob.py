@@ -187,6 +187,7 @@ def outcome(docs: list, exit_code: int, conditions: set[str] = frozenset()) -> s
         (142, set(), "recreate the pod, not counted"),  # lease held by another trainer
         (143, set(), "recreate the pod, not counted"),  # SIGTERM after a checkpoint
         (144, set(), "recreate the pod, not counted"),  # a peer rank or node lost
+        (145, set(), "recreate the pod, not counted"),  # out of memory, a smaller micro-batch recorded
         (143, {"DisruptionTarget"}, "recreate the pod, not counted"),  # preemption, drain
         (137, {"DisruptionTarget"}, "recreate the pod, not counted"),  # evicted, killed at the grace period
         (2, {"DisruptionTarget"}, "recreate the pod, not counted"),  # a disruption is never the run's fault

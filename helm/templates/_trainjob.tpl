@@ -6,7 +6,7 @@ Kubeflow Trainer v2 objects: our own namespaced TrainingRuntime (a JobSet templa
 - exit 2-7 (bad config or data, diverged, no data, retry budget spent, checkpoint volume full, MFU floor): the
   Job's podFailurePolicy FailJob, then the JobSet rule FailJobSet on reason PodFailurePolicy;
 - a disruption (pod condition DisruptionTarget: preemption, drain, eviction, a lost node's pods) and
-  the retryable exits 130, 142, 143, 144: Ignore, the pod is recreated, nothing counts;
+  the retryable exits 130, 142, 143, 144, 145: Ignore, the pod is recreated, nothing counts;
 - any other end (a crash: 1, 134, 137, 139...): counted; backoffLimit 0 fails the Job, and the JobSet
   restarts the whole gang, at most trainer.maxRestarts times.
 The benchmark (bench true) is retried never: any failure fails the JobSet (a failure is a finding).
@@ -97,12 +97,12 @@ spec:
                       containerName: node
                       operator: In
                       values: [2, 3, 4, 5, 6, 7]
-                  # SIGINT/SIGTERM after a checkpoint, the run dir's lease held elsewhere, a lost peer.
+                  # SIGINT/SIGTERM after a checkpoint, the run dir's lease held elsewhere, a lost peer, out of memory with a smaller micro-batch recorded for the restart.
                   - action: Ignore
                     onExitCodes:
                       containerName: node
                       operator: In
-                      values: [130, 142, 143, 144]
+                      values: [130, 142, 143, 144, 145]
               {{- end }}
               template:
                 {{- include "pretrain.podTemplate" (dict "ctx" $ "replica" "node" "launcher" "trainjob" "nodes" $nodes "nproc" $nproc "bench" $bench) | trim | nindent 16 }}
