@@ -62,7 +62,9 @@ def test_layout_has_no_pickle_and_checksums_every_file(tmp_path, model):
         assert all(torch.equal(fresh.state[p][k], want[k]) for k in want), p.shape
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "no-meta"])
+@pytest.mark.parametrize(
+    "damage", ["truncate", "flip", "delete", "no-meta", "meta-not-utf8", "format-damaged"]
+)
 def test_corrupt_latest_is_skipped_with_a_warning(tmp_path, model, damage):
     _save(tmp_path, 1, model)
     bad = _save(tmp_path, 2, model).path
@@ -75,12 +77,48 @@ def test_corrupt_latest_is_skipped_with_a_warning(tmp_path, model, damage):
         target.write_bytes(bytes(data))
     elif damage == "delete":
         target.unlink()
-    else:
+    elif damage == "no-meta":
         (bad / "meta.json").unlink()
+    elif damage == "meta-not-utf8":  # a torn write or bit rot: bytes that are not even text
+        (bad / "meta.json").write_bytes(bytes(range(128, 256)) * 4)
+    else:  # a field no pretrain writes
+        _edit_meta(bad, format_version="2x")
     warnings = []
     info = ckpt.resolve_latest(tmp_path, warn=warnings.append)
     assert info.step == 1
     assert len(warnings) == 1 and "step_000002" in warnings[0]
+
+
+def _edit_meta(path, **fields):
+    meta = json.loads((path / "meta.json").read_text())
+    meta.update(fields)
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("found", ["2x", 2.5, True, None, -1, 0, 3])
+def test_a_damaged_format_version_is_a_corrupt_checkpoint(tmp_path, model, found):
+    """Not a format number, or a newer format stamped with this very release (which writes format 2):
+    damage, so the checkpoint is skipped and the one before it used."""
+    _save(tmp_path, 1, model)
+    _edit_meta(_save(tmp_path, 2, model).path, format_version=found)
+    warnings = []
+    assert ckpt.resolve_latest(tmp_path, warn=warnings.append).step == 1
+    assert len(warnings) == 1 and "damaged format_version" in warnings[0], warnings
+
+
+def test_a_newer_format_from_a_newer_release_is_refused_naming_both_versions(tmp_path, model):
+    """A downgrade: the newest checkpoint was written by a newer pretrain in a format this one cannot read.
+    Refused (never skipped, a fresh start would bury it), naming both releases and both formats."""
+    from app import __version__
+
+    _save(tmp_path, 1, model)
+    newer = _save(tmp_path, 2, model).path
+    _edit_meta(newer, format_version=ckpt.FORMAT_VERSION + 1, versions={"pretrain": "99.0.0"})
+    with pytest.raises(UserError) as refused:
+        ckpt.resolve_latest(tmp_path, warn=pytest.fail)
+    line = str(refused.value)
+    assert f"format {ckpt.FORMAT_VERSION + 1}, written by pretrain 99.0.0" in line, line
+    assert f"this is pretrain {__version__}, which reads format {ckpt.FORMAT_VERSION}" in line, line
 
 
 def test_a_leftover_temp_dir_is_never_a_checkpoint_and_is_cleaned(tmp_path, model):
@@ -204,3 +242,41 @@ def test_the_final_eval_is_in_the_final_checkpoint_and_a_torn_log_line_is_cut(tm
     assert f"best checkpoint:   {run / 'checkpoints' / 'step_000030'} (step 30, val loss" in done.stdout
     rows = [json.loads(line) for line in log.read_text().splitlines()]  # every line parses
     assert [r["step"] for r in rows if r["kind"] == "eval"].count(30) == 1
+
+
+@pytest.mark.slow
+def test_a_newest_checkpoint_with_a_non_utf8_or_newer_meta_on_the_command_line(tmp_path):
+    """The real commands on a run whose newest meta.json is not UTF-8: `train` (auto) warns, sets it aside
+    and resumes from the one before; `--resume` of that checkpoint and `sample` of it say in one line what is
+    wrong (exit 2). A newest checkpoint of a newer format from a newer pretrain stops `train` in one line."""
+    run = tmp_path / "run"
+    trained = pretrain(
+        "train", "--out", str(run), "--max-steps", "4", *FAST, "--set", "checkpoint.every_steps=2"
+    )
+    assert trained.returncode == 0, trained.stderr
+    newest = ckpt.checkpoints_root(run) / "step_000004"
+    meta = (newest / "meta.json").read_bytes()
+    (newest / "meta.json").write_bytes(bytes(range(128, 256)) * 4)
+    for cmd in (
+        ["train", "--out", str(tmp_path / "other"), "--resume", str(newest), "--max-steps", "6", *FAST],
+        ["sample", "--checkpoint", str(newest), "--max-new-tokens", "4"],
+    ):
+        proc = pretrain(*cmd)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert f"checkpoint {newest} is not usable: meta.json missing or unreadable" in lines[0], lines
+    resumed = pretrain("train", "--out", str(run), "--max-steps", "6", *FAST)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"skipping checkpoint {newest}: meta.json" in resumed.stderr
+    assert "resumed from" in resumed.stdout and "(step 2" in resumed.stdout
+    assert (newest.parent / "corrupt-step_000004").is_dir() and ckpt.resolve_latest(run).step == 6
+    newer = ckpt.checkpoints_root(run) / "step_000006"
+    fields = json.loads(meta) | {
+        "format_version": ckpt.FORMAT_VERSION + 1,
+        "versions": {"pretrain": "99.0.0"},
+    }
+    (newer / "meta.json").write_text(json.dumps(fields))
+    refused = pretrain("train", "--out", str(run), "--max-steps", "8", *FAST)
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1 and "pretrain 99.0.0" in lines[0], refused.stderr
+    assert newer.is_dir()  # refused, not set aside

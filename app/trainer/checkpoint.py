@@ -84,11 +84,47 @@ class CheckpointInfo:
 
 
 def read_meta(path: Path) -> dict | None:
+    """meta.json as a dict, or None when it is missing or unreadable: torn, not JSON, or not even UTF-8
+    (bit rot, a torn write on some filesystems) are all the same damaged checkpoint."""
     try:
         meta = json.loads((path / META).read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return None
     return meta if isinstance(meta, dict) and "files" in meta and "step" in meta else None
+
+
+def _version_key(text: object) -> tuple[int, ...] | None:
+    """A release such as "0.1.0" as (0, 1, 0); None for anything else."""
+    parts = re.match(r"^(\d+)\.(\d+)(?:\.(\d+))?", str(text))
+    return tuple(int(p or 0) for p in parts.groups()) if parts else None
+
+
+def check_format(path: Path, meta: dict) -> str:
+    """ "" for a checkpoint of FORMAT_VERSION. Another format is refused in one line, never skipped (a
+    fresh start would bury that run): an older one (format 1 had no field), or a newer one written by a
+    newer pretrain (a downgrade), naming both versions. A field that is neither (not a number, or a
+    newer format from a release that cannot have written it) is damage: returned as the reason, so the
+    checkpoint is skipped like any corrupt one and the previous one is used."""
+    from app import __version__
+
+    found = meta.get("format_version", 1)
+    if found == FORMAT_VERSION:
+        return ""
+    wrote = (meta.get("versions") or {}).get("pretrain")
+    if isinstance(found, int) and not isinstance(found, bool) and 1 <= found < FORMAT_VERSION:
+        raise UserError(
+            f"{path} is in checkpoint format {found} (written by pretrain {wrote or 'an older version'}), "
+            f"which this version does not read (format {FORMAT_VERSION}): use the pretrain version that wrote "
+            "it, or train into a new --out"
+        )
+    newer = (_version_key(wrote) or ()) > (_version_key(__version__) or ())
+    if isinstance(found, int) and not isinstance(found, bool) and found > FORMAT_VERSION and newer:
+        raise UserError(
+            f"{path} is in checkpoint format {found}, written by pretrain {wrote}; this is pretrain "
+            f"{__version__}, which reads format {FORMAT_VERSION}: resume it with pretrain {wrote} or newer, "
+            "or train into a new --out"
+        )
+    return f"meta.json has a damaged format_version ({found!r})"
 
 
 @dataclass(frozen=True)
@@ -114,13 +150,8 @@ def verify(
     meta = read_meta(info_path)
     if meta is None:
         return None, "meta.json missing or unreadable"
-    if meta.get("format_version") != FORMAT_VERSION:  # refused, never skipped: a fresh start would bury it
-        wrote = (meta.get("versions") or {}).get("pretrain", "an older version")
-        raise UserError(
-            f"{info_path} is in checkpoint format {meta.get('format_version', 1)} (written by pretrain {wrote}), "
-            f"which this version does not read (format {FORMAT_VERSION}): use the pretrain version that wrote "
-            "it, or train into a new --out"
-        )
+    if damaged := check_format(info_path, meta):
+        return None, damaged
     for i, (name, entry) in enumerate(sorted(meta["files"].items())):
         mine = (shared is None or i % shared.world == shared.rank) and (hash_only is None or hash_only(name))
         p = info_path / name
