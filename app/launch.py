@@ -73,6 +73,14 @@ def shell_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+def workers_code(codes: list) -> int:
+    """The launcher's code for its failed workers: a lost peer (144) when a worker found one and every other
+    was killed by a signal (the lost one itself, or torchrun's teardown of the rest), so the operators
+    retry it as a lost peer, not as a plain kill; else the first failure's code."""
+    lost = EXIT_PEER_LOST in codes and all(c == EXIT_PEER_LOST or c < 0 for c in codes)
+    return EXIT_PEER_LOST if lost else shell_code(next((c for c in codes if c), 1))
+
+
 hard_exit_hooks: list = []  # run, in order, before an os._exit (a signal caught in rendezvous, a hang)
 
 
@@ -142,11 +150,7 @@ def main(argv: list) -> int:
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]
         # a signal asked for a stop, unless the stop's own save failed for space: that must not be retried
-        code = (
-            128 + received[0]
-            if received and EXIT_OUT_OF_SPACE not in codes
-            else shell_code(next((c for c in codes if c), 1))
-        )
+        code = 128 + received[0] if received and EXIT_OUT_OF_SPACE not in codes else workers_code(codes)
         _log(f"launch: worker exit codes {codes} -> exit {code}")
         return code
     except RendezvousConnectionError as e:  # c10d: the node that kept the rendezvous store is gone

@@ -145,3 +145,46 @@ def test_a_lost_node_is_retried_and_the_run_ends_exact(tmp_path, reference, lost
     assert (f"lost rank {lost} on node {lost}" if lost else "lost node 0") in line and "at step" in line, line
     two_nodes(run)  # the pods restart
     assert_same_run(reference, run, STEPS)
+
+
+@pytest.mark.slow
+def test_a_killed_local_worker_makes_the_launcher_exit_144(tmp_path):
+    """One pod, 2 local workers under the launcher (as the README starts them); `kill -9` one worker's PID
+    between the checkpoints of steps 5 and 10: the other finds the lost peer and exits 144, torchrun
+    tears down the rest, and the launcher exits 144 (the retryable lost-peer code), not 137 (a plain kill);
+    the checkpoint of step 5 is intact for the restart."""
+    run = tmp_path / "run"
+    env = cli_env(
+        PYTHONPATH=str(REPO),
+        PRETRAIN_TEST_PAUSE="app.trainer.optim:step_unless:8",
+        PRETRAIN_TEST_PAUSE_DIR=str(tmp_path),
+    )
+    shape = ["--nnodes=1", "--nproc-per-node=2", "--max-restarts=0"]
+    cmd = [sys.executable, "-m", "app.launch", *shape, "-m", "tests.pause_at", "app.train", "--out", str(run)]
+    launcher = subprocess.Popen(
+        [*cmd, *TRAIN],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while len(paused := list(tmp_path.glob("paused-*"))) < 2:  # both ranks, before step 8's update
+            assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()[0]
+            time.sleep(0.05)
+        by_rank = {int(p.read_text()): int(p.name.split("-")[1]) for p in paused}
+        os.kill(by_rank[1], signal.SIGKILL)
+        os.kill(by_rank[0], signal.SIGCONT)
+        out, _ = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait(30)
+    assert launcher.returncode == 144, out
+    assert "lost rank 1" in out and "-> exit 144" in out.splitlines()[-1], out
+    from app.trainer.checkpoint import resolve_latest
+
+    assert resolve_latest(run).step == 5
