@@ -62,6 +62,29 @@ def test_bad_input_is_a_user_error():
     assert P.make_plan(10, "tpu-v5", 1, price=1.0, peak=400).flops > 0
 
 
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--budget-usd", "35", "--gpus", "100000000000"], "needs at least one minute on every GPU"),
+        (["--budget-usd", "1e-300"], "needs at least one minute on every GPU"),
+        (["--budget-usd", "35", "--mfu", "1e-9"], "outside what the Chinchilla fit covers"),
+        (["--budget-usd", "1e11"], "outside what the Chinchilla fit covers"),
+    ],
+    ids=["more-gpus-than-a-minute", "budget-under-a-gpu-minute", "compute-below-the-fit", "above-the-fit"],
+)
+def test_what_cannot_be_planned_is_refused_in_one_line(argv, needle, capsys):
+    """A plan of 0.00 hours, or a loss of 2e46 from a budget of 1e-300 dollars, is no plan: exit 2, one line."""
+    assert P.main([*argv, "--gpu", "h100-sxm"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err
+    assert needle in captured.err
+
+
+def test_a_budget_of_one_gpu_minute_is_planned():
+    p = P.make_plan(2.5 / 60 * 8, "h100-sxm", 8, price=2.5)
+    assert p.hours * 60 == pytest.approx(1.0) and P.E < p.loss < 10
+
+
 def test_presets_are_counted_from_the_model():
     counts = P.preset_params()
     assert {"tiny", "x1-50m", "gpt2-124m", "looped-546m", "char-d64"} <= set(counts)

@@ -19,6 +19,10 @@ from app.errors import UserError
 E, A, B, ALPHA, BETA = 1.69, 406.4, 410.7, 0.34, 0.28
 DEFAULT_MFU = 0.4
 MAX_BUDGET_USD = 1e12
+# The fit's runs spanned about 6e18 to 6e23 FLOPs (70M to 16B parameters). A plan within a factor of 1,000
+# of that range is an extrapolation worth printing; beyond it the formula's figures mean nothing.
+FIT_FLOPS = (6e18, 6e23)
+FIT_SLACK = 1e3
 
 
 def chinchilla_loss(n_params: float, n_tokens: float) -> float:
@@ -70,9 +74,20 @@ def make_plan(budget_usd: float, gpu: str, gpus: int, price=None, mfu=DEFAULT_MF
         missing = "--price-per-gpu-hour" if price <= 0 else "--peak-tflops"
         raise UserError(f"unknown GPU type '{gpu}': pass {missing} or use one of: {pricing.known_types()}")
     hours = budget_usd / (price * gpus)
+    if hours * 60 < 1:  # less than a minute on every GPU: no step, no plan
+        raise UserError(
+            f"--budget-usd {budget_usd:g} buys {hours * 60:.2g} minutes on {gpus:,} x {key} at ${price:g}/GPU-hour; a plan "
+            f"needs at least one minute on every GPU: raise --budget-usd to at least ${price * gpus / 60:.4g} "
+            f"or use at most {max(1, math.floor(budget_usd * 60 / price)):,} --gpus"
+        )
     flops = gpus * hours * 3600 * peak * 1e12 * mfu
-    if not math.isfinite(flops):
-        raise UserError(f"${budget_usd:g} at ${price:g}/GPU-hour buys more compute than a plan can count")
+    low, high = FIT_FLOPS[0] / FIT_SLACK, FIT_FLOPS[1] * FIT_SLACK
+    if not low <= flops <= high:  # also inf and NaN
+        raise UserError(
+            f"--budget-usd {budget_usd:g} buys {flops:.3g} FLOPs, outside what the Chinchilla fit covers even as an "
+            f"extrapolation ({low:.0e} to {high:.0e} FLOPs: its runs spanned {FIT_FLOPS[0]:.0e} to "
+            f"{FIT_FLOPS[1]:.0e}); plan a budget inside that range (or check --mfu and --peak-tflops)"
+        )
     n, d = compute_optimal(flops)
     return Plan(budget_usd, key, gpus, price, peak, mfu, hours, flops, n, d, chinchilla_loss(n, d))
 
