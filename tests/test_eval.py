@@ -258,6 +258,18 @@ def test_bad_eval_inputs_are_one_line(known, tmp_path, capsys):
     assert not (run / "eval").exists()  # the results dir was probed, not left behind empty
 
 
+def test_a_dir_without_checkpoints_is_the_one_error_line(tmp_path, capsys):
+    """`--which best` (eval's default) on a dir with no checkpoint: the error alone, not first a note that
+    none has a val loss (which only makes sense beside a latest to fall back to)."""
+    empty = tmp_path / "no-run"
+    empty.mkdir()
+    assert cli_main(["eval", "--checkpoint", str(empty), "--tasks", "hellaswag"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        f"error: no usable checkpoint under {empty}; train first with `pretrain train --out {empty}`"
+    ], err
+
+
 @pytest.mark.slow  # scans lm-eval's whole built-in task index (~10 s)
 def test_unknown_task_is_one_line(known, tmp_path, capsys):
     run, _ = known

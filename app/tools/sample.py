@@ -27,7 +27,9 @@ def resolve_checkpoint(spec: str, which: str = "latest", warn=ckpt.warn_stderr) 
         best = ckpt.resolve_best(Path(spec), mode, warn, hash_only=ckpt.for_inference)
         if best is not None:
             return best
+        latest = ckpt.resolve(spec, mode, warn, hash_only=ckpt.for_inference)  # none at all: the one error
         warn(f"note: no usable checkpoint under {spec} has a val loss; using the latest")
+        return latest
     return ckpt.resolve(spec, mode, warn, hash_only=ckpt.for_inference)
 
 
