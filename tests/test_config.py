@@ -75,6 +75,47 @@ def test_print_config_shows_resolved_config_and_counts():
     )
 
 
+@pytest.mark.parametrize("print_config", [True, False], ids=["print-config", "train"])
+def test_an_absurd_model_size_is_refused_before_anything_is_built(tmp_path, print_config):
+    """A depth orders of magnitude beyond any preset (100,000 blocks: 630 GB of weights, gradients and
+    optimizer state) is refused from the memory estimate alone, in one line, instead of building its
+    parameter tables for minutes. The timeout is a hang guard, not a speed claim."""
+    run = tmp_path / "run"
+    flag = ["--print-config"] if print_config else ["--out", str(run), "--max-steps", "1"]
+    proc = pretrain("train", "--set", "model.n_layer=100000", *flag, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "the model cannot fit" in lines[0] and "model.n_layer" in lines[0], lines
+    assert proc.stdout == "" and not run.exists()
+
+
+def test_print_config_shows_the_compile_mode_that_runs_under_fsdp(capsys, monkeypatch):
+    """max-autotune's CUDA graphs break FSDP2's gathers, so an FSDP run compiles without them: the config
+    printout says so (and why), not just the configured value; DDP keeps max-autotune."""
+    from app.cli import main as cli_main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    common = [
+        "train",
+        "--gpus",
+        "8",
+        "--set",
+        "budget.gpu_type=h100-sxm",
+        "--set",
+        "train.compile_mode=max-autotune",
+    ]
+    for preset, want in [
+        (
+            "char-d64",
+            "mode max-autotune-no-cudagraphs, not max-autotune (its CUDA graphs break FSDP2's gathers) under FSDP",
+        ),
+        ("x1-50m", "mode max-autotune (train.compile=auto"),
+    ]:
+        assert cli_main([*common, "--preset", preset, "--print-config"]) == 0
+        (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("# compile:")]
+        assert want in line, (preset, line)
+
+
 def test_unknown_flag_is_one_line():
     proc = pretrain("train", "--max-stpes", "3")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1

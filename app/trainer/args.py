@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.config import Config, load_config, preset_names, vocab_for_estimates
+from app.errors import UserError
 
 DESCRIPTION = "train a model (locally, or under torchrun / Kubernetes)"
 
@@ -127,6 +128,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             "metrics.gpu_type": args.gpu_type,
         },
     )
+    check_size(cfg)  # before anything is built: an absurd size is refused in seconds, not after minutes
     if args.gpu_type:
         _apply_layout(cfg, args)
     if cfg.metrics.port and cfg.budget.cap_usd and not cfg.budget.metrics_port:
@@ -135,6 +137,33 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
     check_trackers(cfg.metrics.trackers)  # a missing extra: exit 2 before any work, on every rank
     return cfg
+
+
+def check_size(cfg: Config) -> None:
+    """Refuse (one line, exit 2) a model whose weights, gradients and optimizer state alone, sharded over
+    every planned rank, exceed one device's memory: it can never train, whatever the batch, and building
+    its parameter tables (for --print-config, or at start) would take minutes. Arithmetic only (the
+    memory estimate); the device is the one --print-config plans for (unknown GPU: the largest known)."""
+    import dataclasses
+
+    from app.trainer import memory
+
+    world, cuda = memory.planned_world_size(cfg), memory.plans_for_cuda(cfg)
+    sized = dataclasses.replace(cfg.model, vocab_size=vocab_for_estimates(cfg))
+    static = memory.estimate(sized, 1, "fsdp", world, cuda=cuda, optimizer=cfg.optim.name).static
+    have, where = memory.device_memory_bytes(cfg)
+    if have is None and cuda:
+        largest = max(memory.GPU_MEMORY_GB, key=memory.GPU_MEMORY_GB.get)
+        have, where = int(memory.GPU_MEMORY_GB[largest] * memory.GB), f"the largest GPU known ({largest})"
+    elif have is None:
+        have, where = memory.host_memory_bytes(), "this machine"
+    if static > have:
+        sharded = f"sharded over {world} ranks" if world > 1 else "on one rank"
+        raise UserError(
+            f"the model cannot fit: its weights, gradients and optimizer state alone are {static / memory.GB:,.0f} "
+            f"GB per rank ({sharded}), above the {have / memory.GB:,.0f} GB of {where}; make model.n_layer or "
+            "model.d_model smaller, or plan for more or larger GPUs (--gpus N --gpu-type T)"
+        )
 
 
 def _apply_layout(cfg: Config, args: argparse.Namespace) -> None:
@@ -163,7 +192,10 @@ def print_config(cfg: Config) -> int:
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
     note = "" if cfg.model.vocab_size else f" (vocab from the data; counted with {vocab_for_estimates(cfg)})"
     cfg.model.vocab_size = m = vocab_for_estimates(cfg)
-    counts = count_parameters(cfg.model)
+    from app.trainer.model import build_model
+
+    model = build_model(cfg.model, "meta")  # once: counting and the optimizer groups both read it
+    counts = count_parameters(model)
     print(f"# parameters: {counts.total:,} total, {counts.non_embedding:,} non-embedding{note}")
     print(
         f"# vocabulary: {m:,} tokens; embedding and head padded to {cfg.model.padded_vocab:,} rows "
@@ -177,10 +209,9 @@ def print_config(cfg: Config) -> int:
     from app.trainer.runtime import describe
 
     print("\n".join(describe(cfg, plans_for_cuda(cfg))))
-    from app.trainer.model import build_model
     from app.trainer.optim import describe_groups
 
-    print("\n".join(describe_groups(build_model(cfg.model, "meta"), cfg.optim)))
+    print("\n".join(describe_groups(model, cfg.optim)))
     return 0
 
 

@@ -53,14 +53,19 @@ def grad_accum_steps(cfg: Config, world_size: int) -> int:
 def describe(cfg: Config, cuda: bool) -> list[str]:
     """What the loop does on this device, for --print-config (as YAML comments): each line asks the
     function that makes the decision in the trainer."""
+    from app.trainer.memory import plan, planned_world_size
     from app.trainer.optim import fused_adamw
-    from app.trainer.parallelize import compile_enabled
+    from app.trainer.parallelize import compile_enabled, compile_mode_for
 
     t, o = cfg.train, cfg.optim
     device = torch.device("cuda" if cuda else "cpu")
     bf16 = isinstance(autocast_for(cfg, device), torch.autocast)  # its only autocast is bf16
     fused = fused_adamw(o, device)
     compiled = compile_enabled(cfg, device)
+    why: list[str] = []  # the trainer's own log line when the mode that runs is not the configured one
+    fsdp = plan(cfg, planned_world_size(cfg), cuda=cuda).mode == "fsdp"
+    mode = compile_mode_for(t.compile_mode, fsdp, why.append)
+    mode = why[0].removeprefix("compile: ") + " under FSDP" if why else mode
     return [
         f"# runtime ({device.type}): "
         + ("bf16 autocast over fp32 master weights" if bf16 else "fp32")
@@ -70,7 +75,7 @@ def describe(cfg: Config, cuda: bool) -> list[str]:
         "# attention: scaled_dot_product_attention"
         + (" (flash / memory-efficient kernels)" if cuda else "")
         + ("; GQA without repeating K/V" if cfg.model.kv_heads != cfg.model.n_head else ""),
-        f"# compile: {'each transformer block and the loss, mode ' + t.compile_mode if compiled else 'off'} "
+        f"# compile: {'each transformer block and the loss, mode ' + mode if compiled else 'off'} "
         f"(train.compile={t.compile}; auto = on for CUDA)",
         f"# data: {t.prefetch} micro-batches read ahead on a side thread"
         + (" into pinned memory, copied without blocking" if cuda else "")
