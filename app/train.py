@@ -41,10 +41,18 @@ from app.trainer.parallelize import clip_grad_norm, forget_compiled_graphs, grad
 from app.trainer.report import Reporter
 from app.trainer.rundir import check_fresh_start, move_run_aside
 from app.trainer.runtime import autocast_for, configure_device, grad_accum_steps, pick_device
-from app.trainer.schedule import DecayPlan, lr_at, muon_momentum_at
+from app.trainer.schedule import lr_at, muon_momentum_at, plan_line
 from app.trainer.spikes import SpikeDetector, SpikeDrill
 from app.trainer.steplog import StepLog
-from app.trainer.stopping import BadSteps, EarlyStopping, PlannedEnd, SignalFlag, StopAgreement, StopDecision
+from app.trainer.stopping import (
+    BadSteps,
+    EarlyStopping,
+    PlannedEnd,
+    SignalFlag,
+    StopAgreement,
+    StopDecision,
+    check_stop_file,
+)
 
 
 def train_step(
@@ -98,6 +106,7 @@ class Trainer:
         self.last_save: SaveResult | None = None  # its timings go to the heartbeat
         self.last_save_time = time.monotonic()
         self.last_eval_step = -1
+        self.lr = 0.0  # of the last step
         self.signals = signals
 
     def setup(self) -> None:
@@ -145,7 +154,7 @@ class Trainer:
         self.autocast = autocast_for(cfg, self.device)
         self.batches = self.new_batches()  # after resume: from its position
         self.stop_file = self.args.stop_file or self.run_dir / "stop.json"
-        self.planned = PlannedEnd(t.max_steps, t.max_tokens, t.max_hours * 3600)
+        self.planned = PlannedEnd.of(cfg, self.tokens_per_step, self.state.budget_decay)
         self.stopper = StopAgreement(
             stop_file=self.stop_file if env.is_rank0 else None,  # only the master pod's
             planned=self.planned,
@@ -255,7 +264,7 @@ class Trainer:
             minutes = cfg.checkpoint.every_minutes
             save_due = bool(minutes) and now - self.last_save_time >= minutes * 60
             proposal = self.budget.decay_proposal(st.step, self.step_seconds, bool(st.budget_decay))
-            decision, decay, save_now = self.stopper.agree(
+            decision, plan, save_now = self.stopper.agree(
                 st.step, st.tokens, st.elapsed_seconds, proposal, save_due, self.step_seconds
             )
             if decision.stops:
@@ -263,14 +272,15 @@ class Trainer:
             if st.step == 0 and cfg.train.eval_every and self.last_eval_step != 0:
                 self.evaluate()  # after the first agreement: a stop during setup skips it
                 self.report.reset_window()
-            if decay and not st.budget_decay:
-                st.budget_decay = {"start_step": st.step, "steps": decay}
-                self.log(f"budget: starting the LR decay now, {decay} steps before the cap")
+            if plan and not st.budget_decay:
+                st.budget_decay = plan
+                self.planned.follow(plan)
+                self.log(plan_line(self.planned.planned, cfg.schedule.name))
             if save_now and self.last_saved_step != st.step:
                 self.save("every_minutes")
-            decay_plan = DecayPlan(**st.budget_decay) if st.budget_decay else None
-            lr = lr_at(st.step, cfg.schedule, cfg.optim, cfg.train.max_steps, decay_plan)
-            set_muon_momentum(self.optimizer, muon_momentum_at(st.step, lr, cfg.schedule, cfg.optim))
+            horizon = self.planned.end_step(st.step, st.tokens)
+            self.lr = lr_at(st.step, cfg.schedule, cfg.optim, horizon, self.planned.planned)
+            set_muon_momentum(self.optimizer, muon_momentum_at(st.step, self.lr, cfg.schedule, cfg.optim))
             first_micro = self.loader.state.micro_steps
             try:
                 train_step(
@@ -281,7 +291,7 @@ class Trainer:
                     autocast=self.autocast,
                     grad_clip=cfg.optim.grad_clip,
                     step=st.step + 1,
-                    lr=lr,
+                    lr=self.lr,
                     log=self.steplog,
                     skip_update=skip_spikes,
                 )
@@ -387,7 +397,11 @@ class Trainer:
             "tokens": st.tokens,
             "val_loss": st.last_val_loss if self.last_eval_step == st.step else None,
             "best_val_loss": st.best_val_loss,
+            "last_eval": {"step": self.last_eval_step, "val_loss": st.last_val_loss}  # of this process
+            if self.last_eval_step >= 0
+            else None,
             "spent_usd": st.spent_usd,
+            "lr": self.lr,  # of the step that made these weights
             "reason": reason,
             "data": {"dir": str(self.data_dir), "tokenizer_sha256": self.manifest.tokenizer.get("sha256")},
         }
@@ -505,6 +519,7 @@ def run(args: argparse.Namespace) -> int:
         return print_config(cfg)
     stop_file = Path(args.stop_file) if args.stop_file else None
     out = Path(args.out or f"runs/{cfg.preset}")
+    check_stop_file(stop_file, out)
     return train(cfg, RunArgs(out, args.resume, stop_file, args.overwrite))
 
 

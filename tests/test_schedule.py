@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from app.config import OptimConfig, ScheduleConfig
 from app.trainer.model import build_model
 from app.trainer.optim import param_groups
-from app.trainer.schedule import DecayPlan, budget_decay_steps, lr_at
+from app.trainer.schedule import CLOCK_MARGIN, DecayPlan, budget_decay_steps, clock_end_steps, horizon, lr_at
+from app.trainer.stopping import PACE_SHARE, PACE_STEPS, PlannedEnd, StopCause
 from tests.conftest import FAST, pretrain, train_rows
 
 OPT = OptimConfig(lr=1.0, min_lr=0.1)
@@ -51,6 +53,52 @@ def test_budget_decay_starts_when_the_remaining_budget_is_the_decay_fraction_of_
         == 25
     )
     assert budget_decay_steps(0, 10, 1, 0, 0.2) == 0  # nothing measured yet
+
+
+def test_the_horizon_is_the_first_of_max_steps_and_max_tokens():
+    assert horizon(1000, 0, 0, 0, 512) == 1000
+    assert horizon(1000, 512 * 20, 0, 0, 512) == 20  # 20 steps of 512 tokens
+    assert horizon(1000, 512 * 20 + 1, 0, 0, 512) == 21  # the step that crosses it is the last
+    assert horizon(1000, 512 * 20, 8, 8 * 512, 512) == 20  # the same end seen from a resumed step
+    assert horizon(10, 512 * 20, 0, 0, 512) == 10
+
+
+def test_a_cosine_plan_moves_the_end_of_the_curve():
+    s = ScheduleConfig(name="cosine", warmup_steps=10)
+    plan = DecayPlan(start_step=12, steps=98, cause="max_hours")  # ends at 110 although max_steps is 10^6
+    assert [lr_at(i, s, OPT, 10**6, plan) for i in (60, 110)] == [pytest.approx(0.55), pytest.approx(0.1)]
+
+
+def test_the_clock_end_is_planned_from_the_pace():
+    left = 1000.0  # seconds to max_hours at 1 s a step; CLOCK_MARGIN of them spare
+    usable = int(left * (1 - CLOCK_MARGIN))
+    assert clock_end_steps(50, left, 1.0, "cosine", 0.2, 10**6) == usable  # cosine: at once
+    assert clock_end_steps(50, left, 1.0, "cosine", 0.2, usable) == 0  # max_steps/tokens come first
+    assert clock_end_steps(50, left, 1.0, "wsd", 0.2, 10**6) == 0  # wsd: not yet (20% would be 12 steps)
+    assert clock_end_steps(4000, left, 1.0, "wsd", 0.2, 10**6) == usable  # now: the rest is 20% of the run
+    assert clock_end_steps(4000, left, 1.0, "constant", 0.2, 10**6) == 0
+    assert clock_end_steps(4000, left, 0.0, "cosine", 0.2, 10**6) == 0  # no pace yet
+
+
+def test_planned_end_measures_its_pace_then_ends_at_the_agreed_step():
+    """A process proposes a max_hours plan only after PACE_STEPS steps past its first (compile, the first
+    evaluation), and for cosine after PACE_SHARE of the hours; once a plan is agreed it proposes nothing
+    more and the run ends at the plan's last step (or at the clock, whichever first)."""
+    end = PlannedEnd(10**6, max_seconds=1000.0, tokens_per_step=512, schedule="cosine")
+    assert end.clock_proposal(0, 0, 0.0) == 0  # the first step seen: compile ahead
+    assert end.clock_proposal(1, 512, 10.0) == 0  # the pace is measured from here
+    assert end.clock_proposal(1 + PACE_STEPS, 0, 20.0) == 0  # 10 steps, but 2% of the hours
+    step, at = 1 + 4 * PACE_STEPS, PACE_SHARE * 1000  # 40 steps in 40 s: 1 s a step
+    proposed = end.clock_proposal(step, 0, at)
+    assert proposed == int((1000 - at) * (1 - CLOCK_MARGIN))
+    end.follow({"start_step": step, "steps": proposed, "cause": "max_hours"})
+    assert end.clock_proposal(step + 1, 0, at + 1) == 0
+    assert end.check(step + proposed - 1, 0, 900.0) is None
+    assert end.check(step + proposed, 0, 990.0).cause == StopCause.PLANNED
+    assert "max_hours=0.277778" in end.check(step + 1, 0, 1000.0).reason  # the clock still ends it
+    budget = PlannedEnd(10**6, max_seconds=1000.0)
+    budget.follow({"start_step": 5, "steps": 10})  # a budget decay (no cause: older checkpoints) ends nothing
+    assert budget.planned.cause == "budget" and budget.check(100, 0, 0.0) is None
 
 
 def test_no_weight_decay_on_norms_and_embeddings():
@@ -118,3 +166,97 @@ def test_budget_drives_the_wsd_decay_and_ends_annealed_inside_the_cap(tmp_path):
     state = json.loads((run / "budget" / "state.json").read_text())
     assert state["spent_usd"] <= 0.02
     assert not math.isnan(rows[-1]["loss"])
+
+
+def _ends_annealed(run, min_lr: float, gap: float, tolerance: float) -> dict:
+    """The last step's LR (metrics.jsonl) is the minimum, and the newest checkpoint holds that step."""
+    import json
+
+    from app.trainer.checkpoint import resolve_latest
+
+    last = train_rows(run)[-1]
+    info = resolve_latest(run)
+    assert info.step == last["step"] and info.meta["lr"] == pytest.approx(last["lr"])
+    assert min_lr - 1e-12 <= last["lr"] <= min_lr + tolerance * gap + 1e-12, (
+        last,
+        json.dumps(info.meta["config"]["schedule"]),
+    )
+    return last
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_a_max_tokens_run_ends_at_the_minimum_lr_on_a_checkpoint(tmp_path, schedule):
+    """max_tokens, not max_steps, ends the run (20 steps of 8 x 64 tokens): the schedule's horizon is that
+    step, so the last step runs at min_lr (WSD exactly; cosine's last step is within 1% of the gap)."""
+    run = tmp_path / "run"
+    lr = ["--set", "optim.lr=0.002", "--set", "optim.min_lr=0.0002", "--set", "schedule.warmup_steps=2"]
+    proc = pretrain(
+        "train",
+        "--out",
+        str(run),
+        *FAST,
+        *lr,
+        "--max-steps",
+        "100000",
+        "--set",
+        f"schedule.name={schedule}",
+        "--set",
+        f"train.max_tokens={8 * 64 * 20}",
+    )
+    assert proc.returncode == 0, proc.stderr
+    last = _ends_annealed(run, 0.0002, 0.0018, 0.0 if schedule == "wsd" else 0.01)
+    assert last["step"] == 20
+
+
+@pytest.mark.slow  # 15 s of training, then the tail again
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_a_max_hours_run_ends_annealed_on_a_checkpoint_and_resumes_exactly(tmp_path, schedule):
+    """max_hours=0.004 (14.4 s) with max_steps out of reach: the ranks agree on the step the clock ends at
+    (cosine: once the pace is measured; WSD: when the rest is its decay fraction), the LR reaches min_lr
+    there and the run ends on that step's checkpoint. The plan is in the trainer state: a copy of the run
+    resumed from a checkpoint after the plan (with more hours, so the clock cannot interfere) ends at the same
+    step with bit-identical weights."""
+    import re
+    import shutil
+
+    from app.trainer import checkpoint as ckpt
+
+    run = tmp_path / "run"
+    args = [
+        *FAST,
+        "--max-steps",
+        "1000000",
+        "--set",
+        f"schedule.name={schedule}",
+        "--set",
+        "schedule.warmup_steps=5",
+        "--set",
+        "optim.lr=0.002",
+        "--set",
+        "optim.min_lr=0.0002",
+        "--set",
+        "checkpoint.every_steps=20",
+        "--set",
+        "checkpoint.keep_last=100000",
+    ]
+    proc = pretrain("train", "--out", str(run), *args, "--set", "train.max_hours=0.004")
+    assert proc.returncode == 0, proc.stderr
+    planned = re.search(r"max_hours: the LR schedule ends at step (\d+) \((\d+) steps from now", proc.stdout)
+    assert planned, proc.stdout[-3000:]
+    end, start = int(planned[1]), int(planned[1]) - int(planned[2])
+    assert f"planned end: reached step {end}" in proc.stdout
+    last = _ends_annealed(run, 0.0002, 0.0018, 0.0 if schedule == "wsd" else 0.01)
+    assert last["step"] == end
+    after = [p for p in ckpt.list_checkpoints(run) if start < ckpt.step_of(p) < end]
+    assert after, f"no checkpoint between the plan (step {start}) and the end ({end})"
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    for p in ckpt.list_checkpoints(copy):
+        if ckpt.step_of(p) > ckpt.step_of(after[-1]):
+            shutil.rmtree(p)
+    resumed = pretrain("train", "--out", str(copy), *args, "--set", "train.max_hours=1")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"planned end: reached step {end}" in resumed.stdout
+    want, got = (ckpt.load_model_state(ckpt.resolve_latest(r)) for r in (run, copy))
+    assert ckpt.resolve_latest(copy).step == end
+    assert all(torch.equal(want[k], got[k]) for k in want)

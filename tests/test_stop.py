@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,68 @@ def test_touching_a_stop_file_is_a_graceful_stop(tmp_path):
     custom.touch()
     assert proc.wait(60) == 0
     assert list_checkpoints(run)
+
+
+@pytest.mark.parametrize("where", ["missing-dir", "file-in-the-way"])
+def test_a_stop_file_that_can_never_arrive_is_refused_at_start(tmp_path, where, capsys):
+    """--stop-file in a directory that does not exist (or under a file) could never be written by the
+    watcher, so its stop would never come: exit 2 at once, one line, before any work."""
+    from app.train import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    stop = tmp_path / "nonexistent" / "dir" / "stop.json" if where == "missing-dir" else blocker / "stop.json"
+    run = tmp_path / "run"
+    assert main(["--out", str(run), *FAST, "--max-steps", "1", "--stop-file", str(stop)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--stop-file {stop}: {stop.parent}" in err[0], err
+    assert not run.exists()  # refused before the run dir was made
+
+
+def test_a_sigterm_after_an_evaluation_names_that_val_loss_with_the_checkpoint(tmp_path):
+    """SIGTERM at step 7 of a run evaluated every 4 steps: the stop's checkpoint (step 7) was not evaluated,
+    so no checkpoint ranks as best; the summary says so and names the evaluation of step 4 and its val loss,
+    which the checkpoint's meta.json records as its last evaluation."""
+    from app.trainer.checkpoint import resolve_latest
+
+    run = tmp_path / "run"
+    env = cli_env(
+        PRETRAIN_TEST_PAUSE="app.trainer.optim:step_unless:7", PRETRAIN_TEST_PAUSE_DIR=str(tmp_path)
+    )
+    every = [
+        "--set",
+        "train.eval_every=4",
+        "--set",
+        "train.eval_batches=1",
+        "--set",
+        "train.stop_check_every=1",
+    ]
+    cmd = [sys.executable, "-m", "tests.pause_at", "app.cli", "train", "--out", str(run), *FAST, *every]
+    proc = subprocess.Popen(
+        [*cmd, "--max-steps", "100"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("paused-*")):  # in step 7's update, after the evaluation of step 4
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGTERM)
+        os.kill(proc.pid, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    val = [r for r in train_rows(run, "eval") if r["step"] == 4][0]["val_loss"]
+    assert "latest checkpoint: " in out and "(step 7)" in out, out
+    (best,) = [ln for ln in out.splitlines() if "best checkpoint:" in ln]
+    assert f"the last evaluation, at step 4, gave val loss {val:.4f}" in best, best
+    assert resolve_latest(run).meta["last_eval"] == {"step": 4, "val_loss": val}
 
 
 def test_planned_end_by_tokens(tmp_path):

@@ -375,11 +375,19 @@ def set_aside_newer(run_dir: Path, step: int, warn=warn_stderr) -> list[Path]:
 
 
 def summary(run_dir: Path, mode: str, warn=warn_stderr) -> list[str]:
-    """The lines a finished run prints: its latest and best checkpoints."""
-    return [
-        f"latest checkpoint: {describe(resolve_latest(run_dir, mode, warn))}",
-        f"best checkpoint:   {describe(resolve_best(run_dir, mode, warn))}",
-    ]
+    """The lines a finished run prints: its latest and best checkpoints. The best is the lowest val loss
+    among checkpoints evaluated at their own step; when none was (a stop between an evaluation and the
+    next save), the last evaluation before the latest checkpoint is named with it."""
+    latest = resolve_latest(run_dir, mode, warn)
+    best = resolve_best(run_dir, mode, warn, known=latest)
+    line = describe(best)
+    last = (latest.meta.get("last_eval") or {}) if latest is not None and best is None else {}
+    if isinstance(last.get("val_loss"), (int, float)) and isinstance(last.get("step"), int):
+        line += (
+            f" evaluated at its own step; the last evaluation, at step {last['step']}, gave val loss "
+            f"{last['val_loss']:.4f} (the checkpoints follow it; README: Checkpoints)"
+        )
+    return [f"latest checkpoint: {describe(latest)}", f"best checkpoint:   {line}"]
 
 
 def describe(info: CheckpointInfo | None) -> str:

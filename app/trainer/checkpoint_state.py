@@ -40,7 +40,7 @@ class TrainerState:
     early_stopping: dict = field(default_factory=dict)
     spikes: dict = field(default_factory=dict)
     bad_steps: dict = field(default_factory=dict)
-    budget_decay: dict | None = None  # DecayPlan once the budget started the decay
+    budget_decay: dict | None = None  # the agreed end plan (DecayPlan: the budget's or max_hours'); old name
     spent_usd: float | None = None
 
 

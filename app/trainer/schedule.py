@@ -1,8 +1,11 @@
-"""Learning-rate schedules: cosine, warmup-stable-decay (WSD), constant; and the budget-driven decay.
+"""Learning-rate schedules: cosine, warmup-stable-decay (WSD), constant; and where they end.
 
-With a budget cap and WSD, the decay does not start at a fixed step: it starts when the steps the
-remaining budget still buys equal `decay_fraction` of the whole run, so the run ends annealed just
-inside the cap. That start is agreed across ranks and stored in the trainer state (exact resume).
+Every planned end anneals: the schedule's horizon is the step the run ends at. max_steps and max_tokens
+give that step from the start (`horizon`). A clock does not: with a budget cap (WSD) or train.max_hours
+the end is planned from the measured pace, agreed across ranks and stored in the trainer state as a
+DecayPlan (exact resume). With WSD the plan is made when the steps left are `decay_fraction` of the run
+and the decay starts there; with cosine (max_hours) it is made once the pace is measured and sets the
+curve's end. README ("Planned ends and the LR schedule") says what each combination does.
 """
 
 from __future__ import annotations
@@ -12,11 +15,46 @@ from dataclasses import dataclass
 
 from app.config import OptimConfig, ScheduleConfig
 
+CLOCK_MARGIN = 0.02  # max_hours: the plan ends this share of the time left before the clock does
+
 
 @dataclass
 class DecayPlan:
-    start_step: int
-    steps: int  # linear decay to min_lr over this many steps, then min_lr
+    start_step: int  # the step it was agreed at
+    steps: int  # WSD: linear decay to min_lr over this many steps, then min_lr; cosine: its end, from start
+    cause: str = "budget"  # budget | max_hours (which ends the run at the plan's end)
+
+    @property
+    def end_step(self) -> int:
+        return self.start_step + self.steps
+
+
+def horizon(max_steps: int, max_tokens: int, step: int, tokens: int, tokens_per_step: int) -> int:
+    """The step the run ends at by max_steps or max_tokens (whichever first): from `step`, with `tokens`
+    done, at `tokens_per_step`, max_tokens is reached after ceil(tokens left / tokens per step) steps."""
+    if not max_tokens or tokens_per_step <= 0:
+        return max_steps
+    return min(max_steps, step + max(0, -(-(max_tokens - tokens) // tokens_per_step)))
+
+
+def clock_end_steps(
+    step: int, seconds_left: float, pace: float, name: str, decay_fraction: float, steps_by_count: int
+) -> int:
+    """max_hours: the steps from `step` to the plan's end, to agree now, or 0 to wait. The plan ends where
+    the clock's time left (less CLOCK_MARGIN of it) runs out at `pace` seconds a step, unless max_steps or
+    max_tokens (`steps_by_count` away) comes first. cosine: at once, as its end shapes the whole curve;
+    wsd: when those steps are `decay_fraction` of the run (the budget's rule), its decay starting now;
+    constant: never (nothing anneals)."""
+    if pace <= 0 or seconds_left <= 0:
+        return 0
+    usable = seconds_left * (1 - CLOCK_MARGIN)
+    if usable / pace >= steps_by_count:
+        return 0
+    if name == "cosine":
+        return max(1, int(usable / pace))
+    if name == "wsd":
+        return budget_decay_steps(step, usable, pace, 0.0, decay_fraction)
+    return 0
 
 
 def lr_at(
@@ -26,14 +64,16 @@ def lr_at(
     max_steps: int,
     budget_decay: DecayPlan | None = None,
 ) -> float:
-    """LR for the optimizer step that turns `step` into `step + 1`."""
+    """LR for the optimizer step that turns `step` into `step + 1`. `max_steps`: the horizon (`horizon`);
+    `budget_decay`: an agreed plan (budget or max_hours), which replaces the horizon's end."""
     peak, floor = optim.lr, optim.min_lr
     if sched.warmup_steps and step < sched.warmup_steps:
         return peak * (step + 1) / sched.warmup_steps
     if sched.name == "constant":
         return peak
     if sched.name == "cosine":
-        span = max(1, max_steps - sched.warmup_steps)
+        end = budget_decay.end_step if budget_decay is not None else max_steps
+        span = max(1, end - sched.warmup_steps)
         progress = min(1.0, (step - sched.warmup_steps) / span)
         return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
     # WSD: flat at peak, then a linear decay to min_lr
@@ -75,6 +115,17 @@ def budget_decay_steps(
     if affordable <= decay_fraction / (1 - decay_fraction) * step:
         return max(1, affordable)
     return 0
+
+
+def plan_line(plan: DecayPlan, schedule: str) -> str:
+    """The log line of a newly agreed plan."""
+    if plan.cause == "budget":
+        return f"budget: starting the LR decay now, {plan.steps} steps before the cap"
+    what = "its decay starts now" if schedule == "wsd" else "the cosine ends there"
+    return (
+        f"max_hours: the LR schedule ends at step {plan.end_step} ({plan.steps} steps from now at the measured "
+        f"pace), where the clock leaves {CLOCK_MARGIN:.0%} of the time to spare; {what}, and the run ends there"
+    )
 
 
 def resume_change(old: tuple, new: tuple, step: int, budget_decay: DecayPlan | None) -> str | None:

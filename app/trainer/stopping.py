@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
-from app.errors import EXIT_DIVERGED, EXIT_LOW_MFU
+from app.errors import EXIT_DIVERGED, EXIT_LOW_MFU, UserError
+from app.files import check_writable_dir
 from app.trainer.distributed import agree
+from app.trainer.schedule import DecayPlan, clock_end_steps, horizon
 
 PROCESS_START = time.time()  # stop files older than this process are stale
 AGREEMENT_SHARE = 0.01  # auto k: the agreement may cost this share of a step
@@ -159,23 +161,97 @@ def read_stop_file(path: Path, not_before: float = 0.0, warn=print) -> StopDecis
     return StopDecision(kind, f"{cause}: {reason}", label=cause)
 
 
+def check_stop_file(path: Path | None, run_dir: Path) -> None:
+    """--stop-file at start: its directory must exist and be writable by this user (the watcher writes the
+    file there, the trainer renames a handled one), or the stop would never arrive. UserError (exit 2).
+    The run dir itself is the trainer's to create."""
+    if path is None:
+        return
+    folder = Path(path).parent
+    if folder.resolve() == Path(run_dir).resolve():
+        return
+    if not folder.is_dir():
+        what = "is not a directory" if folder.exists() else "does not exist"
+        raise UserError(
+            f"--stop-file {path}: {folder} {what}, so no stop request could ever be written there; create "
+            "the directory or pass a path in one that exists"
+        )
+    check_writable_dir(folder, "--stop-file's directory", create=False)
+
+
 def _graceful(reason: str) -> StopDecision:
     return StopDecision(StopCause.BUDGET, reason, label="stop-file")
 
 
+PACE_STEPS = 10  # max_hours: steps a process measures its pace over before a plan
+PACE_SHARE = 0.05  # cosine + max_hours: and this share of max_hours (a pace past compile and warm-up)
+
+
 @dataclass
 class PlannedEnd:
+    """max_steps, max_tokens and max_hours. The first two give the end step at once (`end_step`, the LR
+    schedule's horizon); max_hours is a clock, so its end step is planned from the pace (`clock_proposal`),
+    agreed by the ranks and stored in the trainer state (`follow`): the run ends annealed at that step, or at
+    max_hours on the clock if the pace drops so far that it comes first."""
+
     max_steps: int
     max_tokens: int = 0
     max_seconds: float = 0.0  # over all restarts of the run
+    tokens_per_step: int = 0
+    schedule: str = "cosine"  # schedule.name and schedule.decay_fraction: how the clock's end is planned
+    decay_fraction: float = 0.2
+    planned: DecayPlan | None = None  # the agreed plan (budget or max_hours), once there is one
+    pace_from: tuple[int, float] | None = None  # (step, elapsed) this process measures its pace from
+    first_step: int | None = None
+
+    @classmethod
+    def of(cls, cfg, tokens_per_step: int, plan: dict | None) -> PlannedEnd:
+        """A run's planned end (`cfg`: its Config); `plan`: one agreed before a restart, which stands."""
+        t, sched = cfg.train, cfg.schedule
+        end = cls(
+            t.max_steps, t.max_tokens, t.max_hours * 3600, tokens_per_step, sched.name, sched.decay_fraction
+        )
+        end.follow(plan)
+        return end
+
+    def end_step(self, step: int, tokens: int) -> int:
+        """The step the run ends at by max_steps or max_tokens: the LR schedule's horizon."""
+        return horizon(self.max_steps, self.max_tokens, step, tokens, self.tokens_per_step)
+
+    def follow(self, plan: dict | None) -> None:
+        """An agreed plan (DecayPlan fields, from the agreement or a checkpoint): no more proposals, and a
+        max_hours plan's last step is the planned end."""
+        self.planned = DecayPlan(**plan) if plan else None
+
+    def clock_proposal(self, step: int, tokens: int, elapsed: float) -> int:
+        """Steps from `step` to the end of a max_hours plan, once this process has measured its pace from its
+        second step on (compile and the first evaluation are behind it); 0 while there is nothing to plan."""
+        if not self.max_seconds or self.planned is not None:
+            return 0
+        if self.first_step is None:
+            self.first_step = step
+        if self.pace_from is None:
+            self.pace_from = (step, elapsed) if step > self.first_step else None
+            return 0
+        done, since = step - self.pace_from[0], elapsed - self.pace_from[1]
+        if done < PACE_STEPS or (self.schedule == "cosine" and elapsed < PACE_SHARE * self.max_seconds):
+            return 0
+        left = self.end_step(step, tokens) - step
+        return clock_end_steps(
+            step, self.max_seconds - elapsed, since / done, self.schedule, self.decay_fraction, left
+        )
 
     def check(self, step: int, tokens: int, elapsed_seconds: float) -> StopDecision | None:
         if step >= self.max_steps:
             return StopDecision(StopCause.PLANNED, f"planned end: reached max_steps={self.max_steps}")
         if self.max_tokens and tokens >= self.max_tokens:
             return StopDecision(StopCause.PLANNED, f"planned end: reached max_tokens={self.max_tokens}")
+        hours = self.max_seconds / 3600
+        plan = self.planned
+        if plan is not None and plan.cause == "max_hours" and step >= plan.end_step:
+            why = f"reached step {plan.end_step}, where the LR schedule planned for max_hours={hours:g} ends"
+            return StopDecision(StopCause.PLANNED, f"planned end: {why}")
         if self.max_seconds and elapsed_seconds >= self.max_seconds:
-            hours = self.max_seconds / 3600
             return StopDecision(StopCause.PLANNED, f"planned end: reached max_hours={hours:g}")
         return None
 
@@ -183,7 +259,10 @@ class PlannedEnd:
         self, step: int, tokens: int, elapsed: float, step_seconds: float, tokens_per_second: float
     ) -> float:
         """Time to the planned end at the current pace (whichever limit comes first)."""
-        left = [(self.max_steps - step) * step_seconds]
+        end = self.end_step(step, tokens)
+        if self.planned is not None and self.planned.cause == "max_hours":
+            end = min(end, self.planned.end_step)
+        left = [(end - step) * step_seconds]
         if self.max_tokens and tokens_per_second > 0:
             left.append((self.max_tokens - tokens) / tokens_per_second)
         if self.max_seconds:
@@ -341,19 +420,22 @@ class StopAgreement:
         decay_proposal: int = 0,
         want_save: bool = False,
         step_seconds: float = 0.0,
-    ) -> tuple[StopDecision, int, bool]:
-        """(the decision every rank takes, the agreed budget-decay length or 0, save a checkpoint now).
-        Time-based choices (checkpoint every M minutes, max hours) differ by a few ms between ranks'
-        clocks, so they go through the same agreement: any rank asking is enough. Between agreements
-        (see the module docstring) only the causes every rank sees alike are looked at."""
+    ) -> tuple[StopDecision, dict | None, bool]:
+        """(the decision every rank takes, a newly agreed end plan or None, save a checkpoint now). The plan:
+        the budget's WSD decay (`decay_proposal`, rank 0's) or max_hours' end (PlannedEnd.clock_proposal),
+        as DecayPlan fields for the trainer state. Time-based choices (checkpoint every M minutes, max
+        hours) differ by a few ms between ranks' clocks, so they go through the same agreement: any rank
+        asking is enough. Between agreements (see the module docstring) only the causes every rank sees
+        alike are looked at."""
         alike = [self.planned.check(step, tokens, 0.0), self.early.check(), self.bad_steps.check()]
         if self.agreed_once and step % self.every and not any(alike):
-            return StopDecision(StopCause.NONE), 0, False
+            return StopDecision(StopCause.NONE), None, False
         self.agreed_once = True
         mine = self.local(step, tokens, elapsed)
+        clock = self.planned.clock_proposal(step, tokens, elapsed)
         start = time.perf_counter()
-        code, decay, save, every = agree(
-            [mine.encode(), decay_proposal, int(want_save), self._k(step_seconds)]
+        code, decay, clock, save, every = agree(
+            [mine.encode(), decay_proposal, clock, int(want_save), self._k(step_seconds)]
         )
         self.costs = [*self.costs[-15:], time.perf_counter() - start]
         if every != self.every:
@@ -362,12 +444,15 @@ class StopAgreement:
                 f"step {step_seconds * 1e3:.1f} ms; a stop waits up to {every} steps)"
             )
         self.every = every
+        plan = None
+        if decay or clock:  # the budget's first, should both come at once
+            plan = {"start_step": step, "steps": decay or clock, "cause": "budget" if decay else "max_hours"}
         if code == mine.encode():
-            return mine, decay, bool(save)
+            return mine, plan, bool(save)
         cause, detail = SEVERITY[code // 1000], code % 1000
         return (
             StopDecision(cause, f"{cause.name.lower()} (agreed with another rank)", detail),
-            decay,
+            plan,
             bool(save),
         )
 
