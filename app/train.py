@@ -25,7 +25,7 @@ from app.data.manifest import Manifest
 from app.errors import UserError
 from app.trainer import checkpoint as ckpt
 from app.trainer import distributed as peers
-from app.trainer import layout
+from app.trainer import layout, stopping
 from app.trainer.args import DESCRIPTION, RunArgs, add_arguments, config_from_args, print_config
 from app.trainer.budget_link import BudgetLink
 from app.trainer.checkpoint_state import TrainerState, find_checkpoint, restore_weights, schedule_note
@@ -41,18 +41,10 @@ from app.trainer.parallelize import clip_grad_norm, forget_compiled_graphs, grad
 from app.trainer.report import Reporter
 from app.trainer.rundir import check_fresh_start, move_run_aside
 from app.trainer.runtime import autocast_for, configure_device, grad_accum_steps, pick_device
-from app.trainer.schedule import lr_at, muon_momentum_at, plan_line
+from app.trainer.schedule import muon_momentum_at
 from app.trainer.spikes import SpikeDetector, SpikeDrill
 from app.trainer.steplog import StepLog
-from app.trainer.stopping import (
-    BadSteps,
-    EarlyStopping,
-    PlannedEnd,
-    SignalFlag,
-    StopAgreement,
-    StopDecision,
-    check_stop_file,
-)
+from app.trainer.stopping import BadSteps, EarlyStopping, PlannedEnd, SignalFlag, StopAgreement, StopDecision
 
 
 def train_step(
@@ -106,7 +98,6 @@ class Trainer:
         self.last_save: SaveResult | None = None  # its timings go to the heartbeat
         self.last_save_time = time.monotonic()
         self.last_eval_step = -1
-        self.lr = 0.0  # of the last step
         self.signals = signals
 
     def setup(self) -> None:
@@ -274,13 +265,11 @@ class Trainer:
                 self.report.reset_window()
             if plan and not st.budget_decay:
                 st.budget_decay = plan
-                self.planned.follow(plan)
-                self.log(plan_line(self.planned.planned, cfg.schedule.name))
+                self.log(self.planned.follow(plan))
             if save_now and self.last_saved_step != st.step:
                 self.save("every_minutes")
-            horizon = self.planned.end_step(st.step, st.tokens)
-            self.lr = lr_at(st.step, cfg.schedule, cfg.optim, horizon, self.planned.planned)
-            set_muon_momentum(self.optimizer, muon_momentum_at(st.step, self.lr, cfg.schedule, cfg.optim))
+            st.lr = self.planned.lr(st.step, st.tokens, cfg.schedule, cfg.optim)
+            set_muon_momentum(self.optimizer, muon_momentum_at(st.step, st.lr, cfg.schedule, cfg.optim))
             first_micro = self.loader.state.micro_steps
             try:
                 train_step(
@@ -291,7 +280,7 @@ class Trainer:
                     autocast=self.autocast,
                     grad_clip=cfg.optim.grad_clip,
                     step=st.step + 1,
-                    lr=self.lr,
+                    lr=st.lr,
                     log=self.steplog,
                     skip_update=skip_spikes,
                 )
@@ -371,7 +360,7 @@ class Trainer:
             self.autocast,
             self.manifest.bytes_per_token("val"),
         )
-        st.last_val_loss = val
+        st.last_val_loss, st.last_eval_step = val, st.step
         if math.isfinite(val) and (st.best_val_loss is None or val < st.best_val_loss):
             st.best_val_loss = val
         self.early.update(val)
@@ -397,11 +386,7 @@ class Trainer:
             "tokens": st.tokens,
             "val_loss": st.last_val_loss if self.last_eval_step == st.step else None,
             "best_val_loss": st.best_val_loss,
-            "last_eval": {"step": self.last_eval_step, "val_loss": st.last_val_loss}  # of this process
-            if self.last_eval_step >= 0
-            else None,
             "spent_usd": st.spent_usd,
-            "lr": self.lr,  # of the step that made these weights
             "reason": reason,
             "data": {"dir": str(self.data_dir), "tokenizer_sha256": self.manifest.tokenizer.get("sha256")},
         }
@@ -519,7 +504,7 @@ def run(args: argparse.Namespace) -> int:
         return print_config(cfg)
     stop_file = Path(args.stop_file) if args.stop_file else None
     out = Path(args.out or f"runs/{cfg.preset}")
-    check_stop_file(stop_file, out)
+    stopping.check_stop_file(stop_file, out)
     return train(cfg, RunArgs(out, args.resume, stop_file, args.overwrite))
 
 

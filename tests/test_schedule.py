@@ -172,11 +172,11 @@ def _ends_annealed(run, min_lr: float, gap: float, tolerance: float) -> dict:
     """The last step's LR (metrics.jsonl) is the minimum, and the newest checkpoint holds that step."""
     import json
 
-    from app.trainer.checkpoint import resolve_latest
+    from app.trainer.checkpoint import load_trainer_state, resolve_latest
 
     last = train_rows(run)[-1]
     info = resolve_latest(run)
-    assert info.step == last["step"] and info.meta["lr"] == pytest.approx(last["lr"])
+    assert info.step == last["step"] and load_trainer_state(info)["lr"] == pytest.approx(last["lr"])
     assert min_lr - 1e-12 <= last["lr"] <= min_lr + tolerance * gap + 1e-12, (
         last,
         json.dumps(info.meta["config"]["schedule"]),

@@ -79,8 +79,8 @@ def test_a_stop_file_that_can_never_arrive_is_refused_at_start(tmp_path, where, 
 def test_a_sigterm_after_an_evaluation_names_that_val_loss_with_the_checkpoint(tmp_path):
     """SIGTERM at step 7 of a run evaluated every 4 steps: the stop's checkpoint (step 7) was not evaluated,
     so no checkpoint ranks as best; the summary says so and names the evaluation of step 4 and its val loss,
-    which the checkpoint's meta.json records as its last evaluation."""
-    from app.trainer.checkpoint import resolve_latest
+    which the checkpoint's trainer state records as its last evaluation."""
+    from app.trainer.checkpoint import load_trainer_state, resolve_latest
 
     run = tmp_path / "run"
     env = cli_env(
@@ -119,7 +119,8 @@ def test_a_sigterm_after_an_evaluation_names_that_val_loss_with_the_checkpoint(t
     assert "latest checkpoint: " in out and "(step 7)" in out, out
     (best,) = [ln for ln in out.splitlines() if "best checkpoint:" in ln]
     assert f"the last evaluation, at step 4, gave val loss {val:.4f}" in best, best
-    assert resolve_latest(run).meta["last_eval"] == {"step": 4, "val_loss": val}
+    state = load_trainer_state(resolve_latest(run))
+    assert state["last_eval_step"] == 4 and state["last_val_loss"] == val
 
 
 def test_planned_end_by_tokens(tmp_path):

@@ -6,6 +6,7 @@ The directory's files: docs/architecture.md ("The run directory").
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -381,11 +382,15 @@ def summary(run_dir: Path, mode: str, warn=warn_stderr) -> list[str]:
     latest = resolve_latest(run_dir, mode, warn)
     best = resolve_best(run_dir, mode, warn, known=latest)
     line = describe(best)
-    last = (latest.meta.get("last_eval") or {}) if latest is not None and best is None else {}
-    if isinstance(last.get("val_loss"), (int, float)) and isinstance(last.get("step"), int):
+    state = {}
+    if latest is not None and best is None:
+        with contextlib.suppress(OSError, ValueError):  # verified by size only, it may still be damaged
+            state = load_trainer_state(latest)
+    val, step = state.get("last_val_loss"), state.get("last_eval_step")
+    if isinstance(val, (int, float)) and isinstance(step, int):
         line += (
-            f" evaluated at its own step; the last evaluation, at step {last['step']}, gave val loss "
-            f"{last['val_loss']:.4f} (the checkpoints follow it; README: Checkpoints)"
+            f" evaluated at its own step; the last evaluation, at step {step}, gave val loss {val:.4f} "
+            "(the checkpoints follow it; README: Checkpoints)"
         )
     return [f"latest checkpoint: {describe(latest)}", f"best checkpoint:   {line}"]
 

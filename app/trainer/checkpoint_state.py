@@ -37,6 +37,8 @@ class TrainerState:
     loader: dict = field(default_factory=dict)
     best_val_loss: float | None = None
     last_val_loss: float | None = None
+    last_eval_step: int | None = None  # the step last_val_loss was measured at
+    lr: float = 0.0  # of the last step: the LR that made these weights
     early_stopping: dict = field(default_factory=dict)
     spikes: dict = field(default_factory=dict)
     bad_steps: dict = field(default_factory=dict)

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
+from app.config import OptimConfig, ScheduleConfig
 from app.errors import EXIT_DIVERGED, EXIT_LOW_MFU, UserError
 from app.files import check_writable_dir
 from app.trainer.distributed import agree
-from app.trainer.schedule import DecayPlan, clock_end_steps, horizon
+from app.trainer.schedule import DecayPlan, clock_end_steps, horizon, lr_at, plan_line
 
 PROCESS_START = time.time()  # stop files older than this process are stale
 AGREEMENT_SHARE = 0.01  # auto k: the agreement may cost this share of a step
@@ -218,10 +219,15 @@ class PlannedEnd:
         """The step the run ends at by max_steps or max_tokens: the LR schedule's horizon."""
         return horizon(self.max_steps, self.max_tokens, step, tokens, self.tokens_per_step)
 
-    def follow(self, plan: dict | None) -> None:
+    def follow(self, plan: dict | None) -> str:
         """An agreed plan (DecayPlan fields, from the agreement or a checkpoint): no more proposals, and a
-        max_hours plan's last step is the planned end."""
+        max_hours plan's last step is the planned end. Returns its line for the log."""
         self.planned = DecayPlan(**plan) if plan else None
+        return plan_line(self.planned, self.schedule) if self.planned else ""
+
+    def lr(self, step: int, tokens: int, sched: ScheduleConfig, optim: OptimConfig) -> float:
+        """The LR of the step after `step`, on the schedule that ends at this planned end."""
+        return lr_at(step, sched, optim, self.end_step(step, tokens), self.planned)
 
     def clock_proposal(self, step: int, tokens: int, elapsed: float) -> int:
         """Steps from `step` to the end of a max_hours plan, once this process has measured its pace from its
