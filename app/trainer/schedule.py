@@ -124,7 +124,7 @@ def plan_line(plan: DecayPlan, schedule: str) -> str:
     what = "its decay starts now" if schedule == "wsd" else "the cosine ends there"
     return (
         f"max_hours: the LR schedule ends at step {plan.end_step} ({plan.steps} steps from now at the measured "
-        f"pace), where the clock leaves {CLOCK_MARGIN:.0%} of the time to spare; {what}, and the run ends there"
+        f"pace, {CLOCK_MARGIN:.0%} of the time left to spare); {what}, and so does the run"
     )
 
 

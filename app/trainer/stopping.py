@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
-from app.config import OptimConfig, ScheduleConfig
+from app.config import Config, OptimConfig, ScheduleConfig
 from app.errors import EXIT_DIVERGED, EXIT_LOW_MFU, UserError
 from app.files import check_writable_dir
 from app.trainer.distributed import agree
@@ -192,8 +192,9 @@ PACE_SHARE = 0.05  # cosine + max_hours: and this share of max_hours (a pace pas
 class PlannedEnd:
     """max_steps, max_tokens and max_hours. The first two give the end step at once (`end_step`, the LR
     schedule's horizon); max_hours is a clock, so its end step is planned from the pace (`clock_proposal`),
-    agreed by the ranks and stored in the trainer state (`follow`): the run ends annealed at that step, or at
-    max_hours on the clock if the pace drops so far that it comes first."""
+    agreed by the ranks and stored in the trainer state (`follow`). From then on that step is the end, not
+    the clock: a run cut off by the clock would end short of min_lr, and a pace that changes after the plan
+    moves the end by as much. Before a plan (too few steps to measure) the clock ends the run."""
 
     max_steps: int
     max_tokens: int = 0
@@ -206,8 +207,8 @@ class PlannedEnd:
     first_step: int | None = None
 
     @classmethod
-    def of(cls, cfg, tokens_per_step: int, plan: dict | None) -> PlannedEnd:
-        """A run's planned end (`cfg`: its Config); `plan`: one agreed before a restart, which stands."""
+    def of(cls, cfg: Config, tokens_per_step: int, plan: dict | None) -> PlannedEnd:
+        """A run's planned end; `plan`: one agreed before a restart, which stands."""
         t, sched = cfg.train, cfg.schedule
         end = cls(
             t.max_steps, t.max_tokens, t.max_hours * 3600, tokens_per_step, sched.name, sched.decay_fraction
@@ -254,7 +255,9 @@ class PlannedEnd:
             return StopDecision(StopCause.PLANNED, f"planned end: reached max_tokens={self.max_tokens}")
         hours = self.max_seconds / 3600
         plan = self.planned
-        if plan is not None and plan.cause == "max_hours" and step >= plan.end_step:
+        if plan is not None and plan.cause == "max_hours":  # the plan replaced the clock: it ends annealed
+            if step < plan.end_step:
+                return None
             why = f"reached step {plan.end_step}, where the LR schedule planned for max_hours={hours:g} ends"
             return StopDecision(StopCause.PLANNED, f"planned end: {why}")
         if self.max_seconds and elapsed_seconds >= self.max_seconds:
