@@ -191,3 +191,15 @@ def test_the_operators_environment_alone_gives_the_shape_and_the_rendezvous(tmp_
     outs = [proc.communicate(timeout=120)[0] for proc in nodes]
     assert [proc.returncode for proc in nodes] == [0, 0], outs
     assert "rank 0 of 2 on node 0" in outs[0] and "rank 1 of 2 on node 1" in outs[1], outs
+
+
+def test_a_lost_peer_wins_only_over_killed_workers():
+    """144 when a worker found a lost peer and the others died of a signal (the lost one, or torchrun's
+    teardown); a crash beside it keeps its own code, so a bug is not retried as a lost node."""
+    from app.launch import workers_code
+
+    assert workers_code([-9, 144]) == 144
+    assert workers_code([144, -15, -9]) == 144
+    assert workers_code([1, 144]) == 1
+    assert workers_code([-9]) == 137
+    assert workers_code([0, 2]) == 2
