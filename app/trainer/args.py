@@ -160,8 +160,8 @@ def check_size(cfg: Config) -> None:
     if static > have:
         sharded = f"sharded over {world} ranks" if world > 1 else "on one rank"
         raise UserError(
-            f"the model does not fit, whatever the batch: its weights, gradients and optimizer state alone are {static / memory.GB:,.0f} "
-            f"GB per rank ({sharded}), above the {have / memory.GB:,.0f} GB of {where}; make model.n_layer or "
+            "the model does not fit, whatever the batch: its weights, gradients and optimizer state alone are "
+            f"{static / memory.GB:,.0f} GB per rank ({sharded}), above the {have / memory.GB:,.0f} GB of {where}; make model.n_layer or "
             "model.d_model smaller, or plan for more or larger GPUs (--gpus N --gpu-type T)"
         )
 
