@@ -65,16 +65,19 @@ def lr_at(
     budget_decay: DecayPlan | None = None,
 ) -> float:
     """LR for the optimizer step that turns `step` into `step + 1`. `max_steps`: the horizon (`horizon`);
-    `budget_decay`: an agreed plan (budget or max_hours), which replaces the horizon's end."""
+    `budget_decay`: an agreed plan (budget or max_hours), which replaces the horizon's end. The warm-up
+    takes at most half the run, so a run that ends early (a short max_steps or max_tokens, a max_hours
+    plan on a slow machine) still reaches min_lr."""
     peak, floor = optim.lr, optim.min_lr
-    if sched.warmup_steps and step < sched.warmup_steps:
-        return peak * (step + 1) / sched.warmup_steps
+    end = budget_decay.end_step if budget_decay is not None else max_steps
+    warmup = min(sched.warmup_steps, end // 2)  # a run shorter than two warm-ups still ends annealed
+    if warmup and step < warmup:
+        return peak * (step + 1) / warmup
     if sched.name == "constant":
         return peak
     if sched.name == "cosine":
-        end = budget_decay.end_step if budget_decay is not None else max_steps
-        span = max(1, end - sched.warmup_steps)
-        progress = min(1.0, (step - sched.warmup_steps) / span)
+        span = max(1, end - warmup)
+        progress = min(1.0, (step - warmup) / span)
         return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
     # WSD: flat at peak, then a linear decay to min_lr
     if budget_decay is not None:
