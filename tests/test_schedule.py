@@ -55,18 +55,15 @@ def test_budget_decay_starts_when_the_remaining_budget_is_the_decay_fraction_of_
     assert budget_decay_steps(0, 10, 1, 0, 0.2) == 0  # nothing measured yet
 
 
-def test_a_run_shorter_than_two_warmups_still_ends_at_min_lr():
+def test_a_plan_shorter_than_two_warmups_still_ends_at_min_lr():
     """tiny's 30 warm-up steps and a max_hours plan that ends at step 25 on a slow machine: the warm-up
-    shrinks to half the run and the cosine still reaches min_lr at the end (before, the run ended mid-warm-up)."""
+    shrinks to half the planned run and the cosine still reaches min_lr at the end (it ended mid-warm-up)."""
     s = ScheduleConfig(name="cosine", warmup_steps=30)
     plan = DecayPlan(start_step=11, steps=14, cause="max_hours")
     assert lr_at(11, s, OPT, 400, plan) == pytest.approx(1.0)  # warm-up of 12 steps done
     assert lr_at(24, s, OPT, 400, plan) == pytest.approx(0.1, abs=0.02)
     assert lr_at(25, s, OPT, 400, plan) == pytest.approx(0.1)
-    assert [lr_at(i, s, OPT, 16) for i in (3, 7)] == [0.5, 1.0]  # max_steps 16: a warm-up of 8
-    assert lr_at(16, s, OPT, 16) == pytest.approx(0.1)
-    wsd = ScheduleConfig(name="wsd", warmup_steps=30, decay_fraction=0.2)
-    assert lr_at(19, wsd, OPT, 20) == pytest.approx(0.1)
+    assert lr_at(11, s, OPT, 16) == pytest.approx(12 / 30)  # max_steps alone: the warm-up is as configured
 
 
 def test_the_horizon_is_the_first_of_max_steps_and_max_tokens():

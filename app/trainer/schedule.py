@@ -65,12 +65,15 @@ def lr_at(
     budget_decay: DecayPlan | None = None,
 ) -> float:
     """LR for the optimizer step that turns `step` into `step + 1`. `max_steps`: the horizon (`horizon`);
-    `budget_decay`: an agreed plan (budget or max_hours), which replaces the horizon's end. The warm-up
-    takes at most half the run, so a run that ends early (a short max_steps or max_tokens, a max_hours
-    plan on a slow machine) still reaches min_lr."""
+    `budget_decay`: an agreed plan (budget or max_hours), which replaces the horizon's end; its warm-up
+    takes at most half the planned run, so a plan that ends early (max_hours on a slow machine) still
+    reaches min_lr. A max_steps/max_tokens horizon leaves the warm-up alone: extending such a run by
+    --max-steps must not change the warm-up it already ran."""
     peak, floor = optim.lr, optim.min_lr
     end = budget_decay.end_step if budget_decay is not None else max_steps
-    warmup = min(sched.warmup_steps, end // 2)  # a run shorter than two warm-ups still ends annealed
+    warmup = sched.warmup_steps
+    if budget_decay is not None:  # a plan's end, known only mid-run, may fall inside the warm-up
+        warmup = min(warmup, end // 2)
     if warmup and step < warmup:
         return peak * (step + 1) / warmup
     if sched.name == "constant":
