@@ -159,9 +159,6 @@ class TrainConfig:
     activation_checkpointing: bool = False
     fp8: str = "false"  # false | true (H100-class GPUs) | emulate (float8 math in software, any device)
     device_memory_gb: float = 0.0  # per-GPU memory for parallel=auto; 0 = detect (CUDA) / assume DDP fits
-    inject_oom_above: int = 0  # drill: micro-batches above this many sequences fail as out of memory; 0 = off
-    inject_spike_at_step: int = 0  # observability drill: feed high-loss batches from this step; 0 = off
-    spike_batches: int = 3
     spike_factor: float = 3.0  # a loss above this multiple of its moving average is a spike
     skip_spike_updates: bool = False  # drop the optimizer update of a step that spiked
     max_bad_steps: int = 5  # a non-finite loss or gradient skips the update; this many in a row stop the run
@@ -235,6 +232,22 @@ class MetricsConfig:
 
 
 @dataclass
+class DrillConfig:
+    """Faults a run injects on purpose, to rehearse what it does about them; all off (0) in real runs."""
+
+    # micro-batches above this many sequences fail as out of memory (a CPU rehearses
+    # train.micro_batch_size=auto's halving); 0 = off
+    oom_above: int = 0
+    spike_at_step: int = (
+        0  # feed high-loss batches from this optimizer step on (the loss-spike alert); 0 = off
+    )
+    spike_batches: int = 3  # how many steps drill.spike_at_step feeds
+    volume_full_after_step: int = (
+        0  # saves of later steps fail as on a full checkpoint volume (exit 6); 0 = off
+    )
+
+
+@dataclass
 class Config:
     preset: str = DEFAULT_PRESET
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -245,6 +258,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
+    drill: DrillConfig = field(default_factory=DrillConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -329,9 +343,36 @@ def _coerce(value: Any, typ: Any, key: str, where: str) -> Any:
     raise bad
 
 
+# Keys that moved: a checkpoint's meta.json still has the old names (read as the new ones); a user's
+# config, --set or preset is refused in one line that names the new key.
+MOVED = {
+    "train.inject_oom_above": "drill.oom_above",
+    "train.inject_spike_at_step": "drill.spike_at_step",
+    "train.spike_batches": "drill.spike_batches",
+}
+FROM_CHECKPOINT = "checkpoint meta.json"
+
+
+def _move_keys(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """`data` with every moved key under its new name (a copy), or ConfigError outside a checkpoint."""
+    data = {section: dict(keys) if isinstance(keys, dict) else keys for section, keys in data.items()}
+    for old, new in MOVED.items():
+        old_section, old_key = old.split(".")
+        keys = data.get(old_section)
+        if not isinstance(keys, dict) or old_key not in keys:
+            continue
+        if where != FROM_CHECKPOINT:
+            raise ConfigError(f"{old} in {where} is now {new}; set {new} instead")
+        new_section, new_key = new.split(".")
+        data.setdefault(new_section, {})[new_key] = keys.pop(old_key)
+    return data
+
+
 def merge_into(obj: Any, data: dict[str, Any], where: str, prefix: str = "") -> None:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping at '{prefix.rstrip('.') or 'top level'}'")
+    if not prefix and isinstance(obj, Config):
+        data = _move_keys(data, where)
     hints = typing.get_type_hints(type(obj))
     for key, value in data.items():
         dotted = f"{prefix}{key}"
@@ -431,7 +472,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     cfg = Config()
     data = dict(data)
     cfg.preset = data.pop("preset", DEFAULT_PRESET)
-    merge_into(cfg, data, "checkpoint meta.json")
+    merge_into(cfg, data, FROM_CHECKPOINT)
     if "vocab_multiple" not in data.get("model", {}):
         cfg.model.vocab_multiple = 1  # written before vocabulary padding: its rows are the true vocab
     return cfg

@@ -24,7 +24,7 @@ from app.errors import EXIT_BAD_INPUT as EXIT_NOT_WRITABLE
 from app.errors import EXIT_DATA_NOT_READY, EXIT_RETRIES_SPENT
 from app.errors import print_stderr as _log
 from app.files import atomic_write_json, create_exclusive, read_lock_file
-from app.trainer.checkpoint import META, list_checkpoints, step_of
+from app.trainer.checkpoint.store import META, list_checkpoints, step_of
 from app.trainer.lease import Staleness, identity, move_aside
 
 # Asked to stop, not failures: SIGINT, SIGTERM, 142 (the run dir's lease held by another trainer too long).
@@ -35,7 +35,7 @@ LOCK_STALE_SECONDS = 30.0  # the lock is held for one read and one write of a sm
 
 def latest_checkpoint_step(run_dir: Path) -> int:
     """The newest complete checkpoint's step, 0 when there is none. A checkpoint dir appears by an atomic
-    rename of a finished temp dir (app/trainer/checkpoint_writer.py), so its meta.json is proof enough."""
+    rename of a finished temp dir (app/trainer/checkpoint/writer.py), so its meta.json is proof enough."""
     with contextlib.suppress(OSError):
         return next((step_of(p) for p in list_checkpoints(run_dir) if (p / META).exists()), 0)
     return 0

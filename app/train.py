@@ -1,6 +1,7 @@
-"""The training loop. `train_step` is the algorithm (get a batch, forward, backward, clip, update); the
-Trainer runs it until the ranks agree to stop, with evaluation, checkpoints, the budget and the log each
-behind one call into app/trainer/.
+"""The training loop. `train_step` is the algorithm: get a batch, forward, backward, clip, update. The
+`Trainer` holds one run's state and runs the step until the ranks agree to stop; each component it calls
+decides itself whether its time has come (evaluate, sample, save, stop). What each component does:
+docs/architecture.md ("The training step").
 
 Run as `pretrain train ...` or, under torchrun, `torchrun --nproc-per-node N -m app.train ...`.
 """
@@ -9,49 +10,54 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from app.budget import BudgetExhausted, PriceAboveMax
 from app.config import Config
-from app.data.loader import Prefetcher, TrainLoader, fit_vocab, resolve_data_dir
+from app.data.loader import fit_vocab, resolve_data_dir
 from app.data.manifest import Manifest
 from app.errors import UserError
-from app.trainer import checkpoint as ckpt
 from app.trainer import distributed as peers
-from app.trainer import layout, stopping
+from app.trainer import layout, rundir, stopping
 from app.trainer.args import DESCRIPTION, RunArgs, add_arguments, config_from_args, print_config
+from app.trainer.batches import TrainBatches
 from app.trainer.budget_link import BudgetLink
-from app.trainer.checkpoint_state import TrainerState, find_checkpoint, restore_weights, schedule_note
-from app.trainer.checkpoint_writer import CheckpointWriter, SaveResult
+from app.trainer.checkpoint import Checkpointer, TrainerState
 from app.trainer.distributed import DistEnv, init_distributed, shutdown_distributed
-from app.trainer.evaluate import sample_text, validation_loss
+from app.trainer.evaluate import Evaluator, Sampler
 from app.trainer.heartbeat import Heartbeat
 from app.trainer.lease import hold_run_dir, release
 from app.trainer.metrics import device_peak, flops_per_token
 from app.trainer.model import count_parameters
 from app.trainer.optim import build_optimizer, set_lr, set_muon_momentum, step_unless
-from app.trainer.parallelize import clip_grad_norm, forget_compiled_graphs, grad_sync, unwrap
+from app.trainer.parallelize import clip_grad_norm, grad_sync, unwrap
 from app.trainer.report import Reporter
-from app.trainer.rundir import check_fresh_start, move_run_aside
-from app.trainer.runtime import autocast_for, configure_device, grad_accum_steps, pick_device
+from app.trainer.runtime import autocast_for, configure_device, pick_device
 from app.trainer.schedule import muon_momentum_at
-from app.trainer.spikes import SpikeDetector, SpikeDrill
+from app.trainer.spikes import SpikeDetector
 from app.trainer.steplog import StepLog
-from app.trainer.stopping import BadSteps, EarlyStopping, PlannedEnd, SignalFlag, StopAgreement, StopDecision
+from app.trainer.stopping import (
+    Agreement,
+    BadSteps,
+    EarlyStopping,
+    MfuFloor,
+    PlannedEnd,
+    SignalFlag,
+    StopAgreement,
+    StopDecision,
+)
 
 
 def train_step(
     *,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    batches: Prefetcher,
+    batches,
     accum: int,
     autocast,
     grad_clip: float,
@@ -60,15 +66,17 @@ def train_step(
     log: StepLog,
     skip_update: Callable[[], bool] | None = None,
 ) -> None:
-    """Optimizer step number `step` (1-based) over `accum` micro-batches. Nothing here reads a number back
-    from the device: the losses and the gradient norm go to `log`, and a step whose gradient is not
-    finite is skipped on the device. `skip_update` (train.skip_spike_updates) decides on the host instead."""
+    """Optimizer step number `step` (1-based) over `accum` micro-batches from `batches.next()`. Nothing here
+    reads a number back from the device: the losses and the gradient norm go to `log`, and a step whose
+    gradient is not finite is skipped on the device. `skip_update` (train.skip_spike_updates) decides on
+    the host instead."""
     set_lr(optimizer, lr)
     losses = None
     for micro in range(accum):
-        x, y = batches.next()
+        inputs, targets = batches.next()
+        # gradients are synchronised between ranks on the last micro-batch only
         with grad_sync(model, last_micro_batch=micro == accum - 1), autocast:
-            out = model(x, y)
+            out = model(inputs, targets)
         (out.loss / accum).backward()
         micro_losses = torch.stack([out.loss.detach(), *out.loop_losses])
         losses = micro_losses if losses is None else losses + micro_losses
@@ -81,236 +89,232 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
 
 
-OOM_RETRY_STEPS = 10  # an out-of-memory error later than this is not the layout's: it is raised
-
-
 class Trainer:
-    def __init__(
-        self, *, cfg: Config, args: RunArgs, env: DistEnv, device, budget: BudgetLink, signals: SignalFlag
-    ) -> None:
-        self.cfg, self.args, self.env, self.device, self.budget = cfg, args, env, device, budget
-        self.run_dir = Path(args.out)
-        self.state = TrainerState()
-        self.heartbeat = Heartbeat(self.run_dir, enabled=env.is_rank0)
-        self.steplog = StepLog(env)
-        self.step_seconds = 0.0  # moving average over reads of the step log: the device's pace
-        self.last_saved_step = self.committed_step = -1  # the last save asked for / committed
-        self.last_save: SaveResult | None = None  # its timings go to the heartbeat
-        self.last_save_time = time.monotonic()
-        self.last_eval_step = -1
-        self.signals = signals
+    """One run: its state (`state`, saved in every checkpoint), the model and optimizer, and the
+    components that act on them, each built once in `setup`."""
 
-    def setup(self) -> None:
-        cfg, env, t = self.cfg, self.env, self.cfg.train
-        configure_device(self.device)
-        _, peak = device_peak(cfg.metrics.gpu_type, cfg.metrics.peak_tflops, self.device)
-        if t.mfu_floor and not peak:
+    def __init__(self, cfg: Config, budget: BudgetLink, heartbeat: Heartbeat) -> None:
+        self.cfg = cfg
+        self.budget = budget  # spend, the budget's LR decay, the trainer's own Kubernetes Events
+        self.heartbeat = heartbeat  # what the budget watcher reads of the run (app/trainer/heartbeat.py)
+        self.state = TrainerState()
+        # built by setup():
+        #   model, optimizer        what trains
+        #   data                    the micro-batches (app/trainer/batches.py)
+        #   autocast, steplog       the step's precision; the numbers each step leaves on the device
+        #   report                  console, metrics.jsonl, Prometheus, trackers
+        #   spikes                  the loss-spike detector
+        #   stopper                 the stop causes and the agreement of the ranks
+        #   checkpointer            resume, save when due, the stop's save
+        #   evaluator, sampler      val loss every train.eval_every, a sample every train.sample_every
+
+    def setup(self, *, run: RunArgs, env: DistEnv, device: torch.device, signals: SignalFlag) -> None:
+        """Build the components, each once, in the order their inputs exist. Collective."""
+        cfg = self.cfg
+        train = cfg.train
+        run_dir = Path(run.out)
+        configure_device(device)
+        _, peak = device_peak(cfg.metrics.gpu_type, cfg.metrics.peak_tflops, device)
+        if train.mfu_floor and not peak:
             raise UserError(
-                f"train.mfu_floor needs the device's peak to measure MFU, and {self.device.type} "
+                f"train.mfu_floor needs the device's peak to measure MFU, and {device.type} "
                 "has none: set --gpu-type or metrics.peak_tflops, or drop train.mfu_floor"
             )
-        self.report = Reporter(cfg, env, self.run_dir, peak)  # first: a busy port fails before the data
-        self.log, self.warn = self.report.log, self.report.warn
-        self.data_dir = resolve_data_dir(cfg.data, self.log)
-        self.manifest = Manifest.load(self.data_dir)
-        fit_vocab(cfg.model, self.manifest, self.data_dir)
-        info = find_checkpoint(self.run_dir, self.args.resume, cfg.checkpoint.verify, env, self.warn)
-        self.auto_micro_batch = layout.for_run(cfg, env.world_size, self.device, info, self.run_dir, self.log)
-        self.accum = grad_accum_steps(cfg, env.world_size)
-        self.tokens_per_step = self.accum * t.micro_batch_size * cfg.model.seq_len * env.world_size
+        self.report = Reporter(cfg, env, run_dir, peak)  # first: a busy port fails before the data
+        log = self.report.log
+        warn = self.report.warn
+        data_dir = resolve_data_dir(cfg.data, log)
+        manifest = Manifest.load(data_dir)
+        fit_vocab(cfg.model, manifest, data_dir)
 
         from app.trainer.memory import checkpoint_bytes, plan_for_training
         from app.trainer.parallelize import build_parallel_model
 
-        torch.manual_seed(t.seed)
-        self.parallel = plan_for_training(cfg, env.world_size, self.device)  # resolves parallel=auto
-        est = self.parallel.fsdp if self.parallel.mode == "fsdp" else self.parallel.ddp
-        self.log(f"parallel: {self.parallel.mode} ({self.parallel.reason}); estimate {est.describe()}")
-        self.model = build_parallel_model(cfg, env, self.device, self.parallel.mode, self.log)
-        self.counts = count_parameters(unwrap(self.model))
-        self.optimizer = build_optimizer(unwrap(self.model), cfg.optim, self.device)
-        self.loader = self.new_loader()
-        self.early = EarlyStopping(patience=t.early_stop_patience, min_delta=t.early_stop_min_delta)
-        self.spikes = SpikeDetector(factor=t.spike_factor)
-        self.bad_steps = BadSteps(max_bad=t.max_bad_steps)
-        resumed_unix = self._resume(info)
-        self.writer = CheckpointWriter(
-            self.run_dir,
-            env.rank,
-            env.world_size,
-            cfg.checkpoint,
+        self.checkpointer = Checkpointer(
+            run_dir,
+            cfg,
+            env,
+            resume=run.resume,
+            data={"dir": str(data_dir), "tokenizer_sha256": manifest.tokenizer.get("sha256")},
+            files=[data_dir / "tokenizer.json"],  # a checkpoint dir alone is enough to sample or export
             expect_bytes=checkpoint_bytes(cfg),
-            warn=self.warn,
+            log=log,
+            warn=warn,
+            on_commit=self.report.checkpoint,
+            on_save=self.beat,
         )
-        self.autocast = autocast_for(cfg, self.device)
-        self.batches = self.new_batches()  # after resume: from its position
-        self.stop_file = self.args.stop_file or self.run_dir / "stop.json"
-        self.planned = PlannedEnd.of(cfg, self.tokens_per_step, self.state.budget_decay)
+        resume_from = self.checkpointer.find()
+        auto_micro_batch = layout.for_run(cfg, env.world_size, device, resume_from, run_dir, log)
+
+        torch.manual_seed(train.seed)
+        parallel = plan_for_training(cfg, env.world_size, device)  # resolves train.parallel=auto
+        estimate = parallel.fsdp if parallel.mode == "fsdp" else parallel.ddp
+        log(f"parallel: {parallel.mode} ({parallel.reason}); estimate {estimate.describe()}")
+        self.model = build_parallel_model(cfg, env, device, parallel.mode, log)
+        counts = count_parameters(unwrap(self.model))
+        self.optimizer = build_optimizer(unwrap(self.model), cfg.optim, device)
+        self.data = TrainBatches(
+            cfg, env, data_dir, device, auto_micro_batch=auto_micro_batch, run_dir=run_dir, log=log, warn=warn
+        )
+        early = EarlyStopping(patience=train.early_stop_patience, min_delta=train.early_stop_min_delta)
+        self.spikes = SpikeDetector(factor=train.spike_factor)
+        bad_steps = BadSteps(max_bad=train.max_bad_steps)
+
+        self.state = self.checkpointer.load(self.model, self.optimizer)
+        resumed_parts = [
+            (self.data, self.state.loader),
+            (early, self.state.early_stopping),
+            (self.spikes, self.state.spikes),
+            (bad_steps, self.state.bad_steps),
+        ]
+        for part, saved in resumed_parts:
+            if saved:
+                part.load_state_dict(saved)
+        self.data.start(self.state.step)  # reads ahead from the resumed position
+
+        self.autocast = autocast_for(cfg, device)
+        self.steplog = StepLog(env)
+        stop_file = run.stop_file or run_dir / "stop.json"
         self.stopper = StopAgreement(
-            stop_file=self.stop_file if env.is_rank0 else None,  # only the master pod's
-            planned=self.planned,
-            early=self.early,
-            signals=self.signals,
-            bad_steps=self.bad_steps,
-            mfu_floor=(t.mfu_floor, t.mfu_floor_minutes),
-            every=t.stop_check_every,
-            say=self.log,
-            warn=self.warn,
+            stop_file=stop_file if env.is_rank0 else None,  # only the master pod's
+            planned=PlannedEnd.of(cfg, self.data.tokens_per_step, self.state.budget_decay),
+            early=early,
+            signals=signals,
+            bad_steps=bad_steps,
+            mfu_floor=MfuFloor(train.mfu_floor, train.mfu_floor_minutes),
+            every=train.stop_check_every,
+            say=log,
+            warn=warn,
         )
+        self.evaluator = Evaluator(
+            self.model,
+            cfg,
+            env,
+            device,
+            self.autocast,
+            data_dir=data_dir,
+            bytes_per_token=manifest.bytes_per_token("val"),
+            early=early,
+            report=self.report,
+        )
+        self.sampler = Sampler(
+            self.model,
+            data_dir,
+            device,
+            seed=train.seed,
+            every=train.sample_every,
+            fsdp=parallel.mode == "fsdp",  # every rank draws: FSDP gathers
+            log=log,
+        )
+
         flops = flops_per_token(cfg.model)
         self.report.started(
-            counts=self.counts,
+            counts=counts,
             flops_per_token=flops,
             tokens=self.state.tokens,
-            checkpoint_step=self.last_saved_step,
-            checkpoint_unix=resumed_unix,
+            checkpoint=self.checkpointer.resumed(),
         )
-        self.log(
-            f"data {self.data_dir} (vocab {self.manifest.vocab_size}, "
-            f"{sum(s.tokens for s in self.manifest.train):,} train tokens); device {self.device}, "
-            f"world size {env.world_size}, {self.tokens_per_step:,} tokens/step ({t.micro_batch_size} x "
-            f"{cfg.model.seq_len} x {env.world_size} ranks x {self.accum} accum), {flops / 1e6:.1f} MFLOPs/token"
+        tokens_per_step = self.data.tokens_per_step
+        log(
+            f"data {data_dir} (vocab {manifest.vocab_size}, "
+            f"{sum(shard.tokens for shard in manifest.train):,} train tokens); device {device}, "
+            f"world size {env.world_size}, {tokens_per_step:,} tokens/step ({train.micro_batch_size} x "
+            f"{cfg.model.seq_len} x {env.world_size} ranks x {self.data.accum} accum), "
+            f"{flops / 1e6:.1f} MFLOPs/token"
         )
         self.report.event(
             "event",
             self.state.step,
             event="start",
             preset=cfg.preset,
-            parameters=self.counts.total,
-            non_embedding=self.counts.non_embedding,
+            parameters=counts.total,
+            non_embedding=counts.non_embedding,
             world_size=env.world_size,
-            tokens_per_step=self.tokens_per_step,
+            tokens_per_step=tokens_per_step,
         )
-
-    def new_loader(self) -> TrainLoader:
-        t, m, env = self.cfg.train, self.cfg.model, self.env
-        return TrainLoader(
-            data_dir=self.data_dir,
-            seq_len=m.seq_len,
-            micro_batch_size=t.micro_batch_size,
-            rank=env.rank,
-            world_size=env.world_size,
-            seed=t.seed,
-            vocab_size=m.vocab_size,
-        )
-
-    def new_batches(self) -> Prefetcher:
-        """The loader's micro-batches on the device, through the spike drill when it is on."""
-        t, source, self.drill = self.cfg.train, self.loader, None
-        if t.inject_spike_at_step:
-            source = self.drill = SpikeDrill(
-                source, t.inject_spike_at_step, t.spike_batches, self.accum, self.cfg.model.vocab_size
-            )
-        return Prefetcher(source, self.device, t.prefetch)
-
-    def retry_smaller(self, error: torch.OutOfMemoryError, step: int, first_micro: int) -> None:
-        """train.micro_batch_size=auto: out of memory in this process's first steps halves the micro-batch
-        (recorded in the run dir for the next start) and retries the step on the same samples in the same
-        order; with several ranks, whose collectives cannot be unwound, the retry is the restart."""
-        t, old = self.cfg.train, self.cfg.train.micro_batch_size
-        early = self.auto_micro_batch and step < self.first_step + OOM_RETRY_STEPS
-        smaller = layout.halve_after_oom(self.cfg, self.env, self.run_dir, self.warn, step) if early else 0
-        if not smaller:
-            raise error
-        forget_compiled_graphs()  # the old size's graphs never run again
-        self.optimizer.zero_grad(set_to_none=True)
-        self.steplog.discard(step + 1)
-        self.batches.close()
-        t.micro_batch_size, self.accum = smaller, old * self.accum // smaller
-        self.loader = self.new_loader()
-        self.loader.state.micro_steps = first_micro * old // smaller  # the same samples next
-        self.batches = self.new_batches()
-        self.log(
-            f"out of memory at micro-batch {old} (step {step + 1}): retrying it at micro-batch {smaller} "
-            f"x accumulation {self.accum}, same data"
-        )
-
-    def _resume(self, info) -> float:
-        """Restore the newest usable checkpoint (per --resume); returns its save time (0: none)."""
-        if info is None:
-            return 0.0
-        restore_weights(unwrap(self.model), self.optimizer, info, self.env, self.warn, self.log)
-        self.state = st = TrainerState(**ckpt.load_trainer_state(info))
-        parts = [(self.loader, st.loader), (self.early, st.early_stopping), (self.spikes, st.spikes)]
-        for part, saved in [*parts, (self.bad_steps, st.bad_steps)]:
-            if saved:
-                part.load_state_dict(saved)
-        self.last_saved_step = self.committed_step = info.step if self.args.resume == "auto" else -1
-        self.log(f"resumed from {ckpt.describe(info)}")
-        if note := schedule_note(info, self.cfg, st.budget_decay):
-            self.log(note)
-        return float(info.meta.get("saved_unix", 0.0))
 
     # ------------------------------------------------------------ the loop
 
     def run(self) -> int:
-        cfg, st = self.cfg, self.state
-        skip_spikes = self.skip_if_spike if cfg.train.skip_spike_updates else None
-        self.report.open_progress(cfg.train.max_steps, st.step)
-        self.write_heartbeat("running")
-        start, elapsed_before, self.first_step = time.monotonic(), st.elapsed_seconds, st.step
+        state = self.state
+        self.report.open_progress(self.cfg.train.max_steps, state.step)
+        self.beat("running")
+        started = time.monotonic() - state.elapsed_seconds  # the run's clock, over all restarts
         while True:
-            now = time.monotonic()
-            st.elapsed_seconds = elapsed_before + (now - start)
-            minutes = cfg.checkpoint.every_minutes
-            save_due = bool(minutes) and now - self.last_save_time >= minutes * 60
-            proposal = self.budget.decay_proposal(st.step, self.step_seconds, bool(st.budget_decay))
-            decision, plan, save_now = self.stopper.agree(
-                st.step, st.tokens, st.elapsed_seconds, proposal, save_due, self.step_seconds
-            )
-            if decision.stops:
+            state.elapsed_seconds = time.monotonic() - started
+            agreed = self.agree()
+            if agreed.decision.stops:
                 break
-            if st.step == 0 and cfg.train.eval_every and self.last_eval_step != 0:
-                self.evaluate()  # after the first agreement: a stop during setup skips it
+            if state.step == 0 and self.evaluator.due(0):
+                # the untrained model's loss, after the first agreement: a stop during setup skips it
+                self.evaluator.maybe_evaluate(state)
                 self.report.reset_window()
-            if plan and not st.budget_decay:
-                st.budget_decay = plan
-                self.log(self.planned.follow(plan))
-            if save_now and self.last_saved_step != st.step:
-                self.save("every_minutes")
-            st.lr = self.planned.lr(st.step, st.tokens, cfg.schedule, cfg.optim)
-            set_muon_momentum(self.optimizer, muon_momentum_at(st.step, st.lr, cfg.schedule, cfg.optim))
-            first_micro = self.loader.state.micro_steps
-            try:
-                train_step(
-                    model=self.model,
-                    optimizer=self.optimizer,
-                    batches=self.batches,
-                    accum=self.accum,
-                    autocast=self.autocast,
-                    grad_clip=cfg.optim.grad_clip,
-                    step=st.step + 1,
-                    lr=st.lr,
-                    log=self.steplog,
-                    skip_update=skip_spikes,
-                )
-            except torch.OutOfMemoryError as error:
-                self.retry_smaller(error, st.step, first_micro)
-                continue
-            st.step += 1
-            peers.at_step(st.step)  # named if a peer is lost
-            st.tokens += self.tokens_per_step
-            self.report.step_done(st.step, self.tokens_per_step)
-            if st.step % cfg.train.log_every == 0:
+            self.follow_plan(agreed.plan)
+            self.checkpointer.maybe_save(state.step, self.snapshot, time_agreed=agreed.save_now)
+
+            if not self.step():
+                continue  # out of memory early under micro_batch_size=auto: the same step, smaller
+
+            if state.step % self.cfg.train.log_every == 0:
                 self.read_step_log()
-            last = self.planned.check(st.step, st.tokens, 0.0) is not None  # evaluated before its save
-            if cfg.train.eval_every and (st.step % cfg.train.eval_every == 0 or last):
-                self.evaluate()
-            if cfg.train.sample_every and st.step % cfg.train.sample_every == 0:
-                text = sample_text(
-                    self.model,
-                    self.data_dir,
-                    cfg.train.seed + st.step,
-                    self.device,
-                    fsdp=self.parallel.mode == "fsdp",
-                )  # every rank: FSDP gathers
-                self.log(f"sample at step {st.step}: {text!r}")
-            if cfg.checkpoint.every_steps and st.step % cfg.checkpoint.every_steps == 0:
-                self.save("every_steps")
-            self.report_save(self.writer.poll())
+            last = self.stopper.planned.check(state.step, state.tokens, 0.0) is not None
+            self.evaluator.maybe_evaluate(state, last=last)  # the last step's eval comes before its save
+            self.sampler.maybe_sample(state.step)
+            self.checkpointer.maybe_save(state.step, self.snapshot)
             if self.heartbeat.due():
-                self.write_heartbeat("running")
-        return self.finish(decision)
+                self.beat("running")
+        return self.finish(agreed.decision)
+
+    def agree(self) -> Agreement:
+        """Every rank's stop causes, the budget's decay proposal and the time for a save, agreed by all
+        ranks (every train.stop_check_every steps; at the other steps only what all ranks see alike)."""
+        state = self.state
+        pace = self.report.step_seconds
+        decay = self.budget.decay_proposal(state.step, pace, bool(state.budget_decay))
+        return self.stopper.agree(
+            state.step, state.tokens, state.elapsed_seconds, decay, self.checkpointer.time_due(), pace
+        )
+
+    def follow_plan(self, plan: dict | None) -> None:
+        """An end plan the ranks just agreed (the budget's LR decay, or where max_hours ends), once: from
+        now on it is part of the state, and the LR schedule and the planned end follow it."""
+        state = self.state
+        if plan and not state.budget_decay:
+            state.budget_decay = plan
+            self.report.log(self.stopper.planned.follow(plan))
+
+    def step(self) -> bool:
+        """One optimizer step; False when it ran out of memory in this process's first steps under
+        train.micro_batch_size=auto and is to be retried at half the micro-batch."""
+        cfg = self.cfg
+        state = self.state
+        state.lr = self.stopper.planned.lr(state.step, state.tokens, cfg.schedule, cfg.optim)
+        set_muon_momentum(self.optimizer, muon_momentum_at(state.step, state.lr, cfg.schedule, cfg.optim))
+        skip_spikes = self.skip_if_spike if cfg.train.skip_spike_updates else None
+        first_micro = self.data.micro_steps
+        try:
+            train_step(
+                model=self.model,
+                optimizer=self.optimizer,
+                batches=self.data,
+                accum=self.data.accum,
+                autocast=self.autocast,
+                grad_clip=cfg.optim.grad_clip,
+                step=state.step + 1,
+                lr=state.lr,
+                log=self.steplog,
+                skip_update=skip_spikes,
+            )
+        except torch.OutOfMemoryError as error:
+            self.data.retry_smaller(error, state.step, first_micro)  # raises unless it is the layout's
+            self.optimizer.zero_grad(set_to_none=True)
+            self.steplog.discard(state.step + 1)
+            return False
+        state.step += 1
+        peers.at_step(state.step)  # named if a peer is lost
+        state.tokens += self.data.tokens_per_step
+        self.report.step_done(state.step, self.data.tokens_per_step)
+        return True
 
     def read_step_log(self) -> tuple[bool, bool]:
         """Collective: the steps logged since the last read go, in order, through the divergence guard and
@@ -318,29 +322,30 @@ class Trainer:
         rows = self.steplog.read()
         if not rows:
             return False, False
-        st, t = self.state, self.cfg.train
-        tps, seconds = self.report.window()
-        self.stopper.mfu_floor.update(self.report.mfu(tps), time.monotonic())
-        self.step_seconds = seconds if self.step_seconds == 0 else 0.5 * (self.step_seconds + seconds)
-        data_wait, self.batches.wait_seconds = self.batches.wait_seconds / len(rows), 0.0
-        planned_in = self.planned.seconds_left(st.step, st.tokens, st.elapsed_seconds, self.step_seconds, tps)
+        state = self.state
+        train = self.cfg.train
+        tokens_per_second, step_seconds = self.report.window()
+        self.stopper.mfu_floor.update(self.report.mfu(tokens_per_second), time.monotonic())
+        data_wait = self.data.take_wait_seconds() / len(rows)
+        planned_in = self.stopper.planned.seconds_left(
+            state.step, state.tokens, state.elapsed_seconds, self.report.step_seconds, tokens_per_second
+        )
+        bad_steps = self.stopper.bad_steps
         bad = spike = False
-        for r in rows:
-            bad = self.bad_steps.update(r.finite)  # the device skipped this update exactly when not finite
-            spike = not bad and self.spikes.update(r.loss)
-            self.report.guards(r, bad, spike, self.bad_steps, self.spikes, t.skip_spike_updates)
-            if r.step % t.log_every == 0 or spike or bad:
-                injected = self.drill is not None and self.drill.covers(r.step - 1)
-                tokens = st.tokens - (st.step - r.step) * self.tokens_per_step
+        for row in rows:
+            bad = bad_steps.update(row.finite)  # the device skipped this update exactly when not finite
+            spike = not bad and self.spikes.update(row.loss)
+            self.report.guards(row, bad, spike, bad_steps, self.spikes, train.skip_spike_updates)
+            if row.step % train.log_every == 0 or spike or bad:
                 self.report.train(
-                    r,
-                    tokens=tokens,
-                    tokens_per_second=tps,
-                    step_seconds=seconds,
+                    row,
+                    tokens=state.tokens - (state.step - row.step) * self.data.tokens_per_step,
+                    tokens_per_second=tokens_per_second,
+                    step_seconds=step_seconds,
                     data_wait_seconds=data_wait,
                     spike=spike,
                     bad=bad,
-                    injected=injected,
+                    injected=self.data.injected(row.step),
                     seconds_to_planned_end=planned_in,
                 )
         return bad, spike
@@ -349,143 +354,129 @@ class Trainer:
         """train.skip_spike_updates: read this step's loss now (a host sync every step, by choice)."""
         return any(self.read_step_log())
 
-    def evaluate(self) -> None:
-        cfg, st = self.cfg, self.state
-        val, bpb = validation_loss(
-            self.model,
-            self.data_dir,
-            cfg,
-            self.env,
-            self.device,
-            self.autocast,
-            self.manifest.bytes_per_token("val"),
-        )
-        st.last_val_loss, st.last_eval_step = val, st.step
-        if math.isfinite(val) and (st.best_val_loss is None or val < st.best_val_loss):
-            st.best_val_loss = val
-        self.early.update(val)
-        self.last_eval_step = st.step
-        self.report.eval(st.step, val, bpb)
-
-    def write_heartbeat(self, state: str) -> None:
-        st, committed = self.state, self.committed_step
-        self.heartbeat.write(state, st.step, st.tokens, self.step_seconds, committed, self.last_save)
-
-    def save(self, reason: str, final: bool = False) -> None:
-        """Collective; in the background unless `final` (a stop). Step 0 is never saved: nothing has been
-        learned, and a restart from the seed is the same run (exact resume needs no checkpoint for it)."""
-        st = self.state
-        if st.step == 0:
-            return
-        self.read_step_log()  # the guards' state goes into the checkpoint
-        st.loader, st.early_stopping = self.loader.state_dict(), self.early.state_dict()
-        st.spikes, st.bad_steps = self.spikes.state_dict(), self.bad_steps.state_dict()
-        st.spent_usd = self.budget.spent_usd(st.spent_usd)
-        meta = {
-            "config": self.cfg.to_dict(),
-            "tokens": st.tokens,
-            "val_loss": st.last_val_loss if self.last_eval_step == st.step else None,
-            "best_val_loss": st.best_val_loss,
-            "spent_usd": st.spent_usd,
-            "reason": reason,
-            "data": {"dir": str(self.data_dir), "tokenizer_sha256": self.manifest.tokenizer.get("sha256")},
+    def snapshot(self) -> tuple[TrainerState, dict]:
+        """Collective: what a checkpoint holds besides the weights and the optimizer. The state exact
+        resume needs (each component's own, after reading the step log into the guards), and the
+        progress meta.json records."""
+        self.read_step_log()
+        state = self.state
+        state.loader = self.data.state_dict()
+        state.early_stopping = self.stopper.early.state_dict()
+        state.spikes = self.spikes.state_dict()
+        state.bad_steps = self.stopper.bad_steps.state_dict()
+        state.spent_usd = self.budget.spent_usd(state.spent_usd)
+        evaluated_now = self.evaluator.last_step == state.step
+        progress = {
+            "tokens": state.tokens,
+            "val_loss": state.last_val_loss if evaluated_now else None,
+            "best_val_loss": state.best_val_loss,
+            "spent_usd": state.spent_usd,
         }
-        self.report_save(self.writer.wait())  # the previous background save, if one is still running
-        self.write_heartbeat("saving")
-        files = [self.data_dir / "tokenizer.json"]  # a checkpoint dir alone is enough to sample or export
-        result = self.writer.save(st.step, self.model, self.optimizer, asdict(st), meta, files, reason, final)
-        self.last_saved_step, self.last_save_time = st.step, time.monotonic()
-        self.report_save(result)
-        self.write_heartbeat("running")
+        return state, progress
 
-    def report_save(self, result: SaveResult | None) -> None:
-        """Report a save once it is committed (at once when synchronous, later from the background)."""
-        if result is not None:
-            self.last_save, self.committed_step = result, result.step
-            self.report.checkpoint(result)
+    def beat(self, status: str) -> None:
+        """The heartbeat the budget watcher reads: running | saving | stopping | done | preempted | failed."""
+        state = self.state
+        self.heartbeat.write(
+            status,
+            state.step,
+            state.tokens,
+            self.report.step_seconds,
+            self.checkpointer.committed_step,
+            self.checkpointer.committed,
+        )
+
+    def failed(self) -> None:
+        """The heartbeat says "failed": the watcher must not go on reading "running" from a dead trainer."""
+        if hasattr(self, "checkpointer"):
+            self.beat("failed")
+        else:  # setup failed early
+            self.heartbeat.write("failed", self.state.step, self.state.tokens)
+
+    # ------------------------------------------------------------ the stop
 
     def finish(self, decision: StopDecision) -> int:
-        st = self.state
+        """Every rank, at the same step. A graceful stop evaluates (a planned or early end), saves and
+        waits until the save is committed; an immediate stop abandons a save still being written."""
+        state = self.state
         self.read_step_log()
         self.report.close_progress()
-        self.log(f"stopping at step {st.step}: {decision.reason}")
+        self.report.log(f"stopping at step {state.step}: {decision.reason}")
         self.report.stop_state(decision.gauge_code)
-        self.write_heartbeat("stopping")
-        if decision.planned_or_early and self.last_eval_step != st.step and self.cfg.train.eval_every:
-            self.evaluate()
-        if decision.saves and self.last_saved_step != st.step:
-            self.save(decision.name, final=True)
+        self.beat("stopping")
+        if decision.planned_or_early:
+            self.evaluator.maybe_evaluate(state, last=True)
         if decision.saves:
-            self.report_save(self.writer.wait())  # a stop ends on a complete, committed checkpoint
+            self.checkpointer.final_save(state.step, self.snapshot, decision.name)
         else:
-            self.writer.abandon()  # immediate: exit now; a pending write is cancelled, its temp dir removed
+            self.checkpointer.abandon()  # its temp dir is removed; the last committed checkpoint stands
         self.report.event(
             "event",
-            st.step,
+            state.step,
             event="stop",
             cause=decision.name,
             reason=decision.reason,
             exit_code=decision.exit_code,
         )
-        if self.env.is_rank0 and decision.consumes_stop_file:
+        if decision.consumes_stop_file:
             self.stopper.consume_stop_file()
-        if self.env.is_rank0 and decision.event:  # posted here, or relayed by the watcher (heartbeat)
-            posted = self.budget.event(decision.event, decision.reason, self.warn)
+        if decision.event:  # posted here, or relayed by the watcher from the heartbeat
+            posted = self.budget.event(decision.event, decision.reason, self.report.warn)
             self.heartbeat.event = {"reason": decision.event, "message": decision.reason, "posted": posted}
-        self.write_heartbeat("done" if decision.exit_code == 0 else "preempted")
-        if self.env.is_rank0:
-            for line in ckpt.summary(self.run_dir, self.cfg.checkpoint.verify, self.warn):
-                self.log(line)
+        self.beat("done" if decision.exit_code == 0 else "preempted")
+        for line in self.checkpointer.summary():
+            self.report.log(line)
         return decision.exit_code
 
     def close(self) -> None:
-        if hasattr(self, "batches"):
-            self.batches.close()
-        if hasattr(self, "writer"):
-            self.writer.abandon()  # still pending only after a crash: the last committed checkpoint stands
+        """What setup built, however far it got."""
+        if hasattr(self, "data"):
+            self.data.close()
+        if hasattr(self, "checkpointer"):
+            self.checkpointer.abandon()  # pending only after a crash: the last committed checkpoint stands
         if hasattr(self, "report"):
             self.report.close()
 
 
-def train(cfg: Config, args: RunArgs) -> int:
+def train(cfg: Config, run: RunArgs) -> int:
     # Signals are recorded from the start: a SIGTERM during setup (model build, resume, the data build) is
     # taken at the first stop agreement, by every rank at the same step, instead of killing one rank.
     signals = SignalFlag()
     signals.install()
     cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
     env = init_distributed("cuda" if cuda else "cpu", cfg.train.collective_timeout_minutes)
-    trainer = budget = lease = None
+    run_dir = Path(run.out)
+    trainer = None
+    budget = None
+    lease = None
     try:
-        lease = hold_run_dir(Path(args.out), cfg.checkpoint, signals, env.is_rank0)  # one writer per run dir
+        lease = hold_run_dir(run_dir, cfg.checkpoint, signals, env.is_rank0)  # one writer per run dir
         device = pick_device(cfg, env.local_rank)
-        if check_fresh_start(args.out, args.resume, args.overwrite):
-            if env.is_rank0:
-                move_run_aside(args.out, print)
-            env.barrier()
-        if env.is_rank0:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            ckpt.clean_temp_dirs(Path(args.out))
-        env.barrier()
-        stop_file = args.stop_file or Path(args.out) / "stop.json"
+        rundir.prepare(run_dir, run.resume, run.overwrite, env)
+        stop_file = run.stop_file or run_dir / "stop.json"
         try:
-            budget = BudgetLink(cfg, Path(args.out), stop_file, env.is_rank0, env.world_size)
-        except (BudgetExhausted, PriceAboveMax) as e:  # a deliberate end before any work: exit 0
+            budget = BudgetLink(cfg, run_dir, stop_file, env.is_rank0, env.world_size)
+        except (BudgetExhausted, PriceAboveMax) as end:  # a deliberate end before any work: exit 0
             if env.is_rank0:
-                spent = isinstance(e, BudgetExhausted)
-                print(f"{'budget already spent, nothing to do' if spent else 'price guard'}: {e}", flush=True)
-                Heartbeat(Path(args.out)).write("done")  # tells a sidecar watcher we are done
+                what = (
+                    "budget already spent, nothing to do"
+                    if isinstance(end, BudgetExhausted)
+                    else "price guard"
+                )
+                print(f"{what}: {end}", flush=True)
+                Heartbeat(run_dir).write("done")  # tells a sidecar watcher we are done
             return 0
-        trainer = Trainer(cfg=cfg, args=args, env=env, device=device, budget=budget, signals=signals)
-        trainer.setup()
+        trainer = Trainer(cfg, budget, Heartbeat(run_dir, enabled=env.is_rank0))
+        trainer.setup(run=run, env=env, device=device, signals=signals)
         return trainer.run()
     except BaseException as error:
         peers.exit_if_peer_lost(error)  # a collective failed because a peer is gone: exit 144 (retried)
         # the watcher must not go on reading "running" from a dead trainer
         with contextlib.suppress(Exception):
             if trainer is not None:
-                trainer.write_heartbeat("failed")
+                trainer.failed()
             elif env.is_rank0:
-                Heartbeat(Path(args.out)).fail_if_written()
+                Heartbeat(run_dir).fail_if_written()
         raise
     finally:
         if trainer is not None:

@@ -35,9 +35,9 @@ def _model_and_optimizer():
 
 
 def _ours(root: Path, model, optimizer) -> tuple[float, float, Path]:
-    from app.trainer import checkpoint as ckpt
-    from app.trainer.checkpoint_state import load_into
-    from app.trainer.checkpoint_writer import CheckpointWriter
+    from app.trainer.checkpoint import store as ckpt
+    from app.trainer.checkpoint.state import load_into
+    from app.trainer.checkpoint.writer import CheckpointWriter
 
     t0 = time.perf_counter()
     CheckpointWriter(root, 0, 1).save(1, model, optimizer, {"step": 1}, {})

@@ -41,10 +41,10 @@ import torch.distributed as dist
 
 from app.config import ModelConfig, OptimConfig
 from app.files import fsync_file, sha256_file
-from app.trainer.checkpoint import step_dir_name as ckpt_dir
-from app.trainer.checkpoint_format import BLOCK, _raw, write_safetensors
-from app.trainer.checkpoint_state import model_pieces, optimizer_pieces
-from app.trainer.checkpoint_writer import CheckpointWriter
+from app.trainer.checkpoint.format import BLOCK, _raw, write_safetensors
+from app.trainer.checkpoint.state import model_pieces, optimizer_pieces
+from app.trainer.checkpoint.store import step_dir_name as ckpt_dir
+from app.trainer.checkpoint.writer import CheckpointWriter
 from app.trainer.distributed import init_distributed
 from app.trainer.model import build_model
 from app.trainer.optim import build_optimizer
@@ -159,8 +159,8 @@ def load_check(path: str) -> int:
     """A fresh process loads a sharded checkpoint into one unsharded model, the way `pretrain sample`
     does (build the model, then load_into, tensor by tensor): its peak RSS above the level before the
     model is built, against the model + its largest tensor. Prints one JSON line."""
-    from app.trainer import checkpoint as ckpt
-    from app.trainer.checkpoint_state import load_into
+    from app.trainer.checkpoint import store as ckpt
+    from app.trainer.checkpoint.state import load_into
 
     info = ckpt.resolve(path)
     model, seconds = None, 0.0

@@ -133,7 +133,7 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
 def full_optimizer_state(info) -> dict | None:
     """A checkpoint's whole optimizer state keyed by parameter name: {"state": {name: {state: value}},
     "param_groups": [...]} (training loads its own shards instead)."""
-    from app.trainer import checkpoint as ckpt
+    from app.trainer.checkpoint import store as ckpt
 
     if not info.has_optimizer:
         return None

@@ -47,7 +47,7 @@ WORSE = [
 
 def _cached(name: str, key_parts: tuple, build) -> Path:
     """CACHE/<name>-<key>, built once by build(tmp_dir) into a temp dir and renamed into place."""
-    from app.trainer.checkpoint import FORMAT_VERSION
+    from app.trainer.checkpoint.store import FORMAT_VERSION
 
     key = hashlib.sha256(repr((*key_parts, FORMAT_VERSION)).encode()).hexdigest()[:12]
     target = CACHE / f"{name}-{key}"

@@ -11,9 +11,9 @@ import torch
 from app.config import ModelConfig
 from app.errors import UserError
 from app.files import sha256_file
-from app.trainer import checkpoint as ckpt
-from app.trainer.checkpoint_state import load_optimizer
-from app.trainer.checkpoint_writer import CheckpointWriter
+from app.trainer.checkpoint import store as ckpt
+from app.trainer.checkpoint.state import load_optimizer
+from app.trainer.checkpoint.writer import CheckpointWriter
 from app.trainer.model import build_model
 from tests.conftest import FAST, pretrain
 

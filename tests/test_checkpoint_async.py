@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from app.trainer import checkpoint as ckpt
+from app.trainer.checkpoint import store as ckpt
 from tests.conftest import FAST, pretrain, spawn_train, train_rows, wait_for_step
 from tests.test_resume import assert_same_run
 
@@ -97,7 +97,7 @@ def test_the_budget_projection_reserves_a_background_write(tmp_path):
     (a stop first waits for a write still in flight, then saves), so the graceful stop comes earlier."""
     from app.budget.files import read_status
     from app.budget.policy import PolicyInput, decide
-    from app.trainer.checkpoint_writer import SaveResult
+    from app.trainer.checkpoint.writer import SaveResult
     from app.trainer.heartbeat import Heartbeat
 
     save = SaveResult(tmp_path, 10, seconds=30.0, blocking_seconds=2.0, write_seconds=28.0, bytes=1)

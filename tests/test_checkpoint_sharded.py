@@ -14,8 +14,8 @@ import torch
 
 from app.config import ModelConfig
 from app.errors import UserError
-from app.trainer import checkpoint as ckpt
-from app.trainer.checkpoint_writer import CheckpointWriter
+from app.trainer.checkpoint import store as ckpt
+from app.trainer.checkpoint.writer import CheckpointWriter
 from app.trainer.model import build_model
 from tests.conftest import REPO, cli_env, full_optimizer_state, pretrain
 
@@ -26,11 +26,11 @@ WORKER = textwrap.dedent(
     import sys, torch, torch.distributed as dist
     from pathlib import Path
     from app.config import ModelConfig, OptimConfig
-    from app.trainer import checkpoint as ckpt
-    from app.trainer.checkpoint_writer import CheckpointWriter
+    from app.trainer.checkpoint import store as ckpt
+    from app.trainer.checkpoint.writer import CheckpointWriter
     from app.trainer.model import build_model
     from app.trainer.optim import build_optimizer
-    from app.trainer.checkpoint_state import load_model, load_optimizer
+    from app.trainer.checkpoint.state import load_model, load_optimizer
     from app.trainer.distributed import DistEnv, init_distributed
     from app.trainer.parallelize import shard_model, unwrap
 
@@ -170,7 +170,7 @@ def test_an_abandoned_write_commits_nothing(tmp_path, monkeypatch):
     import threading
     import time
 
-    from app.trainer import checkpoint_writer
+    from app.trainer.checkpoint import writer as checkpoint_writer
 
     real = checkpoint_writer.write_safetensors
     writing = threading.Event()
@@ -258,7 +258,7 @@ def test_the_reader_reads_rows_in_place_and_any_other_box_through_a_buffer(tmp_p
     """Whole rows of a stored chunk (what every shard and whole tensor is) go straight from the file into
     the destination; a box of columns, another dtype or a 0-d tensor take the buffered path. Both give
     the stored values exactly."""
-    from app.trainer import checkpoint_format as fmt
+    from app.trainer.checkpoint import format as fmt
 
     full = torch.arange(10 * 6, dtype=torch.float32).reshape(10, 6)
     step = torch.tensor(7.0)

@@ -11,7 +11,7 @@ import torch
 
 from app.config import ModelConfig
 from app.errors import ConfigError
-from app.trainer import checkpoint as ckpt
+from app.trainer.checkpoint import store as ckpt
 from app.trainer.model import build_model
 from tests.conftest import FAST, losses_by_step, pretrain, spawn_train, torchrun, wait_for_step
 

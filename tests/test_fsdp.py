@@ -13,8 +13,8 @@ import torch
 
 from app.config import ModelConfig, OptimConfig
 from app.errors import ConfigError
-from app.trainer import checkpoint as ckpt
-from app.trainer.checkpoint_state import model_pieces, optimizer_pieces
+from app.trainer.checkpoint import store as ckpt
+from app.trainer.checkpoint.state import model_pieces, optimizer_pieces
 from app.trainer.model import build_model
 from app.trainer.optim import build_optimizer
 from tests.conftest import FAST, REPO, cli_env, full_optimizer_state, losses_by_step, pretrain, torchrun

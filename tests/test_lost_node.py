@@ -116,7 +116,7 @@ def reference(tmp_path_factory) -> Path:
     "lost,pause,how,static",
     [
         (1, "app.trainer.optim:step_unless:8", signal.SIGKILL, False),  # between the saves of steps 5, 10
-        (0, "app.trainer.checkpoint_writer:write_safetensors:3", signal.SIGKILL, False),  # saving step 10
+        (0, "app.trainer.checkpoint.writer:write_safetensors:3", signal.SIGKILL, False),  # saving step 10
         (1, "torch.distributed:init_process_group", signal.SIGKILL, False),  # start-up: in the rendezvous
         (0, "app.trainer.optim:step_unless:8", signal.SIGSTOP, True),  # silently, with the store: operators
         (0, "app.trainer.optim:step_unless:8", signal.SIGSTOP, False),  # the same, c10d: torchrun hangs

@@ -100,7 +100,7 @@ def test_out_of_memory_halves_the_micro_batch_and_retries_the_same_data(tmp_path
         "train", "--out", str(fixed), "--max-steps", "6", *FAST, *batch, "--set", "train.micro_batch_size=2"
     )
     assert ref.returncode == 0, ref.stderr
-    drill = [*FAST, *batch, "--set", "train.micro_batch_size=auto", "--set", "train.inject_oom_above=2"]
+    drill = [*FAST, *batch, "--set", "train.micro_batch_size=auto", "--set", "drill.oom_above=2"]
     first = pretrain("train", "--out", str(auto), "--max-steps", "3", *drill)
     assert first.returncode == 0, first.stderr
     assert "micro-batch 8 x accumulation 1" in first.stdout  # the estimate's choice on this machine
@@ -137,7 +137,7 @@ def test_out_of_memory_on_several_ranks_records_the_smaller_batch_and_exits_retr
             [*cmd, *args, *extra], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300
         )
 
-    first = launch("--set", "train.inject_oom_above=4")
+    first = launch("--set", "drill.oom_above=4")
     assert first.returncode == 145, first.stdout[-2000:] + first.stderr[-3000:]
     assert "out of memory at micro-batch 8 (step 1): restarting at micro-batch 4" in first.stderr
     assert "Traceback" not in first.stderr, first.stderr[-3000:]

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from app.cli import main as cli_main
 from app.config import ConfigError, load_config
-from app.trainer import checkpoint as ckpt
+from app.trainer.checkpoint import store as ckpt
 from tests.conftest import CACHE, FAST, REPO, cli_env, pretrain, train_rows
 
 

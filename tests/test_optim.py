@@ -11,9 +11,9 @@ import torch
 
 from app.config import ModelConfig, OptimConfig, ScheduleConfig
 from app.errors import UserError
-from app.trainer import checkpoint as ckpt
-from app.trainer.checkpoint_state import load_into
-from app.trainer.checkpoint_writer import CheckpointWriter
+from app.trainer.checkpoint import store as ckpt
+from app.trainer.checkpoint.state import load_into
+from app.trainer.checkpoint.writer import CheckpointWriter
 from app.trainer.model import build_model
 from app.trainer.optim import build_optimizer, fit_state, param_groups, set_lr
 from app.trainer.schedule import lr_at

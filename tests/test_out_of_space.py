@@ -2,8 +2,8 @@
 its temp dir, leaves the earlier checkpoints as they were, and the run resumes exactly once there is room.
 
 The volume fills up for real where this user may mount a tmpfs (root); everywhere the failure is also
-injected at the writer's first file (PRETRAIN_TEST_VOLUME_FULL_AFTER_STEP: saves of later steps raise
-ENOSPC there, after a partial temp dir exists)."""
+injected at the writer's first file (drill.volume_full_after_step: saves of later steps raise ENOSPC
+there, after a partial temp dir exists)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from tests.test_resume import assert_same_run
 
 STEPS = 30
 EVERY = ["--set", "checkpoint.every_steps=10"]
+FULL_AFTER_10 = ["--set", "drill.volume_full_after_step=10"]
 
 
 def assert_out_of_space(proc_code: int, stderr: str, run: Path, newest: int) -> None:
@@ -45,8 +46,7 @@ def straight(tmp_path_factory) -> Path:
 
 def test_periodic_save_out_of_space_exits_6_and_resumes_exactly(tmp_path, straight):
     run = tmp_path / "run"
-    full = cli_env(PRETRAIN_TEST_VOLUME_FULL_AFTER_STEP="10")
-    failed = pretrain("train", "--out", str(run), "--max-steps", str(STEPS), *FAST, *EVERY, env=full)
+    failed = pretrain("train", "--out", str(run), "--max-steps", str(STEPS), *FAST, *EVERY, *FULL_AFTER_10)
     assert_out_of_space(failed.returncode, failed.stderr, run, newest=10)
     assert "at step 20: a checkpoint needs about" in failed.stderr
     resumed = pretrain("train", "--out", str(run), "--max-steps", str(STEPS), *FAST, *EVERY, check=True)
@@ -59,14 +59,14 @@ def test_sigterm_save_out_of_space_says_so_and_resumes_exactly(tmp_path, straigh
     """SIGTERM at step 15 (the trainer stops itself before it, tests/pause_at.py): the stop's save fails."""
     run, marks = tmp_path / "run", tmp_path / "marks"
     marks.mkdir()
-    env = cli_env(
-        PRETRAIN_TEST_VOLUME_FULL_AFTER_STEP="10",
-        PRETRAIN_TEST_PAUSE="app.train:train_step:15",
-        PRETRAIN_TEST_PAUSE_DIR=str(marks),
-    )
+    env = cli_env(PRETRAIN_TEST_PAUSE="app.train:train_step:15", PRETRAIN_TEST_PAUSE_DIR=str(marks))
     cmd = [sys.executable, "-m", "tests.pause_at", "app.cli", "train", "--out", str(run)]
     proc = subprocess.Popen(
-        [*cmd, "--max-steps", str(STEPS), *FAST, *EVERY], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True
+        [*cmd, "--max-steps", str(STEPS), *FAST, *EVERY, *FULL_AFTER_10],
+        cwd=REPO,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     deadline = time.monotonic() + 120
     while not list(marks.glob("paused-*")):

@@ -252,7 +252,7 @@ def test_bench_out_of_memory_is_one_line_naming_the_micro_batch_to_try(tmp_path)
         (["--set", "train.micro_batch_size=auto", "--set", f"train.batch_tokens={12 * 128}"], "=6"),
     ]
     for extra, want in cases:
-        proc = pretrain("bench", *args, *model, "--set", "train.inject_oom_above=4", *extra)
+        proc = pretrain("bench", *args, *model, "--set", "drill.oom_above=4", *extra)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
         assert "out of memory at micro-batch" in lines[0] and want in lines[0], lines[0]
@@ -346,7 +346,7 @@ def test_no_recompile_after_an_out_of_memory_halving_or_over_a_short_validation_
     args += ["--set", "train.micro_batch_size=auto", "--set", f"train.batch_tokens={8 * 64}"]
     args += [
         "--set",
-        "train.inject_oom_above=4",
+        "drill.oom_above=4",
         "--set",
         "train.eval_every=2",
         "--set",

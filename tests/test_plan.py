@@ -134,7 +134,7 @@ def test_the_checkpoint_size_estimate_is_what_a_save_writes(tmp_path):
     import torch
 
     from app.config import load_config
-    from app.trainer.checkpoint_writer import CheckpointWriter
+    from app.trainer.checkpoint.writer import CheckpointWriter
     from app.trainer.memory import checkpoint_bytes
     from app.trainer.model import build_model
 

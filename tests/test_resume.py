@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from app.trainer import checkpoint as ckpt
+from app.trainer.checkpoint import store as ckpt
 from tests.conftest import FAST, losses_by_step, pretrain, spawn_train, torchrun, wait_for_step
 
 
@@ -112,7 +112,7 @@ def test_second_sigterm_during_save_corrupts_nothing(tmp_path):
     time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 143
-    from app.trainer.checkpoint import resolve_latest
+    from app.trainer.checkpoint.store import resolve_latest
 
     info = resolve_latest(run, warn=lambda m: pytest.fail(m))
     assert info is not None and info.step >= 3

@@ -13,7 +13,7 @@ import urllib.request
 
 import torch
 
-from app.trainer import checkpoint as ckpt
+from app.trainer.checkpoint import store as ckpt
 from app.trainer.spikes import SpikeDetector, spike_rows
 from tests.conftest import FAST, REPO, cli_env, train_rows
 from tests.prom_helpers import free_port, sets
@@ -110,8 +110,8 @@ def test_injected_spike_is_detected_logged_exported_and_skipped(tmp_path):
                 *COMMON,
                 *sets(
                     "train.log_every=1000",
-                    f"train.inject_spike_at_step={INJECT_AT}",
-                    f"train.spike_batches={BATCHES}",
+                    f"drill.spike_at_step={INJECT_AT}",
+                    f"drill.spike_batches={BATCHES}",
                     "train.skip_spike_updates=true",
                     f"checkpoint.every_steps={INJECT_AT + BATCHES}",
                 ),

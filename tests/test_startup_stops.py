@@ -49,8 +49,8 @@ PHASES = {
     "first-step": (EVAL_OFF, "torch.nn.utils:clip_grad_norm_", None),  # after backward, before the update
     "first-save": (
         EVAL_OFF,
-        "app.trainer.checkpoint_writer:model_pieces",
-        "app.trainer.checkpoint_writer:write_safetensors:2",
+        "app.trainer.checkpoint.writer:model_pieces",
+        "app.trainer.checkpoint.writer:write_safetensors:2",
     ),
 }
 
@@ -245,7 +245,7 @@ def test_a_step_0_checkpoint_of_an_older_version_resumes_exactly(tmp_path, strai
     import torch
 
     from app.config import load_config
-    from app.trainer.checkpoint_writer import CheckpointWriter
+    from app.trainer.checkpoint.writer import CheckpointWriter
     from app.trainer.model import build_model
     from app.trainer.optim import build_optimizer
 

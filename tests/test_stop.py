@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from app.trainer.checkpoint import list_checkpoints
+from app.trainer.checkpoint.store import list_checkpoints
 from tests.conftest import FAST, REPO, cli_env, pretrain, spawn_train, torchrun, train_rows, wait_for_step
 
 

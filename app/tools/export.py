@@ -28,7 +28,7 @@ from app.budget.files import read_json_object
 from app.errors import UserError
 from app.files import check_writable_dir, sha256_file
 from app.tools.export_plots import write_plots
-from app.trainer import checkpoint as ckpt
+from app.trainer.checkpoint import store as ckpt
 
 MANIFEST_VERSION = 1
 CSV_COLUMNS = ("step", "name", "value")
@@ -140,7 +140,7 @@ def write_csv(path: Path, values: list[tuple[int, str, float]]) -> None:
 def write_final(path: Path, info: ckpt.CheckpointInfo) -> dict[str, Any]:
     """The checkpoint's weights in one file, from the shards of any world size (one tensor at a time),
     tensor bytes unchanged; tied aliases and the model config in the header."""
-    from app.trainer.checkpoint_format import write_consolidated
+    from app.trainer.checkpoint.format import write_consolidated
 
     model_cfg = (info.meta.get("config") or {}).get("model", {})
     with ckpt.open_reader(info) as reader:

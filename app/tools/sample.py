@@ -11,8 +11,8 @@ import torch
 from app.config import config_from_dict
 from app.data.tokenizer import load_tokenizer
 from app.errors import UserError
-from app.trainer import checkpoint as ckpt
-from app.trainer.checkpoint_state import load_into
+from app.trainer.checkpoint import store as ckpt
+from app.trainer.checkpoint.state import load_into
 from app.trainer.generate import generate
 from app.trainer.model import build_model
 

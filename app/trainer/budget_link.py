@@ -62,8 +62,10 @@ class BudgetLink:
         )
 
     def event(self, reason: str, message: str, warn) -> bool:
-        """A Warning Event on the job (a stop the budget watcher does not post, e.g. LowMFU), in a cluster;
-        True when posted (else the watcher relays it from status.json)."""
+        """Rank 0: a Warning Event on the job (a stop the budget watcher does not post, e.g. LowMFU), in a
+        cluster; True when posted (else the watcher relays it from status.json). Other ranks post none."""
+        if not self.rank0:
+            return False
         return post_event(self.cfg.budget, reason, message, warn)
 
     def close(self) -> None:

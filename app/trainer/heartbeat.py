@@ -32,7 +32,7 @@ class Heartbeat:
         checkpoint=None,
     ) -> None:
         """state: running | saving | stopping | done | preempted | failed. `checkpoint`: the last save's
-        SaveResult (app/trainer/checkpoint_writer.py): its whole time (what a stop waits for), of which the
+        SaveResult (app/trainer/checkpoint/writer.py): its whole time (what a stop waits for), of which the
         loop stood still for `blocking_seconds` and `write_seconds` ran in the background."""
         if not self.enabled:
             return

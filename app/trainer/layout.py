@@ -179,7 +179,7 @@ def halve_after_oom(cfg: Config, env, run_dir: Path, warn, step: int) -> int:
 
 
 def oom_drill(limit: int):
-    """train.inject_oom_above: a forward hook that fails like a full GPU on training micro-batches above
+    """drill.oom_above: a forward hook that fails like a full GPU on training micro-batches above
     `limit` sequences (tests the auto fallback on a CPU; evaluation, without gradients, needs far less
     memory and passes). It fails after the forward, as a real one does mid-step: the blocks have run (and
     compiled, with train.compile) at the size that does not fit."""

@@ -173,10 +173,10 @@ def build_parallel_model(
     model = build_model(cfg.model, "meta" if meta_init else device)
     if fp8_mode(cfg.train.fp8) != "false":
         convert_to_fp8(model, device, log, fp8_mode(cfg.train.fp8), fsdp=fsdp)
-    if cfg.train.inject_oom_above:  # drill: out of memory above a micro-batch size (app/trainer/layout.py)
+    if cfg.drill.oom_above:  # out of memory above a micro-batch size (app/trainer/layout.py)
         from app.trainer.layout import oom_drill
 
-        model.register_forward_hook(oom_drill(cfg.train.inject_oom_above))
+        model.register_forward_hook(oom_drill(cfg.drill.oom_above))
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile_enabled(cfg, device):

@@ -24,9 +24,13 @@ from app.trainer.steplog import StepRow
 class Reporter:
     def __init__(self, cfg: Config, env: DistEnv, run_dir: Path, peak_flops: float = 0.0) -> None:
         """`peak_flops`: of one device; MFU is reported when it is known (0: unknown, MFU stays absent)."""
-        self.cfg, self.env, self.rank0 = cfg, env, env.is_rank0
+        self.cfg = cfg
+        self.env = env
+        self.rank0 = env.is_rank0
         self.progress = None
-        self.flops_per_token, self.peak = 0.0, peak_flops
+        self.flops_per_token = 0.0
+        self.peak = peak_flops
+        self.step_seconds = 0.0  # moving average over reads of the step log: the device's pace
         self.reset_window()
         self.metrics: TrainerMetrics | None = None
         self.jsonl: JsonlLog | None = None
@@ -77,15 +81,23 @@ class Reporter:
 
     def reset_window(self) -> None:
         """Start measuring throughput afresh (after setup or the step-0 eval)."""
-        self.window_tokens, self.window_steps, self.window_start = 0, 0, time.perf_counter()
+        self.window_tokens = 0
+        self.window_steps = 0
+        self.window_start = time.perf_counter()
 
     def window(self) -> tuple[float, float]:
         """(tokens/s, seconds per step) since the last call, then start a new window. Called when the
-        step log is read, which waits for the device: the figures are the device's pace, not the host's."""
+        step log is read, which waits for the device: the figures are the device's pace, not the host's.
+        Also moves `step_seconds`, the pace the stop agreement and the heartbeat use."""
         seconds = max(time.perf_counter() - self.window_start, 1e-9)
-        tps, per_step = self.window_tokens / seconds, seconds / max(self.window_steps, 1)
+        tokens_per_second = self.window_tokens / seconds
+        per_step = seconds / max(self.window_steps, 1)
         self.reset_window()
-        return tps, per_step
+        if self.step_seconds == 0:
+            self.step_seconds = per_step
+        else:
+            self.step_seconds = 0.5 * (self.step_seconds + per_step)
+        return tokens_per_second, per_step
 
     def mfu(self, tokens_per_second: float) -> float | None:
         """Model FLOPs utilisation at this throughput of the whole job; None without a known peak."""
@@ -126,21 +138,28 @@ class Reporter:
             self.global_metrics.tracker_errors.labels(tracker=tracker).inc()
 
     def started(
-        self, *, counts, flops_per_token: float, tokens: int, checkpoint_step: int, checkpoint_unix: float
+        self, *, counts, flops_per_token: float, tokens: int, checkpoint: tuple[int, float] | None
     ) -> None:
-        """The run's model is built and resumed: its size, and the counters it continues from its checkpoint."""
+        """The run's model is built and resumed: its size, and the counters it continues from its checkpoint
+        (`checkpoint`: the step and save time of the run dir's checkpoint it resumed from)."""
         self.flops_per_token = flops_per_token
         self.log(f"preset {self.cfg.preset}: {counts}")
-        g = self.global_metrics
-        if g is None:
+        gauges = self.global_metrics
+        if gauges is None:
             return
-        g.tokens.inc(tokens)
-        if checkpoint_step >= 0:
-            g.ckpt_step.set(checkpoint_step)
-            g.ckpt_time.set(checkpoint_unix)
-        labels = {"preset": self.cfg.preset, "run": self.run_name, "world_size": str(self.env.world_size)}
-        g.info.info(
-            {**labels, "parameters": str(counts.total), "non_embedding_parameters": str(counts.non_embedding)}
+        gauges.tokens.inc(tokens)
+        if checkpoint is not None:
+            checkpoint_step, checkpoint_unix = checkpoint
+            gauges.ckpt_step.set(checkpoint_step)
+            gauges.ckpt_time.set(checkpoint_unix)
+        gauges.info.info(
+            {
+                "preset": self.cfg.preset,
+                "run": self.run_name,
+                "world_size": str(self.env.world_size),
+                "parameters": str(counts.total),
+                "non_embedding_parameters": str(counts.non_embedding),
+            }
         )
 
     def step_done(self, step: int, tokens_per_step: int) -> None:
@@ -149,26 +168,29 @@ class Reporter:
         self.window_steps += 1
         if self.progress is not None:
             self.progress.update(1)
-        g = self.global_metrics
-        if g is not None:
-            g.step.set(step)
-            g.tokens.inc(tokens_per_step)
-            g.last_step_time.set(time.time())
+        gauges = self.global_metrics
+        if gauges is not None:
+            gauges.step.set(step)
+            gauges.tokens.inc(tokens_per_step)
+            gauges.last_step_time.set(time.time())
 
-    def guards(self, r: StepRow, bad: bool, spike: bool, bad_steps, spikes, skipping_spikes: bool) -> None:
+    def guards(self, row: StepRow, bad: bool, spike: bool, bad_steps, spikes, skipping_spikes: bool) -> None:
         """What the divergence guard and the spike detector found in a step, as they saw it."""
         if bad:
             self.warn(
-                f"step {r.step}: loss {r.loss} / gradient norm {r.grad_norm} is not finite: update skipped "
-                f"({bad_steps.in_a_row} in a row; the run stops at train.max_bad_steps={bad_steps.max_bad})"
+                f"step {row.step}: loss {row.loss} / gradient norm {row.grad_norm} is not finite: update "
+                f"skipped ({bad_steps.in_a_row} in a row; the run stops at "
+                f"train.max_bad_steps={bad_steps.max_bad})"
             )
         if spike:
             skipped = " (update skipped)" if skipping_spikes else ""
-            self.log(f"loss spike at step {r.step}: {r.loss:.3f} vs moving average {spikes.avg:.3f}{skipped}")
+            self.log(
+                f"loss spike at step {row.step}: {row.loss:.3f} vs moving average {spikes.avg:.3f}{skipped}"
+            )
 
     def train(
         self,
-        r: StepRow,
+        row: StepRow,
         *,
         tokens: int,
         tokens_per_second: float,
@@ -183,64 +205,66 @@ class Reporter:
         last read of the step log; `seconds_to_planned_end`: seconds to the planned end at this pace."""
         tps = tokens_per_second
         mfu = self.mfu(tps)
-        loops = r.loop_losses
-        row = {
-            "loss": r.loss,
-            "lr": r.lr,
-            "grad_norm": r.grad_norm,
+        loops = row.loop_losses
+        record = {
+            "loss": row.loss,
+            "lr": row.lr,
+            "grad_norm": row.grad_norm,
             "tokens": tokens,
             "tokens_per_second": tps,
             "step_seconds": step_seconds,
             "data_wait_seconds": data_wait_seconds,
         }
         if mfu is not None:
-            row["mfu"] = mfu
+            record["mfu"] = mfu
         if loops:  # the objective's terms, from this step's mean per-loop losses (app/trainer/supervision.py)
-            lp = self.cfg.model.loop
-            terms = supervision.objective(
-                loops, supervision.loop_weights(lp, len(loops)), lp.improvement_reward_scale
-            )
-            row.update(loop_losses=loops, refinement=supervision.refinement(loops))
-            row.update(loop_monotone=supervision.monotone(loops), supervision_loss=terms.supervision)
-            row["improvement_reward"] = terms.improvement
+            loop_cfg = self.cfg.model.loop
+            weights = supervision.loop_weights(loop_cfg, len(loops))
+            terms = supervision.objective(loops, weights, loop_cfg.improvement_reward_scale)
+            record["loop_losses"] = loops
+            record["refinement"] = supervision.refinement(loops)
+            record["loop_monotone"] = supervision.monotone(loops)
+            record["supervision_loss"] = terms.supervision
+            record["improvement_reward"] = terms.improvement
         for key, flag in (("spike", spike), ("skipped_nonfinite", bad), ("injected_spike", injected)):
             if flag:
-                row[key] = True
-        self.event("train", r.step, **row)
+                record[key] = True
+        self.event("train", row.step, **record)
         if self.metrics:
             self.metrics.node_tps.set(tps * self.env.local_world_size / self.env.world_size)
-        g = self.global_metrics
-        if g is not None:
+        gauges = self.global_metrics
+        if gauges is not None:
             for gauge, value in (
-                (g.train_loss, r.loss),
-                (g.lr, r.lr),
-                (g.grad_norm, r.grad_norm),
-                (g.tps, tps),
-                (g.step_seconds, step_seconds),
-                (g.data_wait, data_wait_seconds),
-                (g.planned_end, time.time() + seconds_to_planned_end),
-                (g.spike, int(spike)),
+                (gauges.train_loss, row.loss),
+                (gauges.lr, row.lr),
+                (gauges.grad_norm, row.grad_norm),
+                (gauges.tps, tps),
+                (gauges.step_seconds, step_seconds),
+                (gauges.data_wait, data_wait_seconds),
+                (gauges.planned_end, time.time() + seconds_to_planned_end),
+                (gauges.spike, int(spike)),
             ):
                 gauge.set(value)
             if mfu is not None:
-                g.mfu.set(mfu)
+                gauges.mfu.set(mfu)
             if spike:
-                g.spikes.inc()
-            for i, v in enumerate(loops):
-                g.loop_loss.labels(loop=str(i)).set(v)
+                gauges.spikes.inc()
+            for index, loss in enumerate(loops):
+                gauges.loop_loss.labels(loop=str(index)).set(loss)
             if loops:  # the gauges bear the record's names
                 for key in ("refinement", "loop_monotone", "supervision_loss", "improvement_reward"):
-                    getattr(g, key).set(row[key])
+                    getattr(gauges, key).set(record[key])
             if torch.cuda.is_available() and torch.cuda.is_initialized():
-                g.gpu_mem.set(torch.cuda.max_memory_allocated())
+                gauges.gpu_mem.set(torch.cuda.max_memory_allocated())
         if self.progress is not None:
-            post = {"loss": f"{r.loss:.3f}", "tok/s": f"{tps:,.0f}"}
+            postfix = {"loss": f"{row.loss:.3f}", "tok/s": f"{tps:,.0f}"}
             if mfu is not None:
-                post["mfu"] = f"{mfu:.1%}"
-            self.progress.set_postfix(post, refresh=False)
+                postfix["mfu"] = f"{mfu:.1%}"
+            self.progress.set_postfix(postfix, refresh=False)
         else:
             self.log(
-                f"step {r.step}/{self.cfg.train.max_steps} loss {r.loss:.4f} lr {r.lr:.2e} {tps:,.0f} tok/s"
+                f"step {row.step}/{self.cfg.train.max_steps} loss {row.loss:.4f} lr {row.lr:.2e} "
+                f"{tps:,.0f} tok/s"
             )
 
     def eval(self, step: int, val: float, bpb: float) -> None:
@@ -250,20 +274,23 @@ class Reporter:
             self.global_metrics.val_loss.set(val)
             self.global_metrics.val_bpb.set(bpb)
 
-    def checkpoint(self, s) -> None:
-        """A committed save `s` (checkpoint_writer.SaveResult): `seconds` the whole save, of which the loop
+    def checkpoint(self, save) -> None:
+        """A committed save (checkpoint/writer.py's SaveResult): `seconds` the whole save, of which the loop
         stood still `blocking_seconds` and `write_seconds` ran in the background."""
-        how = f"loop blocked {s.blocking_seconds:.2f}s, " if s.write_seconds else ""
+        how = f"loop blocked {save.blocking_seconds:.2f}s, " if save.write_seconds else ""
         self.log(
-            f"checkpoint step {s.step} -> {s.path} ({s.bytes / 1e6:.1f} MB in {s.seconds:.2f}s, {how}{s.reason})"
+            f"checkpoint step {save.step} -> {save.path} ({save.bytes / 1e6:.1f} MB in {save.seconds:.2f}s, "
+            f"{how}{save.reason})"
         )
         fields = ("seconds", "blocking_seconds", "write_seconds", "bytes", "reason")
-        self.event("checkpoint", s.step, path=str(s.path), **{k: getattr(s, k) for k in fields})
-        g = self.global_metrics
-        if g is not None:
-            g.ckpt_seconds.set(s.seconds)
-            g.ckpt_step.set(s.step)
-            g.ckpt_time.set(time.time())
+        self.event(
+            "checkpoint", save.step, path=str(save.path), **{key: getattr(save, key) for key in fields}
+        )
+        gauges = self.global_metrics
+        if gauges is not None:
+            gauges.ckpt_seconds.set(save.seconds)
+            gauges.ckpt_step.set(save.step)
+            gauges.ckpt_time.set(time.time())
 
     def stop_state(self, code: int) -> None:
         if self.global_metrics:

@@ -1,4 +1,4 @@
-"""One run per run directory. Retention, `latest`, export and the budget ledger all read a run dir as
+"""One run per run directory, made ready at start (`prepare`). Retention, `latest`, export and the budget ledger all read a run dir as
 one run's history; a fresh start (`--resume never`, or `--resume PATH` from elsewhere) in a directory
 that already holds checkpoints would interleave two runs there and let retention delete the new
 one's. So it is refused, or, with `--overwrite`, the old run is moved aside first, whole, into
@@ -12,10 +12,25 @@ import time
 from pathlib import Path
 
 from app.errors import UserError
-from app.trainer.checkpoint import CKPT_DIR, list_checkpoints
+from app.trainer.checkpoint.store import CKPT_DIR, clean_temp_dirs, list_checkpoints
+from app.trainer.distributed import DistEnv
 
 # What belongs to one run (the budget too: a new run starts a new ledger).
 RUN_FILES = (CKPT_DIR, "metrics.jsonl", "status.json", "budget", "stop.json", "stop.json.handled")
+
+
+def prepare(run_dir: Path, resume: str, overwrite: bool, env: DistEnv) -> None:
+    """Collective: the run dir ready for this start. A fresh start in a used one is refused or moves the
+    old run aside (`--overwrite`); what a crash mid-save left behind is removed."""
+    run_dir = Path(run_dir)
+    if check_fresh_start(run_dir, resume, overwrite):
+        if env.is_rank0:
+            move_run_aside(run_dir, print)
+        env.barrier()
+    if env.is_rank0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        clean_temp_dirs(run_dir)
+    env.barrier()
 
 
 def check_fresh_start(run_dir: Path, resume: str, overwrite: bool) -> bool:

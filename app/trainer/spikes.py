@@ -43,7 +43,7 @@ def spike_rows(rows: torch.Tensor, step: int, vocab_size: int) -> torch.Tensor:
 class SpikeDrill:
     """A batch source (`rows_at`, `state`, as app/data/loader.py's Prefetcher reads) that replaces the
     batches of optimizer steps [start, start + steps) (0-based: the steps taken after `start` were done)
-    with spike batches: the observability drill train.inject_spike_at_step / train.spike_batches."""
+    with spike batches: the observability drill drill.spike_at_step / drill.spike_batches."""
 
     def __init__(self, source, start: int, steps: int, accum: int, vocab_size: int) -> None:
         self.source, self.start, self.steps, self.accum, self.vocab = source, start, steps, accum, vocab_size

@@ -283,13 +283,15 @@ class EarlyStopping:
     """Stop when val loss has not improved by min_delta for `patience` evals (0 = off)."""
 
     def __init__(self, patience: int, min_delta: float) -> None:
-        self.patience, self.min_delta = patience, min_delta
+        self.patience = patience
+        self.min_delta = min_delta
         self.best = float("inf")
         self.bad_evals = 0
 
     def update(self, val_loss: float) -> None:
         if val_loss < self.best - self.min_delta:
-            self.best, self.bad_evals = val_loss, 0
+            self.best = val_loss
+            self.bad_evals = 0
         else:
             self.bad_evals += 1
 
@@ -304,7 +306,8 @@ class EarlyStopping:
         return {"best": self.best, "bad_evals": self.bad_evals}
 
     def load_state_dict(self, state: dict) -> None:
-        self.best, self.bad_evals = float(state["best"]), int(state["bad_evals"])
+        self.best = float(state["best"])
+        self.bad_evals = int(state["bad_evals"])
 
 
 class BadSteps:
@@ -329,7 +332,8 @@ class BadSteps:
         return {"in_a_row": self.in_a_row, "total": self.total}
 
     def load_state_dict(self, state: dict) -> None:
-        self.in_a_row, self.total = int(state["in_a_row"]), int(state["total"])
+        self.in_a_row = int(state["in_a_row"])
+        self.total = int(state["total"])
 
     def check(self) -> StopDecision | None:
         if self.in_a_row >= self.max_bad:
@@ -347,7 +351,9 @@ class MfuFloor:
     first `warmup_windows` throughput windows of a process (compile, caches, the first eval) do not count."""
 
     def __init__(self, floor: float, minutes: float, warmup_windows: int = 3) -> None:
-        self.floor, self.seconds, self.warmup = floor, minutes * 60, warmup_windows
+        self.floor = floor
+        self.seconds = minutes * 60
+        self.warmup = warmup_windows
         self.low_since: float | None = None
         self.last = 0.0
 
@@ -382,6 +388,15 @@ def auto_every(agreement_seconds: float, step_seconds: float) -> int:
     return max(1, min(by_cost, int(MAX_STOP_DELAY / step_seconds)))
 
 
+@dataclass
+class Agreement:
+    """What the ranks agreed at one step."""
+
+    decision: StopDecision  # stop or go on (StopCause.NONE)
+    plan: dict | None = None  # a newly agreed end plan (DecayPlan fields: the budget's decay, max_hours' end)
+    save_now: bool = False  # a rank found checkpoint.every_minutes passed
+
+
 class StopAgreement:
     """Collects this rank's causes and agrees with the other ranks once per step."""
 
@@ -393,15 +408,19 @@ class StopAgreement:
         early: EarlyStopping,
         signals: SignalFlag,
         bad_steps: BadSteps,
-        mfu_floor: tuple[float, float] = (0.0, 0.0),  # train.mfu_floor, train.mfu_floor_minutes
+        mfu_floor: MfuFloor | None = None,
         every: int = 0,
         warn=print,
         say=print,
     ) -> None:
         self.stop_file = stop_file  # None on ranks that do not watch it (in Kubernetes: not the master pod)
-        self.planned, self.early, self.signals, self.bad_steps = planned, early, signals, bad_steps
-        self.mfu_floor = MfuFloor(*mfu_floor)
-        self.warn, self.say = warn, say
+        self.planned = planned
+        self.early = early
+        self.signals = signals
+        self.bad_steps = bad_steps
+        self.mfu_floor = mfu_floor or MfuFloor(0.0, 0.0)
+        self.warn = warn
+        self.say = say
         self.fixed_every = every  # 0: auto
         self.every = max(every, 1)  # agreed by all ranks
         self.costs: list[float] = []  # seconds of the recent agreements
@@ -429,16 +448,16 @@ class StopAgreement:
         decay_proposal: int = 0,
         want_save: bool = False,
         step_seconds: float = 0.0,
-    ) -> tuple[StopDecision, dict | None, bool]:
-        """(the decision every rank takes, a newly agreed end plan or None, save a checkpoint now). The plan:
-        the budget's WSD decay (`decay_proposal`, rank 0's) or max_hours' end (PlannedEnd.clock_proposal),
-        as DecayPlan fields for the trainer state. Time-based choices (checkpoint every M minutes, max
-        hours) differ by a few ms between ranks' clocks, so they go through the same agreement: any rank
-        asking is enough. Between agreements (see the module docstring) only the causes every rank sees
-        alike are looked at."""
+    ) -> Agreement:
+        """The decision every rank takes, a newly agreed end plan (or None) and whether to save a checkpoint
+        now. The plan: the budget's WSD decay (`decay_proposal`, rank 0's) or max_hours' end
+        (PlannedEnd.clock_proposal), as DecayPlan fields for the trainer state. Time-based choices
+        (checkpoint every M minutes, max hours) differ by a few ms between ranks' clocks, so they go through
+        the same agreement: any rank asking is enough. Between agreements (see the module docstring) only
+        the causes every rank sees alike are looked at."""
         alike = [self.planned.check(step, tokens, 0.0), self.early.check(), self.bad_steps.check()]
         if self.agreed_once and step % self.every and not any(alike):
-            return StopDecision(StopCause.NONE), None, False
+            return Agreement(StopDecision(StopCause.NONE))
         self.agreed_once = True
         mine = self.local(step, tokens, elapsed)
         clock = self.planned.clock_proposal(step, tokens, elapsed)
@@ -457,13 +476,11 @@ class StopAgreement:
         if decay or clock:  # the budget's first, should both come at once
             plan = {"start_step": step, "steps": decay or clock, "cause": "budget" if decay else "max_hours"}
         if code == mine.encode():
-            return mine, plan, bool(save)
-        cause, detail = SEVERITY[code // 1000], code % 1000
-        return (
-            StopDecision(cause, f"{cause.name.lower()} (agreed with another rank)", detail),
-            plan,
-            bool(save),
-        )
+            return Agreement(mine, plan, bool(save))
+        cause = SEVERITY[code // 1000]
+        detail = code % 1000
+        decision = StopDecision(cause, f"{cause.name.lower()} (agreed with another rank)", detail)
+        return Agreement(decision, plan, bool(save))
 
     def _k(self, step_seconds: float) -> int:
         """This rank's proposal for k. The cheapest recent agreement is its cost: a longer one waited for

@@ -24,8 +24,7 @@ import torch.distributed as dist
 from app.config import CheckpointConfig
 from app.errors import EXIT_OUT_OF_SPACE, UserError
 from app.files import fsync_dir
-from app.trainer import checkpoint as ckpt
-from app.trainer.checkpoint_format import (
+from app.trainer.checkpoint.format import (
     MODEL_INDEX,
     OPTIMIZER_INDEX,
     FileEntry,
@@ -37,7 +36,17 @@ from app.trainer.checkpoint_format import (
     write_json_file,
     write_safetensors,
 )
-from app.trainer.checkpoint_state import Piece, model_pieces, optimizer_pieces, rng_state
+from app.trainer.checkpoint.state import Piece, model_pieces, optimizer_pieces, rng_state
+from app.trainer.checkpoint.store import (
+    FORMAT_VERSION,
+    META,
+    apply_retention,
+    checkpoints_root,
+    list_checkpoints,
+    step_dir_name,
+    versions,
+    warn_stderr,
+)
 from app.trainer.distributed import agree
 
 
@@ -105,14 +114,19 @@ class CheckpointWriter:
         config: CheckpointConfig | None = None,
         async_save: bool | None = None,
         expect_bytes: int = 0,
-        warn=ckpt.warn_stderr,
+        warn=warn_stderr,
+        full_after_step: int = 0,
     ) -> None:
         """`config` (checkpoint.*): async_save, and retention after each commit (rank 0); without it,
         synchronous saves and no retention. `async_save` overrides the config. `expect_bytes`: the
-        estimated size of one checkpoint (app/trainer/memory.py), checked against free space at once."""
-        self.run_dir, self.root = Path(run_dir), ckpt.checkpoints_root(run_dir)
-        self.rank, self.world = rank, world_size
+        estimated size of one checkpoint (app/trainer/memory.py), checked against free space at once.
+        `full_after_step` (drill.volume_full_after_step): saves of later steps fail as on a full volume."""
+        self.run_dir = Path(run_dir)
+        self.root = checkpoints_root(run_dir)
+        self.rank = rank
+        self.world = world_size
         self.config = config
+        self.full_after_step = full_after_step
         self.async_save = async_save if async_save is not None else bool(config and config.async_save)
         self.group = None
         if world_size > 1 and dist.is_available() and dist.is_initialized():
@@ -122,7 +136,8 @@ class CheckpointWriter:
         self._cancel = threading.Event()
         self._result: SaveResult | None = None
         self._error: BaseException | None = None
-        self.expect_bytes, self.warn = expect_bytes, warn
+        self.expect_bytes = expect_bytes
+        self.warn = warn
         self.check_space()
 
     # ------------------------------------------------------------ the loop's side
@@ -144,7 +159,7 @@ class CheckpointWriter:
         self.wait()
         background = self.async_save and not final
         started = time.monotonic()
-        tmp = self.root / f".tmp-{ckpt.step_dir_name(step)}"
+        tmp = self.root / f".tmp-{step_dir_name(step)}"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed save of this step
             tmp.mkdir(parents=True)
@@ -192,12 +207,14 @@ class CheckpointWriter:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        error, self._error = self._error, None
+        error = self._error
+        self._error = None
         if isinstance(error, OutOfSpace):
             raise error
         if error is not None:
             raise CheckpointError(f"checkpoint save failed: {error}") from error
-        result, self._result = self._result, None
+        result = self._result
+        self._result = None
         if result is not None and self.rank == 0:
             self.expect_bytes = result.bytes
             self.check_space()
@@ -206,8 +223,10 @@ class CheckpointWriter:
     def _space(self) -> tuple[int, int, list[Path], str]:
         """(free bytes, checkpoints the volume holds at once: keep_last + best + the one being written,
         the checkpoints there, the figures a message gives)."""
-        c, there = self.config, ckpt.list_checkpoints(self.run_dir)
-        slots = (c.keep_last + int(c.keep_best) if c else 1) + 1
+        config = self.config
+        there = list_checkpoints(self.run_dir)
+        kept = config.keep_last + int(config.keep_best) if config else 1
+        slots = kept + 1
         free = shutil.disk_usage(self.root if self.root.is_dir() else self.run_dir).free
         figures = (
             f"a checkpoint needs about {_gb(self.expect_bytes)} in {self.root}, {_gb(free)} free; the volume "
@@ -231,12 +250,13 @@ class CheckpointWriter:
             self._cancel.set()
             self._thread.join()
             self._thread = None
-        self._error = self._result = None
+        self._error = None
+        self._result = None
 
     # ------------------------------------------------------------ the writing side
 
     def _run(self, job: _Job) -> None:
-        t0 = time.monotonic()
+        write_started = time.monotonic()
         files: dict[str, FileEntry] = {}
         part: dict = {}
         error: BaseException | None = None
@@ -245,7 +265,8 @@ class CheckpointWriter:
         except BaseException as e:  # noqa: BLE001 - reported to every rank, raised by wait()
             error = e
         ok, room = self._agree(error)
-        path, nbytes = self.root / ckpt.step_dir_name(job.step), sum(f.bytes for f in files.values())
+        path = self.root / step_dir_name(job.step)
+        nbytes = sum(entry.bytes for entry in files.values())
         if ok and self.rank == 0:
             try:
                 path, nbytes = self._commit(job, part)
@@ -266,10 +287,16 @@ class CheckpointWriter:
                         f"volume or free space there; the restart {kept}"
                     )
                 raise error or CheckpointError("another rank failed to write its part")
-            if self.rank == 0 and (c := self.config) is not None:
-                ckpt.apply_retention(self.run_dir, c.keep_last, c.keep_best, c.drop_optimizer_older)
+            config = self.config
+            if self.rank == 0 and config is not None:
+                apply_retention(self.run_dir, config.keep_last, config.keep_best, config.drop_optimizer_older)
             now = time.monotonic()
-            blocking, write = (now - job.started, 0.0) if job.blocking is None else (job.blocking, now - t0)
+            if job.blocking is None:  # synchronous: the loop stood still for all of it
+                blocking = now - job.started
+                write = 0.0
+            else:
+                blocking = job.blocking
+                write = now - write_started
             self._result = SaveResult(path, job.step, blocking + write, blocking, write, nbytes, job.reason)
         except BaseException as e:  # noqa: BLE001
             self._error = e
@@ -287,7 +314,7 @@ class CheckpointWriter:
             name = shard_file(kind, self.rank)
             items = [(p.name, p.tensor) for p in pieces]
             files[name] = write_safetensors(job.tmp / name, items, cancel=self._check)
-            if job.step > int(os.environ.get("PRETRAIN_TEST_VOLUME_FULL_AFTER_STEP", 1 << 62)):  # tests
+            if self.full_after_step and job.step > self.full_after_step:  # the drill, after a partial write
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(job.tmp / name))
             for p in pieces:
                 part[kind][p.name] = {
@@ -328,17 +355,17 @@ class CheckpointWriter:
             (job.tmp / f"part-rank{r:05d}.json").unlink(missing_ok=True)
         meta = {
             **job.meta,
-            "format_version": ckpt.FORMAT_VERSION,
+            "format_version": FORMAT_VERSION,
             "step": job.step,
             "tied": job.aliases,
             "world_size": self.world,
-            "versions": ckpt.versions(),
+            "versions": versions(),
             "saved_unix": time.time(),
             "files": dict(sorted(files.items())),
         }
-        write_json_file(job.tmp / ckpt.META, meta)
+        write_json_file(job.tmp / META, meta)
         fsync_dir(job.tmp)
-        final = self.root / ckpt.step_dir_name(job.step)
+        final = self.root / step_dir_name(job.step)
         old = self.root / f".old-{final.name}-{os.getpid()}"
         if final.exists():  # re-saving a step (e.g. a stop right after a resume): swap atomically
             os.replace(final, old)

@@ -1,7 +1,7 @@
-"""Checkpoints: one directory per step, written by every rank in parallel, committed atomically
-(app/trainer/checkpoint_writer.py), verified on resume, no pickle. `latest` and `best` are found by
-scanning and verifying, never from a pointer file, so a crash at any moment leaves a valid set.
-The directory's files: docs/architecture.md ("The run directory").
+"""Checkpoints on disk: one directory per step, written by every rank in parallel, committed atomically
+(writer.py), verified on resume, no pickle. `latest` and `best` are found by scanning and verifying,
+never from a pointer file, so a crash at any moment leaves a valid set. Reading a checkpoint's meta,
+index and trainer state; retention. The directory's files: docs/architecture.md ("The run directory").
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from app.errors import UserError
 from app.errors import print_stderr as warn_stderr
 from app.files import sha256_file
-from app.trainer.checkpoint_format import MODEL_INDEX, OPTIMIZER_INDEX, ShardReader, write_json_file
+from app.trainer.checkpoint.format import MODEL_INDEX, OPTIMIZER_INDEX, ShardReader, write_json_file
 
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"

@@ -4,7 +4,7 @@
 State is never gathered. Under FSDP a rank's piece of a tensor is its DTensor shard; under DDP (and in
 one process) rank r takes an equal share of the rows of each replicated tensor, so ranks write in
 parallel. A load fills every rank's own boxes in place from whatever world size and mode wrote the
-checkpoint (checkpoint_format.ShardReader reads the overlapping slices), so checkpoints move between DDP
+checkpoint (format.ShardReader reads the overlapping slices), so checkpoints move between DDP
 and FSDP and between world sizes, and no rank ever holds more than its own share plus one tensor.
 """
 
@@ -19,12 +19,9 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from app.config import Config, config_from_dict
 from app.errors import UserError
-from app.trainer import checkpoint as ckpt
-from app.trainer.distributed import DistEnv
+from app.trainer.checkpoint.store import CheckpointInfo, open_reader
 from app.trainer.parallelize import unwrap
-from app.trainer.schedule import DecayPlan, resume_change
 
 
 @dataclass
@@ -57,35 +54,44 @@ class Piece:
     offsets: tuple[int, ...]
 
 
-def _local_box(t: DTensor) -> tuple[torch.Tensor, tuple[int, ...], bool]:
+def _local_box(tensor: DTensor) -> tuple[torch.Tensor, tuple[int, ...], bool]:
     """(local tensor, its offsets in the global tensor, whether this rank writes it). Replicated mesh
     dims (HSDP) are written by their coordinate-0 ranks only."""
-    _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    coords = t.device_mesh.get_coordinate() or []
-    owner = all(c == 0 for c, pl in zip(coords, t.placements, strict=False) if isinstance(pl, Replicate))
-    return t.to_local(), tuple(offsets), owner
+    mesh = tensor.device_mesh
+    _, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, tensor.placements)
+    coordinates = mesh.get_coordinate() or []
+    placed = zip(coordinates, tensor.placements, strict=False)
+    owner = all(coordinate == 0 for coordinate, placement in placed if isinstance(placement, Replicate))
+    return tensor.to_local(), tuple(offsets), owner
 
 
-def _piece(name: str, t: torch.Tensor, rank: int, world: int) -> Piece | None:
+def _piece(name: str, tensor: torch.Tensor, rank: int, world: int) -> Piece | None:
     """A DTensor gives its local shard; a plain tensor is the same on every rank and rank r writes rows
-    [r*c, (r+1)*c) of it (c = ceil(rows / world)). 0-d tensors (Adam's step) are written by rank 0."""
-    t = t.detach()
-    if isinstance(t, DTensor):
-        local, offsets, owner = _local_box(t)
-        return Piece(name, local, tuple(t.shape), offsets) if owner and local.numel() else None
-    if t.dim() == 0:
-        return Piece(name, t, (), ()) if rank == 0 else None
-    rows = t.shape[0]
-    c = -(-rows // world)
-    lo, hi = min(rank * c, rows), min((rank + 1) * c, rows)
-    return Piece(name, t[lo:hi], tuple(t.shape), (lo,) + (0,) * (t.dim() - 1)) if lo < hi else None
+    [r*share, (r+1)*share) of it (share = ceil(rows / world)). 0-d tensors (Adam's step) are written by
+    rank 0."""
+    tensor = tensor.detach()
+    if isinstance(tensor, DTensor):
+        local, offsets, owner = _local_box(tensor)
+        if not owner or not local.numel():
+            return None
+        return Piece(name, local, tuple(tensor.shape), offsets)
+    if tensor.dim() == 0:
+        return Piece(name, tensor, (), ()) if rank == 0 else None
+    rows = tensor.shape[0]
+    share = -(-rows // world)
+    first = min(rank * share, rows)
+    end = min((rank + 1) * share, rows)
+    if first >= end:
+        return None
+    offsets = (first,) + (0,) * (tensor.dim() - 1)
+    return Piece(name, tensor[first:end], tuple(tensor.shape), offsets)
 
 
 def _tied_aliases(gpt: torch.nn.Module) -> dict[str, str]:
     """{alias: name} of parameters that are one tensor (tied embeddings): stored once, under `name`."""
     groups: dict[int, list[str]] = {}
-    for name, p in gpt.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
+    for name, param in gpt.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
     return {alias: names[0] for names in groups.values() for alias in names[1:]}
 
 
@@ -93,14 +99,16 @@ def model_pieces(model: torch.nn.Module, rank: int, world: int) -> tuple[list[Pi
     """This rank's pieces of the weights (no communication, no copy) and the tied aliases."""
     gpt = unwrap(model)
     aliases = _tied_aliases(gpt)
-    pieces = [_piece(n, t, rank, world) for n, t in gpt.state_dict().items() if n not in aliases]
-    return [p for p in pieces if p is not None], aliases
+    pieces = [
+        _piece(name, tensor, rank, world) for name, tensor in gpt.state_dict().items() if name not in aliases
+    ]
+    return [piece for piece in pieces if piece is not None], aliases
 
 
 def _named_params(gpt: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """The optimizer's parameters by name, in its order (over its param groups)."""
-    names = {id(p): n for n, p in gpt.named_parameters()}
-    return {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
+    names = {id(param): name for name, param in gpt.named_parameters()}
+    return {names[id(param)]: param for group in optimizer.param_groups for param in group["params"]}
 
 
 def optimizer_pieces(
@@ -110,27 +118,30 @@ def optimizer_pieces(
     JSON: {"param_groups": [{..., "params": [names]}], "scalars": {param name: {state name: value}}}.
     Generic over torch optimizers: every tensor in `optimizer.state` is stored, whatever its name."""
     params = _named_params(unwrap(model), optimizer)
-    pieces, scalars = [], {}
-    for name, p in params.items():
-        for key, value in optimizer.state.get(p, {}).items():
+    pieces = []
+    scalars: dict[str, dict] = {}
+    for name, param in params.items():
+        for key, value in optimizer.state.get(param, {}).items():
             if not isinstance(value, torch.Tensor):
                 scalars.setdefault(name, {})[key] = value
-            elif (piece := _piece(f"{name}/{key}", value, rank, world)) is not None:
+                continue
+            piece = _piece(f"{name}/{key}", value, rank, world)
+            if piece is not None:
                 pieces.append(piece)
-    order, groups, i = list(params), [], 0
-    for g in optimizer.param_groups:
-        n = len(g["params"])
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": order[i : i + n]})
-        i += n
+    names = iter(params)  # in the optimizer's order: each group takes the next len(params) names
+    groups = []
+    for group in optimizer.param_groups:
+        settings = {key: value for key, value in group.items() if key != "params"}
+        groups.append({**settings, "params": [next(names) for _ in group["params"]]})
     return pieces, {"param_groups": groups, "scalars": scalars}
 
 
-def _target(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """Where a load writes for `t` in place: the local shard and its offsets, or the whole tensor."""
-    if isinstance(t, DTensor):
-        local, offsets, _ = _local_box(t)
+def _target(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """Where a load writes for `tensor` in place: the local shard and its offsets, or the whole tensor."""
+    if isinstance(tensor, DTensor):
+        local, offsets, _ = _local_box(tensor)
         return local, offsets
-    return t, (0,) * t.dim()
+    return tensor, (0,) * tensor.dim()
 
 
 @torch.no_grad()
@@ -139,9 +150,9 @@ def load_model(model: torch.nn.Module, reader) -> None:
     the tensors it holds (DDP, one process), one at a time. No communication."""
     gpt = unwrap(model)
     aliases = _tied_aliases(gpt)
-    for name, t in gpt.state_dict().items():
+    for name, tensor in gpt.state_dict().items():
         if name not in aliases:
-            local, offsets = _target(t)
+            local, offsets = _target(tensor)
             reader.read(reader.tied.get(name, name), local, offsets)
 
 
@@ -158,15 +169,23 @@ def read_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
                 f"the checkpoint's optimizer state has '{pname}', which this model does not; resume with "
                 "the config it was trained with, or start fresh with --resume never"
             )
-        p, shape, dtype = params[pname], reader.shape(name), reader.dtype(name)
-        if isinstance(p, DTensor) and shape == tuple(p.shape):
-            local, offsets, _ = _local_box(p)
-            buf = reader.read(name, torch.empty(local.shape, dtype=dtype, device=p.device), offsets)
+        param = params[pname]
+        shape = reader.shape(name)
+        dtype = reader.dtype(name)
+        if isinstance(param, DTensor) and shape == tuple(param.shape):
+            local, offsets, _ = _local_box(param)
+            buffer = torch.empty(local.shape, dtype=dtype, device=param.device)
+            reader.read(name, buffer, offsets)
             value = DTensor.from_local(
-                buf, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                buffer,
+                param.device_mesh,
+                param.placements,
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
             )
         else:
-            device = "cpu" if len(shape) == 0 else p.device  # Adam keeps `step` on the CPU
+            device = "cpu" if len(shape) == 0 else param.device  # Adam keeps `step` on the CPU
             value = reader.read(name, torch.empty(shape, dtype=dtype, device=device))
         state.setdefault(pname, {})[key] = value
     for pname, entry in reader.scalars.items():
@@ -183,106 +202,66 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rea
     gpt = unwrap(model)
     saved, notes = fit_state(read_optimizer_state(model, optimizer, reader), optimizer, gpt)
     index = {name: i for i, name in enumerate(_named_params(gpt, optimizer))}
-    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in saved["param_groups"]]
+    groups = [
+        {**group, "params": [index[name] for name in group["params"]]} for group in saved["param_groups"]
+    ]
     state = {index[name]: entry for name, entry in saved["state"].items()}
     optimizer.load_state_dict({"state": state, "param_groups": groups})
     return notes
 
 
+def _to_base64(rng: torch.Tensor) -> str:
+    return base64.b64encode(rng.numpy().tobytes()).decode()
+
+
+def _from_base64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
 def rng_state() -> dict:
     """This process's RNG states as JSON (torch states as base64 bytes)."""
-    py = random.getstate()
-    npst = np.random.get_state(legacy=False)
-    npst["state"] = {"key": npst["state"]["key"].tolist(), "pos": int(npst["state"]["pos"])}
-    b64 = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
-    out = {"python": [py[0], list(py[1]), py[2]], "numpy": npst, "torch": b64(torch.get_rng_state())}
+    version, internal, gauss = random.getstate()
+    numpy_state = np.random.get_state(legacy=False)
+    bit_generator = numpy_state["state"]
+    numpy_state["state"] = {"key": bit_generator["key"].tolist(), "pos": int(bit_generator["pos"])}
+    out = {
+        "python": [version, list(internal), gauss],
+        "numpy": numpy_state,
+        "torch": _to_base64(torch.get_rng_state()),
+    }
     if torch.cuda.is_available():
-        out["cuda"] = [b64(s) for s in torch.cuda.get_rng_state_all()]
+        out["cuda"] = [_to_base64(cuda_state) for cuda_state in torch.cuda.get_rng_state_all()]
     return out
 
 
 def set_rng_state(state: dict) -> None:
-    v, internal, gauss = state["python"]
-    random.setstate((v, tuple(internal), gauss))
-    npst = dict(state["numpy"])
-    npst["state"] = {"key": np.asarray(npst["state"]["key"], dtype=np.uint32), "pos": npst["state"]["pos"]}
-    np.random.set_state(npst)
-    tensor = lambda b64: torch.frombuffer(bytearray(base64.b64decode(b64)), dtype=torch.uint8)  # noqa: E731
-    torch.set_rng_state(tensor(state["torch"]))
-    for i, s in enumerate(state.get("cuda", [])[: torch.cuda.device_count()]):
-        torch.cuda.set_rng_state(tensor(s), i)
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    numpy_state = dict(state["numpy"])
+    bit_generator = numpy_state["state"]
+    numpy_state["state"] = {
+        "key": np.asarray(bit_generator["key"], dtype=np.uint32),
+        "pos": bit_generator["pos"],
+    }
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(_from_base64(state["torch"]))
+    for device, cuda_state in enumerate(state.get("cuda", [])[: torch.cuda.device_count()]):
+        torch.cuda.set_rng_state(_from_base64(cuda_state), device)
 
 
 # ---------------------------------------------------------------- resume
 
 
 def load_into(
-    info: ckpt.CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> list[str]:
     """Restore weights (and optimizer state, when the checkpoint has it) in place, whatever world size and
     mode wrote them: every rank reads only the boxes it holds (its FSDP shards, or whole tensors under DDP
     and in one process), one tensor at a time. No communication, no full copy anywhere. Returns lines
     to log (an optimizer state converted between modes)."""
-    with ckpt.open_reader(info) as reader:
+    with open_reader(info) as reader:
         load_model(model, reader)
     if optimizer is not None and info.has_optimizer:
-        with ckpt.open_reader(info, "optimizer") as reader:
+        with open_reader(info, "optimizer") as reader:
             return load_optimizer(model, optimizer, reader)  # notes of a converted optimizer mode
     return []
-
-
-def find_checkpoint(run_dir, spec: str, verify: str, env: DistEnv, warn) -> ckpt.CheckpointInfo | None:
-    """`--resume auto`: the newest checkpoint of the run dir that verifies (rank 0 sets newer, unusable
-    step dirs aside so they shadow nothing); `never`: None; else a run dir or step dir. Collective: the
-    ranks share the sha256 checks, each hashing 1/world of the files, and agree on the answer."""
-    if spec == "never":
-        return None
-    shared = ckpt.Shared(env.rank, env.world_size, env.all_true) if env.distributed else None
-    if spec == "auto":
-        info = ckpt.resolve_latest(run_dir, verify, warn, shared)
-        if env.is_rank0:
-            ckpt.set_aside_newer(run_dir, info.step if info else -1, warn=warn)
-    else:
-        info = ckpt.resolve(spec, verify, warn, shared)
-    if info is not None and info.step == 0:  # older versions saved step 0: nothing learned, stale optimizer
-        warn(f"ignoring {info.path}: a step-0 checkpoint holds nothing a fresh start does not")
-        return None
-    return info
-
-
-def restore_weights(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    info: ckpt.CheckpointInfo,
-    env: DistEnv,
-    warn,
-    log,
-) -> None:
-    """Every rank reads only the boxes it holds (its FSDP shards, or whole tensors under DDP), from
-    whatever world size and mode wrote them: no broadcast, no full copy anywhere. An optimizer state of
-    another mode (AdamW <-> Muon) is converted, with a line saying so."""
-    ckpt.check_compatible(model, ckpt.load_model_shapes(info), info.path)  # every rank, index only
-    for note in load_into(info, model, optimizer):
-        (warn if note.startswith("warning:") else log)(note)
-    if not info.has_optimizer:
-        warn(f"warning: {info.path} has no optimizer state; the optimizer restarts from zero moments")
-    saved_world = info.meta.get("world_size")
-    if saved_world != env.world_size:
-        log(
-            f"resharding: checkpoint of world size {saved_world} on {env.world_size}: weights and "
-            "optimizer restored exactly, data continues at the same global sample, RNG states start fresh"
-        )
-    rng = ckpt.load_rng_state(info, env.rank)
-    if rng is not None and saved_world == env.world_size:
-        set_rng_state(rng)
-
-
-def schedule_note(info: ckpt.CheckpointInfo, cfg: Config, budget_decay: dict | None) -> str | None:
-    """Say so when this run's LR at the resumed step differs from the checkpoint's schedule."""
-    old = config_from_dict(info.meta.get("config") or cfg.to_dict())
-    return resume_change(
-        (old.schedule, old.optim, old.train.max_steps),
-        (cfg.schedule, cfg.optim, cfg.train.max_steps),
-        info.step,
-        DecayPlan(**budget_decay) if budget_decay else None,
-    )

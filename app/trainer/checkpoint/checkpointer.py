@@ -1,0 +1,246 @@
+"""The training loop's one door to checkpoints: which checkpoint a start resumes, loading it, saving when
+a save is due (checkpoint.every_steps, checkpoint.every_minutes as the ranks agreed), the save for a stop,
+and waiting for or abandoning a save that runs in the background. Every method is collective unless it
+says otherwise: all ranks call it at the same steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from app.config import Config, config_from_dict
+from app.trainer.checkpoint.state import TrainerState, load_into, set_rng_state
+from app.trainer.checkpoint.store import (
+    CheckpointInfo,
+    Shared,
+    check_compatible,
+    describe,
+    load_model_shapes,
+    load_rng_state,
+    load_trainer_state,
+    resolve,
+    resolve_latest,
+    set_aside_newer,
+    summary,
+)
+from app.trainer.checkpoint.writer import CheckpointWriter, SaveResult
+from app.trainer.distributed import DistEnv
+from app.trainer.parallelize import unwrap
+from app.trainer.schedule import DecayPlan, resume_change
+
+# What the loop gives a save besides the weights and the optimizer: the trainer's state and the
+# meta.json fields that change during a run (tokens, val loss, spend).
+Snapshot = Callable[[], tuple[TrainerState, dict]]
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: Config,
+        env: DistEnv,
+        *,
+        resume: str,
+        data: dict,
+        files: list[Path],
+        expect_bytes: int,
+        log: Callable[[str], None],
+        warn: Callable[[str], None],
+        on_commit: Callable[[SaveResult], None],
+        on_save: Callable[[str], None],
+    ) -> None:
+        """`resume`: --resume (auto | never | a path). `data`: what meta.json says of the data, `files`: copied
+        into every checkpoint (the tokenizer: a checkpoint dir alone is enough to sample or export).
+        `expect_bytes`: the estimated size of one checkpoint, checked against the free space at once.
+        `on_commit(result)`: a save is committed. `on_save(state)`: "saving" while the loop stands still for
+        a save, "running" after it (the heartbeat)."""
+        self.run_dir = Path(run_dir)
+        self.cfg = cfg
+        self.env = env
+        self.resume = resume
+        self.data = data
+        self.files = files
+        self.log = log
+        self.warn = warn
+        self.on_commit = on_commit
+        self.on_save = on_save
+        self.writer = CheckpointWriter(
+            self.run_dir,
+            env.rank,
+            env.world_size,
+            cfg.checkpoint,
+            expect_bytes=expect_bytes,
+            warn=warn,
+            full_after_step=cfg.drill.volume_full_after_step,
+        )
+        self.resume_from: CheckpointInfo | None = None
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.start_step = 0  # the step this process started from
+        self.last_saved_step = -1  # the last save asked for (-1: none in this run dir's history we know)
+        self.last_save_time = time.monotonic()
+        self.committed: SaveResult | None = None  # the last committed save of this process
+
+    # ------------------------------------------------------------ start
+
+    def find(self) -> CheckpointInfo | None:
+        """The checkpoint this start resumes, or None. `--resume auto`: the newest of the run dir that
+        verifies (rank 0 sets newer, unusable step dirs aside so they shadow nothing); `never`: None; else
+        a run dir or a step dir. The ranks share the sha256 checks, each hashing 1/world of the files, and
+        agree on the answer."""
+        env = self.env
+        if self.resume == "never":
+            return None
+        verify = self.cfg.checkpoint.verify
+        shared = Shared(env.rank, env.world_size, env.all_true) if env.distributed else None
+        if self.resume == "auto":
+            info = resolve_latest(self.run_dir, verify, self.warn, shared)
+            if env.is_rank0:
+                set_aside_newer(self.run_dir, info.step if info else -1, warn=self.warn)
+        else:
+            info = resolve(self.resume, verify, self.warn, shared)
+        if info is not None and info.step == 0:
+            # older versions saved step 0: nothing learned, and an optimizer state that shifts AdamW's steps
+            self.warn(f"ignoring {info.path}: a step-0 checkpoint holds nothing a fresh start does not")
+            return None
+        self.resume_from = info
+        return info
+
+    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
+        """Restore `model` and `optimizer` in place from the checkpoint `find` chose and return its trainer
+        state (a fresh one when there is none); later saves write these two objects. No communication:
+        every rank reads only the boxes it holds, whatever world size and mode wrote them."""
+        self.model = model
+        self.optimizer = optimizer
+        info = self.resume_from
+        if info is None:
+            return TrainerState()
+        self._restore_weights(info)
+        state = TrainerState(**load_trainer_state(info))
+        self.start_step = info.step
+        if self.resume == "auto":  # the checkpoint is this run dir's own
+            self.last_saved_step = info.step
+        self.log(f"resumed from {describe(info)}")
+        note = self._schedule_note(info, state.budget_decay)
+        if note:
+            self.log(note)
+        return state
+
+    def resumed(self) -> tuple[int, float] | None:
+        """(step, save time) of this run dir's checkpoint that the run resumed from, for the gauges."""
+        info = self.resume_from
+        if info is None or self.resume != "auto":
+            return None
+        return info.step, float(info.meta.get("saved_unix", 0.0))
+
+    def _restore_weights(self, info: CheckpointInfo) -> None:
+        """An optimizer state of another mode (AdamW <-> Muon) is converted, with a line saying so; RNG
+        states are restored when the world size is the checkpoint's."""
+        env = self.env
+        gpt = unwrap(self.model)
+        check_compatible(gpt, load_model_shapes(info), info.path)  # every rank, index only
+        for note in load_into(info, gpt, self.optimizer):
+            if note.startswith("warning:"):
+                self.warn(note)
+            else:
+                self.log(note)
+        if not info.has_optimizer:
+            self.warn(
+                f"warning: {info.path} has no optimizer state; the optimizer restarts from zero moments"
+            )
+        saved_world = info.meta.get("world_size")
+        if saved_world != env.world_size:
+            self.log(
+                f"resharding: checkpoint of world size {saved_world} on {env.world_size}: weights and "
+                "optimizer restored exactly, data continues at the same global sample, RNG states start fresh"
+            )
+        rng = load_rng_state(info, env.rank)
+        if rng is not None and saved_world == env.world_size:
+            set_rng_state(rng)
+
+    def _schedule_note(self, info: CheckpointInfo, budget_decay: dict | None) -> str | None:
+        """A line when this run's LR at the resumed step differs from the checkpoint's schedule."""
+        cfg = self.cfg
+        old = config_from_dict(info.meta.get("config") or cfg.to_dict())
+        return resume_change(
+            (old.schedule, old.optim, old.train.max_steps),
+            (cfg.schedule, cfg.optim, cfg.train.max_steps),
+            info.step,
+            DecayPlan(**budget_decay) if budget_decay else None,
+        )
+
+    # ------------------------------------------------------------ saving
+
+    def time_due(self) -> bool:
+        """Not collective: whether checkpoint.every_minutes have passed on this rank's clock. Ranks' clocks
+        differ by a few ms, so the loop saves when the stop agreement says any rank asked."""
+        minutes = self.cfg.checkpoint.every_minutes
+        return bool(minutes) and time.monotonic() - self.last_save_time >= minutes * 60
+
+    def maybe_save(self, step: int, snapshot: Snapshot, *, time_agreed: bool = False) -> None:
+        """Save when a save is due: every checkpoint.every_steps steps this process trained, or when the
+        ranks agreed that checkpoint.every_minutes have passed (`time_agreed`). In the background when
+        checkpoint.async_save; a background save that has finished is reported here."""
+        every = self.cfg.checkpoint.every_steps
+        if time_agreed:
+            self.save(step, snapshot, "every_minutes")
+        elif every and step % every == 0 and step > self.start_step:
+            self.save(step, snapshot, "every_steps")
+        self._report(self.writer.poll())
+
+    def final_save(self, step: int, snapshot: Snapshot, reason: str) -> None:
+        """The save of a graceful stop: in the foreground, and it returns once every save is committed, so
+        a stop ends on a complete checkpoint."""
+        self.save(step, snapshot, reason, final=True)
+        self.wait()
+
+    def save(self, step: int, snapshot: Snapshot, reason: str, final: bool = False) -> None:
+        """Save `step` now, unless it is step 0 (nothing has been learned, and a restart from the seed is
+        the same run) or already saved. In the background with checkpoint.async_save, unless `final`."""
+        if step == 0 or step == self.last_saved_step:
+            return
+        state, progress = snapshot()
+        meta = {"config": self.cfg.to_dict(), **progress, "reason": reason, "data": self.data}
+        self.wait()  # the previous background save, if one is still running
+        self.on_save("saving")
+        result = self.writer.save(
+            step, self.model, self.optimizer, asdict(state), meta, self.files, reason, final
+        )
+        self.last_saved_step = step
+        self.last_save_time = time.monotonic()
+        self._report(result)
+        self.on_save("running")
+
+    def wait(self) -> None:
+        """Block until a background save is committed (raises its error)."""
+        self._report(self.writer.wait())
+
+    def abandon(self) -> None:
+        """Not collective in effect: drop a pending background write without committing it (an immediate
+        stop, or a crash); its temp dir goes, the last committed checkpoint stands."""
+        self.writer.abandon()
+
+    def _report(self, result: SaveResult | None) -> None:
+        """A save is reported once committed (at once when synchronous, later from the background)."""
+        if result is not None:
+            self.committed = result
+            self.on_commit(result)
+
+    @property
+    def committed_step(self) -> int:
+        """The newest committed checkpoint's step (-1: none yet)."""
+        if self.committed is not None:
+            return self.committed.step
+        resumed = self.resumed()
+        return resumed[0] if resumed else -1
+
+    def summary(self) -> list[str]:
+        """Rank 0: the lines a finished run prints, its latest and best checkpoints ([] elsewhere)."""
+        if not self.env.is_rank0:
+            return []
+        return summary(self.run_dir, self.cfg.checkpoint.verify, self.warn)
