@@ -21,7 +21,7 @@ examples:
   pretrain prepare --input corpus/ --out data/mine --vocab-size 8192
   pretrain plan --budget-usd 35 --gpu a100-80gb --gpus 1
   pretrain bench --preset x1-50m                   # tokens/s, MFU, memory on this machine
-  pretrain watch --cap-usd 1000 --gpu-type h100-sxm --gpus 8 --run-dir /ckpt/run
+  pretrain watch --budget-cap-usd 1000 --gpu-type h100-sxm --gpus 8 --run-dir /ckpt/run
 
 exit codes: 0 done (planned end, budget stop, early stop); 2 bad input or config;
             128+N preempted by signal N (retryable); 1 unexpected error;

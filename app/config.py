@@ -26,34 +26,40 @@ DEFAULT_PRESET = "tiny"
 
 @dataclass
 class LoopConfig:
-    """Looped transformer: prelude blocks, recurrent blocks run `recurrence` times with shared weights, coda."""
+    """Looped transformer: prelude blocks, recurrent blocks run `recurrence` times with shared weights,
+    coda."""
 
-    prelude: int = 0
-    recurrent: int = 0  # 0 = plain GPT (n_layer blocks)
-    coda: int = 0
-    recurrence: int = 1
+    prelude: int = 0  # blocks run once before the recurrent ones
+    recurrent: int = 0  # blocks run `recurrence` times with shared weights; 0 = plain GPT (n_layer blocks)
+    coda: int = 0  # blocks run once after the recurrent ones
+    recurrence: int = 1  # how many times the recurrent blocks run per forward pass
     deep_supervision: bool = False  # a loss at the output of every recurrence
-    loss_weights: list[float] = field(default_factory=list)  # per recurrence; overrides the two below
+    # the weight of each recurrence's loss under deep supervision; given, supervision_weight_base is unused
+    loss_weights: list[float] = field(default_factory=list)
     supervision_weight_base: float = 1.0  # loop i weighs base^i (normalised); 1 = equal (docs/recipes.md)
     improvement_reward_scale: float = 0.0  # reward each read-out's relative gain over the previous one
 
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 0  # 0 = take it from the tokenizer of the data
+    """The GPT: sizes, attention and initialisation (app/trainer/model.py)."""
+
+    vocab_size: int = 0  # tokens in the vocabulary; 0 = take it from the tokenizer of the data
     vocab_multiple: int = 128  # embedding/head rows padded to a multiple of this (fast head matmul); 1 = off
-    seq_len: int = 256
-    n_layer: int = 4
-    d_model: int = 256
-    n_head: int = 4
-    n_kv_head: int = 0  # 0 = n_head (plain multi-head attention)
-    d_ff: int = 0  # 0 = 8/3 * d_model rounded up to a multiple of 64 (SwiGLU), 4 * d_model (relu2)
-    rope_base: float = 10000.0
-    tie_embeddings: bool = True
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
+    seq_len: int = 256  # tokens per training sequence (the context length)
+    n_layer: int = 4  # transformer blocks (plain GPT)
+    d_model: int = 256  # width of the residual stream
+    n_head: int = 4  # attention heads; must divide d_model
+    n_kv_head: int = 0  # key/value heads (grouped-query attention); 0 = n_head (plain multi-head attention)
+    # MLP hidden width; 0 = 8/3 * d_model rounded up to a multiple of 64 (SwiGLU), 4 * d_model (relu2)
+    d_ff: int = 0
+    rope_base: float = 10000.0  # RoPE base frequency
+    tie_embeddings: bool = True  # the output head shares the token embedding's weights
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    init_std: float = 0.02  # standard deviation of the normal initialisation of the weights
     # Switches from the open record (modded-nanogpt) and nanochat, all off by default: docs/recipes.md
-    mlp: str = "swiglu"  # swiglu | relu2 (ReLU squared, two matrices; d_ff 0 = 4 * d_model)
+
+    mlp: str = "swiglu"  # the MLP: swiglu | relu2 (ReLU squared, two matrices; d_ff 0 = 4 * d_model)
     qk_norm: bool = False  # RMS-normalize each head's queries and keys (no gain) before RoPE
     attn_scale: float = 0.0  # attention logit scale; 0 = 1/sqrt(head dim)
     parameter_free_norms: bool = False  # RMSNorms without a learned gain
@@ -126,9 +132,11 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    """What the run trains on: the embedded corpus, or a data dir written by `pretrain prepare`."""
+
     # "embedded" (Shakespeare, built on first use) or a `pretrain prepare` output dir
     dataset: str = "embedded"
-    tokenizer: str = "bpe"  # embedded only: bpe | char
+    tokenizer: str = "bpe"  # embedded only: the tokenizer, bpe | char
     vocab_size: int = 2048  # embedded BPE vocabulary size
     cache_dir: str = ""  # embedded data cache; "" = $PRETRAIN_CACHE or ~/.cache/pretrain
     val_fraction: float = 0.02  # embedded only: share of documents held out for validation
@@ -136,27 +144,29 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    seed: int = 1337
+    """The loop: batch, length of the run, evaluation, precision, parallelism and the guards."""
+
+    seed: int = 1337  # seeds the weights' initialisation and the data order
     # sequences per rank per forward pass; auto = the most that fits (keeps batch_tokens)
     micro_batch_size: int | str = 16
     batch_tokens: int = 0  # tokens per optimizer step over all ranks; 0 = one micro-batch per rank
-    max_steps: int = 1000
+    max_steps: int = 1000  # planned end after this many optimizer steps
     max_tokens: int = 0  # planned end by tokens; 0 = off
     max_hours: float = 0.0  # planned end by wall-clock hours of this run (all restarts); 0 = off
-    eval_every: int = 100
-    eval_batches: int = 20
+    eval_every: int = 100  # validation loss every N steps, at step 0 and at the planned end; 0 = off
+    eval_batches: int = 20  # micro-batches of the validation split per evaluation, per rank
     sample_every: int = 0  # print a sample every N steps; 0 = off
-    log_every: int = 10
+    log_every: int = 10  # read the step log (loss, throughput, guards) back from the device every N steps
     early_stop_patience: int = 0  # evals without val-loss improvement before stopping; 0 = off
-    early_stop_min_delta: float = 0.0
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
+    early_stop_min_delta: float = 0.0  # an eval must lower the best val loss by more than this to count
+    device: str = "auto"  # where to train: auto (CUDA when there is one) | cpu | cuda
+    dtype: str = "auto"  # compute dtype: auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
     compile: str = "auto"  # auto (on for CUDA, off for CPU) | true | false: torch.compile each block
-    compile_mode: str = "default"  # default | max-autotune | max-autotune-no-cudagraphs
+    compile_mode: str = "default"  # torch.compile mode: default | max-autotune | max-autotune-no-cudagraphs
     prefetch: int = 2  # micro-batches read ahead on a side thread (pinned on CUDA); 0 = read in the loop
     collective_timeout_minutes: float = 30.0  # NCCL/gloo timeout; must exceed the longest save
-    parallel: str = "ddp"  # ddp | fsdp | auto
-    activation_checkpointing: bool = False
+    parallel: str = "ddp"  # ddp (replicas) | fsdp (sharded) | auto (FSDP when the DDP estimate does not fit)
+    activation_checkpointing: bool = False  # recompute each block's activations in backward (less memory)
     fp8: str = "false"  # false | true (H100-class GPUs) | emulate (float8 math in software, any device)
     device_memory_gb: float = 0.0  # per-GPU memory for parallel=auto; 0 = detect (CUDA) / assume DDP fits
     spike_factor: float = 3.0  # a loss above this multiple of its moving average is a spike
@@ -164,70 +174,82 @@ class TrainConfig:
     max_bad_steps: int = 5  # a non-finite loss or gradient skips the update; this many in a row stop the run
     stop_check_every: int = 0  # ranks agree on stops every k steps; 0 = auto (docs/performance.md)
     mfu_floor: float = 0.0  # after warm-up, MFU under this for mfu_floor_minutes: checkpoint, exit 7; 0 = off
-    mfu_floor_minutes: float = 10.0
+    mfu_floor_minutes: float = 10.0  # how long MFU may stay under train.mfu_floor before the stop
 
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # adamw | muon (Muon for hidden matrices, AdamW for the rest; docs/recipes.md)
+    """The optimizer and its parameter groups' learning rates (app/trainer/optim.py, docs/recipes.md)."""
+
+    # optimizer: adamw | muon (Muon for the hidden matrices, AdamW for the rest; docs/recipes.md)
+    name: str = "adamw"
     lr: float = 1e-3  # peak LR of norms/biases, and of every group whose own LR below is 0
-    min_lr: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1  # not applied to norms and embeddings
-    grad_clip: float = 1.0  # 0 = off
-    fused: str = "auto"  # auto | true | false
+    min_lr: float = 1e-4  # the LR the schedule decays to
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's epsilon
+    weight_decay: float = 0.1  # decoupled weight decay, not applied to norms and embeddings
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = off
+    fused: str = "auto"  # fused AdamW kernels: auto (on CUDA) | true | false
     matrix_lr: float = 0.0  # peak LR of the 2-D weights inside the blocks (Muon or AdamW); 0 = lr
     embedding_lr: float = 0.0  # peak LR of the token embedding (and a tied head); 0 = lr
     head_lr: float = 0.0  # peak LR of an untied output head; 0 = lr
-    scalar_lr: float = (
-        0.0  # peak LR of the `other` group (norm gains, the model switches' mixing weights); 0 = lr
-    )
-    muon_momentum: float = 0.95
-    muon_momentum_warmup_steps: int = 0  # Muon momentum rises linearly from muon_momentum_start; 0 = off
-    muon_momentum_start: float = 0.85  # the record: 0.85 -> 0.95 over the first 300 steps
-    muon_momentum_end: float = 0.0  # Muon momentum when the LR has decayed to min_lr, following it; 0 = off
+    # peak LR of the `other` group (norm gains, the model switches' mixing weights); 0 = lr
+    scalar_lr: float = 0.0
+    muon_momentum: float = 0.95  # Muon's momentum (at the peak LR)
+    # Muon's momentum rises linearly from muon_momentum_start over this many steps; 0 = off
+    muon_momentum_warmup_steps: int = 0
+    # Muon's momentum at the start of its warm-up (the record: 0.85 -> 0.95 over the first 300 steps)
+    muon_momentum_start: float = 0.85
+    # Muon's momentum when the LR has decayed to min_lr, following the LR's decay; 0 = off
+    muon_momentum_end: float = 0.0
     muon_lr_adjust: str = "match_rms_adamw"  # match_rms_adamw | original (torch.optim.Muon adjust_lr_fn)
 
 
 @dataclass
 class ScheduleConfig:
-    name: str = "cosine"  # cosine | wsd | constant
-    warmup_steps: int = 100
+    """The learning-rate schedule (app/trainer/schedule.py)."""
+
+    name: str = "cosine"  # LR schedule: cosine | wsd (warmup, stable, decay) | constant
+    warmup_steps: int = 100  # linear warm-up from 0 to the peak LR over this many steps
     decay_fraction: float = 0.2  # wsd: last fraction of max_steps spent decaying to min_lr
 
 
 @dataclass
 class CheckpointConfig:
+    """When checkpoints are written, how many are kept, how they are checked (app/trainer/checkpoint/)."""
+
     # run-dir lease (app/trainer/lease.py): a second trainer on the run dir waits this long, then exits 142
     lease_wait_seconds: float = 600.0
     lease_stale_seconds: float = 60.0  # a lease whose heartbeat stopped this long ago is taken over
-    every_steps: int = 0  # 0 = off
-    every_minutes: float = 60.0  # 0 = off
-    keep_last: int = 3
-    keep_best: bool = True
+    every_steps: int = 0  # save every N steps; 0 = off
+    every_minutes: float = 60.0  # save every M minutes of training (agreed by the ranks); 0 = off
+    keep_last: int = 3  # keep the newest N checkpoints (and the best)
+    keep_best: bool = True  # keep the checkpoint with the lowest val loss too
     drop_optimizer_older: bool = False  # strip optimizer state from kept checkpoints but the latest
-    verify: str = "sha256"  # sha256 | size: how latest/best are verified at resume
+    verify: str = "sha256"  # how latest/best are verified at resume: sha256 | size
     async_save: bool = True  # stage to host memory, write in the background; stops still wait for it
 
 
 @dataclass
 class MetricsConfig:
+    """Where the run's numbers go besides the console: Prometheus, MFU's peak, experiment trackers."""
+
     port: int = 0  # Prometheus /metrics on this port (global rank 0 and each node's local rank 0); 0 = off
     addr: str = ""  # /metrics bind address; "" = 0.0.0.0 in a pod (KUBERNETES_SERVICE_HOST), else 127.0.0.1
     gpu_type: str = ""  # key of the peak-FLOPs table; "" = detect from the CUDA device name
     peak_tflops: float = 0.0  # override peak dense bf16 TFLOP/s per device (also enables MFU on CPU)
-    progress: bool = True  # console progress bar
+    progress: bool = True  # a progress bar on a terminal console (else log lines)
     # Experiment trackers fed the same records as metrics.jsonl (rank 0): any of tensorboard, mlflow, wandb
     trackers: list[str] = field(default_factory=list)
-    tensorboard_dir: str = ""  # "" = RUN_DIR/tensorboard
-    mlflow_uri: str = ""  # "" = $MLFLOW_TRACKING_URI, else a file store in RUN_DIR/mlruns
-    mlflow_experiment: str = "pretrain"
-    wandb_project: str = "pretrain"
-    wandb_entity: str = ""  # "" = your W&B default entity
-    wandb_mode: str = ""  # online | offline | disabled; "" = $WANDB_MODE, else online ($WANDB_API_KEY)
-    tracker_run_name: str = ""  # "" = the run dir's name
+    tensorboard_dir: str = ""  # TensorBoard log dir; "" = RUN_DIR/tensorboard
+    # MLflow tracking URI; "" = $MLFLOW_TRACKING_URI, else a file store in RUN_DIR/mlruns
+    mlflow_uri: str = ""
+    mlflow_experiment: str = "pretrain"  # the MLflow experiment the run is logged under
+    wandb_project: str = "pretrain"  # the W&B project the run is logged under
+    wandb_entity: str = ""  # W&B entity (team or user); "" = your W&B default entity
+    wandb_mode: str = ""  # W&B mode: online | offline | disabled; "" = $WANDB_MODE, else online
+    tracker_run_name: str = ""  # the run's name in the trackers; "" = the run dir's name
     tracker_checkpoint: bool = True  # log the final checkpoint as an artifact (MLflow, W&B) on exit 0
 
 
@@ -238,18 +260,18 @@ class DrillConfig:
     # micro-batches above this many sequences fail as out of memory (a CPU rehearses
     # train.micro_batch_size=auto's halving); 0 = off
     oom_above: int = 0
-    spike_at_step: int = (
-        0  # feed high-loss batches from this optimizer step on (the loss-spike alert); 0 = off
-    )
+    # feed high-loss batches from this optimizer step on (rehearses the loss-spike alert); 0 = off
+    spike_at_step: int = 0
     spike_batches: int = 3  # how many steps drill.spike_at_step feeds
-    volume_full_after_step: int = (
-        0  # saves of later steps fail as on a full checkpoint volume (exit 6); 0 = off
-    )
+    # saves of later steps fail as on a full checkpoint volume (rehearses exit 6 and its resume); 0 = off
+    volume_full_after_step: int = 0
 
 
 @dataclass
 class Config:
-    preset: str = DEFAULT_PRESET
+    """A run's whole config: the preset it started from and one section per concern."""
+
+    preset: str = DEFAULT_PRESET  # the preset the config started from (--preset; app/presets/)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -270,17 +292,19 @@ class Config:
 def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
     """Every dotted key a user may set."""
     keys = []
-    for f in dataclasses.fields(cls):
-        t = typing.get_type_hints(cls)[f.name]
-        if dataclasses.is_dataclass(t):
-            keys += all_keys(t, f"{prefix}{f.name}.")
+    hints = typing.get_type_hints(cls)
+    for field_ in dataclasses.fields(cls):
+        kind = hints[field_.name]
+        if dataclasses.is_dataclass(kind):
+            keys += all_keys(kind, f"{prefix}{field_.name}.")
         else:
-            keys.append(f"{prefix}{f.name}")
+            keys.append(f"{prefix}{field_.name}")
     return keys
 
 
 def suggest_key(key: str) -> str | None:
-    """The valid key a user most likely meant (`train.lr` -> `optim.lr`, `model.n_layers` -> `model.n_layer`)."""
+    """The valid key a user most likely meant: `train.lr` -> `optim.lr`, `model.n_layers` ->
+    `model.n_layer`."""
     keys = all_keys()
     section, _, last = key.rpartition(".")
     same_last = [k for k in keys if k.rsplit(".", 1)[-1] == last]

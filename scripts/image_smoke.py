@@ -277,7 +277,7 @@ class Smoke:
         self.start("smoke-train", *cmd, *LONG, "--metrics-port", "9400")
         self.wait_for_steps("smoke-train", run, 3)
         # the budget watcher sidecar: same network namespace (a pod), same volume
-        watch = ["watch", "--run-dir", "/ckpt/run1", "--cap-usd", "100", "--price-per-gpu-hour", "2"]
+        watch = ["watch", "--run-dir", "/ckpt/run1", "--budget-cap-usd", "100", "--price-per-gpu-hour", "2"]
         opts = ["--network", "container:smoke-train", "--group-add", str(FSGROUP), "-v", f"{self.vol}:/ckpt"]
         self.start(
             "smoke-watch", *opts, IMAGE, *watch, "--gpus", "1", "--kube", "off", "--metrics-port", "9401"
@@ -316,7 +316,16 @@ class Smoke:
         self.rerun_resumes(cmd, step)
 
     def dry_run_budget(self) -> None:
-        watch = ["watch", "--cap-usd", "100", "--price-per-gpu-hour", "2", "--gpus", "1", "--dry-run-budget"]
+        watch = [
+            "watch",
+            "--budget-cap-usd",
+            "100",
+            "--price-per-gpu-hour",
+            "2",
+            "--gpus",
+            "1",
+            "--dry-run-budget",
+        ]
         ok = self.docker("run", "--rm", *self.pod(), IMAGE, *watch, "--run-dir", "/ckpt/run1")
         assert ok.returncode == 0 and "writable" in ok.stdout, ok.stdout + ok.stderr
         opts = ["--network", "none", "-v", f"{self.rootvol}:/ckpt"]

@@ -116,6 +116,25 @@ def test_training_loop_knows_no_budget_files():
         assert name not in source
 
 
+def test_trainer_holds_a_run_not_every_collaborator():
+    """Trainer's attributes are the run's state and its components, at most 15 (#34); the loop reaches the
+    checkpoints through the package's facade only, never a module inside it."""
+    tree = ast.parse((APP / "train.py").read_text())
+    (trainer,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Trainer"]
+    attributes = {
+        target.attr
+        for node in ast.walk(trainer)
+        if isinstance(node, ast.Assign | ast.AnnAssign)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Attribute)
+        and isinstance(target.value, ast.Name)
+        and target.value.id == "self"
+    }
+    assert "checkpointer" in attributes and len(attributes) <= 15, sorted(attributes)
+    checkpoint = {m for m in import_graph()["app.train"] if m.startswith("app.trainer.checkpoint")}
+    assert checkpoint == {"app.trainer.checkpoint"}, checkpoint
+
+
 DOCS = [
     "README.md",
     "helm/README.md",

@@ -66,7 +66,7 @@ FAMILIES: dict[str, dict[str, Case]] = {
             "--poll", "wait-data", "--dir", "{tmp}", "--fingerprint", "x", "--poll", "nan"
         ),
         "watch-cap-nan": case(
-            "budget.cap_usd", "watch", "--dry-run-budget", "--run-dir", "{tmp}/run", "--cap-usd", "nan"
+            "budget.cap_usd", "watch", "--dry-run-budget", "--run-dir", "{tmp}/run", "--budget-cap-usd", "nan"
         ),
     },
     "out-of-range": {
@@ -154,7 +154,7 @@ def test_bad_input_is_one_line_and_exit_2(results, cid):
 def test_budget_dry_run_creates_no_directories(tmp_path):
     run_dir = tmp_path / "not" / "yet" / "run"
     cmd = [sys.executable, "-m", "app.cli", "watch", "--dry-run-budget", "--run-dir", str(run_dir)]
-    cmd += ["--cap-usd", "10", "--gpu-type", "h100-sxm", "--gpus", "1"]
+    cmd += ["--budget-cap-usd", "10", "--gpu-type", "h100-sxm", "--gpus", "1"]
     proc = subprocess.run(cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "writable" in proc.stdout and not (tmp_path / "not").exists()

@@ -71,7 +71,7 @@ def test_sidecar_stops_an_out_of_process_trainer(tmp_path):
             "-m",
             "app.cli",
             "watch",
-            "--cap-usd",
+            "--budget-cap-usd",
             "0.02",
             "--price-per-gpu-hour",
             "3.6",

@@ -46,7 +46,7 @@ def test_sidecar_serves_metrics_writes_the_stop_file_and_exits_when_the_trainer_
     run, port = tmp_path / "run", free_port()
     # $36/h = $0.01/s against a $0.05 cap; horizon 0.2 s poll + 1 s margin: graceful at about $0.038 (3.8 s)
     proc = watch(
-        "--cap-usd",
+        "--budget-cap-usd",
         "0.05",
         "--price-per-gpu-hour",
         "36",
@@ -109,7 +109,7 @@ def test_sidecar_serves_metrics_writes_the_stop_file_and_exits_when_the_trainer_
 def test_sigterm_closes_the_ledger_and_exits_0(tmp_path):
     run, port = tmp_path / "run", free_port()
     proc = watch(
-        "--cap-usd",
+        "--budget-cap-usd",
         "100",
         "--gpu-type",
         "h100-sxm",
@@ -151,7 +151,7 @@ def test_dry_run_prints_thresholds_and_writes_nothing(tmp_path, capsys):
     (run / "status.json").write_text(json.dumps(status))
     code, out, err = run_watch(
         capsys,
-        "--cap-usd",
+        "--budget-cap-usd",
         "35",
         "--gpu-type",
         "a100-80gb",
@@ -177,7 +177,7 @@ def test_dry_run_prints_thresholds_and_writes_nothing(tmp_path, capsys):
 def test_dry_run_with_a_failing_source_says_what_it_falls_back_to(tmp_path, capsys):
     code, out, err = run_watch(
         capsys,
-        "--cap-usd",
+        "--budget-cap-usd",
         "35",
         "--price-per-gpu-hour",
         "2",
@@ -199,7 +199,7 @@ def test_dry_run_of_a_spent_budget_says_the_trainer_would_refuse(tmp_path, capsy
     save_ledger(ledger_path_for(tmp_path), Ledger(spent_usd=40.0))
     code, out, _ = run_watch(
         capsys,
-        "--cap-usd",
+        "--budget-cap-usd",
         "35",
         "--gpu-type",
         "h100",
@@ -217,22 +217,31 @@ def test_dry_run_of_a_spent_budget_says_the_trainer_would_refuse(tmp_path, capsy
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--run-dir", "R"], "--cap-usd"),
-        (["--cap-usd", "10", "--run-dir", "R"], "--price-per-gpu-hour"),
-        (["--cap-usd", "10", "--price-per-gpu-hour", "2", "--run-dir", "R"], "--gpus N"),
-        (["--cap-usd", "10", "--gpu-type", "h100", "--gpus", "1"], "--run-dir"),
-        (["--cap-usd", "10", "--source", "file", "--run-dir", "R"], "--source-path"),
+        (["--run-dir", "R"], "--budget-cap-usd"),
+        (["--budget-cap-usd", "10", "--run-dir", "R"], "--price-per-gpu-hour"),
+        (["--budget-cap-usd", "10", "--price-per-gpu-hour", "2", "--run-dir", "R"], "--gpus N"),
+        (["--budget-cap-usd", "10", "--gpu-type", "h100", "--gpus", "1"], "--run-dir"),
+        (["--budget-cap-usd", "10", "--source", "file", "--run-dir", "R"], "--source-path"),
         (
-            ["--cap-usd", "10", "--source", "opencost", "--opencost-url", "http://x", "--run-dir", "R"],
+            [
+                "--budget-cap-usd",
+                "10",
+                "--source",
+                "opencost",
+                "--opencost-url",
+                "http://x",
+                "--run-dir",
+                "R",
+            ],
             "selector",
         ),
         (
-            ["--cap-usd", "10", "--source", "bogus", "--run-dir", "R"],
+            ["--budget-cap-usd", "10", "--source", "bogus", "--run-dir", "R"],
             "choose from 'static', 'file', 'opencost'",
         ),
         (
             [
-                "--cap-usd",
+                "--budget-cap-usd",
                 "10",
                 "--gpu-type",
                 "h100",
@@ -246,7 +255,18 @@ def test_dry_run_of_a_spent_budget_says_the_trainer_would_refuse(tmp_path, capsy
             "alert_fraction",
         ),
         (
-            ["--cap-usd", "10", "--gpu-type", "h100", "--gpus", "1", "--kube", "maybe", "--run-dir", "R"],
+            [
+                "--budget-cap-usd",
+                "10",
+                "--gpu-type",
+                "h100",
+                "--gpus",
+                "1",
+                "--kube",
+                "maybe",
+                "--run-dir",
+                "R",
+            ],
             "choose from 'auto', 'on', 'off'",
         ),
     ],
@@ -276,5 +296,7 @@ def test_config_file_budget_section_and_flags_override(tmp_path, capsys):
 def test_the_real_cli_exits_2_on_a_corrupt_ledger(tmp_path):
     (tmp_path / "budget").mkdir()
     (tmp_path / "budget" / "ledger.json").write_text("{half a")
-    p = pretrain("watch", "--cap-usd", "10", "--gpu-type", "h100", "--gpus", "1", "--run-dir", str(tmp_path))
+    p = pretrain(
+        "watch", "--budget-cap-usd", "10", "--gpu-type", "h100", "--gpus", "1", "--run-dir", str(tmp_path)
+    )
     assert p.returncode == 2 and "is corrupt" in p.stderr and len(p.stderr.strip().splitlines()) == 1

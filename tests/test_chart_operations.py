@@ -574,7 +574,7 @@ def test_7_decimal_values_with_plain_set():
         t = trainer(docs)
         assert arg(t, "--budget-cap-usd") == "999.99" and arg(t, "--price-per-gpu-hour") == "2.49"
         watcher = h.container(h.pod_spec(h.one(docs, "PyTorchJob"), "Master"), "budget-watcher", init=True)
-        assert arg(watcher, "--cap-usd") == "999.99" and arg(watcher, "--price-per-gpu-hour") == "2.49"
+        assert arg(watcher, "--budget-cap-usd") == "999.99" and arg(watcher, "--price-per-gpu-hour") == "2.49"
         prep = h.one(docs, "Job")["spec"]["template"]["spec"]["containers"][0]
         assert arg(prep, "--val-fraction") == "0.002"
     assert trainer(as_strings)["args"] == trainer(as_numbers)["args"]

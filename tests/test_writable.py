@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import FAST, REPO, pretrain
 
-WATCH = ["watch", "--kube", "off", "--cap-usd", "1", "--price-per-gpu-hour", "2", "--gpus", "1"]
+WATCH = ["watch", "--kube", "off", "--budget-cap-usd", "1", "--price-per-gpu-hour", "2", "--gpus", "1"]
 COMMANDS = {
     "train": ["train", *FAST, "--max-steps", "2", "--out"],
     "prepare": ["prepare", "--input", str(REPO / "README.md"), "--out"],

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from app.budget import BudgetExhausted, check_not_exhausted, open_watcher, start_watching
-from app.budget.config import CHOICES, BudgetConfig, check_budget_config
+from app.budget.config import CHOICES, BudgetConfig, check_budget_config, flag_for
 from app.budget.files import read_status
 from app.budget.ledger import load_ledger
 from app.budget.metrics import BudgetMetrics
@@ -32,6 +32,7 @@ from app.budget.sources import make_source
 from app.budget.view import ledger_path_for, state_path_for
 from app.budget.watcher import Watcher
 from app.config import load_yaml, merge_into
+from app.config_docs import field_help, flag_help
 from app.errors import UserError
 from app.files import atomic_write_json, check_writable_dir
 
@@ -39,46 +40,68 @@ log = logging.getLogger("pretrain.budget")
 
 DEFAULT_METRICS_PORT = 9401
 
-# BudgetConfig field -> the help of its flag (--cap-usd for cap_usd, typed as the field)
-FIELD_HELP = {
-    "cap_usd": "budget cap in USD, > 0",
-    "gpu_type": "GPU type for the built-in price table, e.g. h100-sxm, a100-80gb",
-    "price_per_gpu_hour": "USD per GPU-hour; overrides the price table",
-    "gpus": "GPUs billed (all nodes x GPUs per node); required with a price",
-    "price_table": "JSON/YAML file {gpu_type: usd_per_gpu_hour} overriding built-in prices",
-    "source": "where spend comes from: static (price x GPUs x time), file, opencost",
-    "source_path": "JSON spend file kept current by a billing poller (--source file)",
-    "opencost_url": "OpenCost API base URL, e.g. http://opencost.opencost:9003",
-    "opencost_selector": "the job's allocation: <aggregate>:<value>, e.g. label:training.kubeflow.org/job-name:NAME",
-    "poll_seconds": "seconds between polls of the source",
-    "stale_seconds": "a source figure older than this falls back to the static rate",
-    "alert_fraction": "alert when spent >= this fraction of the cap",
-    "alert_usd": "also alert when spent >= this amount (0 = off)",
-    "margin_seconds": "safety margin added to step + checkpoint time when projecting",
-    "decay_fraction": "fraction of the run the budget-driven LR decay takes",
-    "kube": "Kubernetes Events and last-resort suspend: auto (in a cluster), on, off",
-    "job_name": "the job's name for Events/suspend (default $PRETRAIN_JOB_NAME)",
-    "job_kind": "the job's kind: PyTorchJob or TrainJob (default $PRETRAIN_JOB_KIND, else PyTorchJob)",
-    "namespace": "the job's namespace (default $POD_NAMESPACE or the service account's)",
-    "max_price_per_gpu_hour": "launch price guard: stop gracefully while the source's price per GPU-hour is above "
-    "this (0 = off)",
-    "suspend_grace_seconds": "suspend the PyTorchJob when the trainer still runs this long after an immediate stop",
-    "metrics_port": f"Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0 = off)",
-    "idle_allowance_seconds": "time charged to the cap before the trainer first reports training (a data wait, "
-    "a crash loop); the rest is recorded as unbilled in the ledger",
-}
+# The BudgetConfig fields `pretrain watch` takes as flags (named by app.budget.config.flag_for, as in
+# `pretrain train`); each flag's help is its field's comment (app/config_docs.py).
+WATCH_FIELDS = (
+    "cap_usd",
+    "gpu_type",
+    "price_per_gpu_hour",
+    "gpus",
+    "price_table",
+    "source",
+    "source_path",
+    "opencost_url",
+    "opencost_selector",
+    "poll_seconds",
+    "stale_seconds",
+    "alert_fraction",
+    "alert_usd",
+    "margin_seconds",
+    "decay_fraction",
+    "kube",
+    "job_name",
+    "job_kind",
+    "namespace",
+    "max_price_per_gpu_hour",
+    "suspend_grace_seconds",
+    "metrics_port",
+    "idle_allowance_seconds",
+)
+RENAMED_FLAGS = {"--cap-usd": "--budget-cap-usd"}  # old spelling: still read, with a note
+
+
+class RenamedFlag(argparse.Action):
+    """An old flag name, still read: one line on stderr names the new one."""
+
+    def __init__(self, option_strings, dest, new: str = "", **kwargs) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"note: {option_string} is now {self.new}; reading it as that", file=sys.stderr, flush=True)
+        setattr(namespace, self.dest, values)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     required = parser.add_argument_group("required (here or in the --config file's budget: section)")
-    defaults, types = BudgetConfig(), typing.get_type_hints(BudgetConfig)
-    for dest, help_ in FIELD_HELP.items():
+    defaults = BudgetConfig()
+    types = typing.get_type_hints(BudgetConfig)
+    helps = field_help(BudgetConfig)
+    for dest in WATCH_FIELDS:
         group = required if dest == "cap_usd" else parser
-        default = getattr(defaults, dest)
-        shown = "" if dest == "cap_usd" or default in ("", 0) else f" (default: {default})"
-        flag = "--" + dest.replace("_", "-")
+        default = None if dest == "cap_usd" else getattr(defaults, dest)
         group.add_argument(
-            flag, dest=dest, type=types[dest], default=None, choices=CHOICES.get(dest), help=help_ + shown
+            flag_for(dest),
+            dest=dest,
+            type=types[dest],
+            default=None,
+            choices=CHOICES.get(dest),
+            help=flag_help(helps[dest], default),
+        )
+    for old, new in RENAMED_FLAGS.items():
+        dest = next(field for field in WATCH_FIELDS if flag_for(field) == new)
+        parser.add_argument(
+            old, dest=dest, type=types[dest], action=RenamedFlag, new=new, help=argparse.SUPPRESS
         )
     add = parser.add_argument
     add("--config", help="run config YAML; its `budget:` section sets the defaults")
@@ -90,7 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--exit-when-done",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="exit 0 when the trainer reports done in status.json (a classic sidecar must, or the pod never ends)",
+        help="exit 0 when the trainer reports done in status.json (a classic sidecar must, or the pod "
+        "never ends)",
     )
     add(
         "--verdict",
@@ -122,13 +146,13 @@ def config_from_file(path: str) -> BudgetConfig:
 def build_config(args: argparse.Namespace) -> BudgetConfig:
     cfg = config_from_file(args.config) if args.config else BudgetConfig()
     cfg.metrics_port = cfg.metrics_port or DEFAULT_METRICS_PORT  # the file's 0: 9401; --metrics-port 0: off
-    for dest in FIELD_HELP:
+    for dest in WATCH_FIELDS:
         value = getattr(args, dest, None)
         if value is not None:
             setattr(cfg, dest, value)
     check_budget_config(cfg)
     if cfg.cap_usd <= 0:
-        raise UserError("pretrain watch needs a budget: --cap-usd X with X > 0")
+        raise UserError("pretrain watch needs a budget: --budget-cap-usd X with X > 0")
     return cfg
 
 
@@ -159,9 +183,13 @@ def _dur(seconds: float | None) -> str:
         return "never (rate 0)"
     if seconds <= 0:
         return "now"
-    s = int(round(seconds))
-    h, m, s = s // 3600, s % 3600 // 60, s % 60
-    return f"in {h}h{m:02d}m{s:02d}s" if h else (f"in {m}m{s:02d}s" if m else f"in {s}s")
+    total = int(round(seconds))
+    hours = total // 3600
+    minutes = total % 3600 // 60
+    secs = total % 60
+    if hours:
+        return f"in {hours}h{minutes:02d}m{secs:02d}s"
+    return f"in {minutes}m{secs:02d}s" if minutes else f"in {secs}s"
 
 
 def write_problems(run_dir: Path, ledger_path: Path, stop_file: Path, create: bool = True) -> list[str]:
@@ -184,61 +212,64 @@ def dry_run(
     Writes nothing but a probe file in each directory the watcher would write (or its nearest parent)."""
     now = time.time()
     out = [f"budget dry run: cap ${cfg.cap_usd:.4f}, run dir {run_dir}"]
-    led = load_ledger(ledger_path)
-    spent = led.effective_spent()
+    ledger = load_ledger(ledger_path)
+    spent = ledger.effective_spent()
     problems = write_problems(run_dir, ledger_path, stop_file, create=False)
     writable = "writable" if not problems else "NOT writable: the watcher would fail"
-    new = (
-        f"{len(led.sessions)} sessions, {led.running_seconds / 3600:.2f} h charged" if led.sessions else "new"
-    )
+    new = "new"
+    if ledger.sessions:
+        new = f"{len(ledger.sessions)} sessions, {ledger.running_seconds / 3600:.2f} h charged"
     out.append(f"  ledger    {ledger_path}: spent ${spent:.4f} ({new}); {writable}")
     static = f"${price:.2f}/GPU-h x {cfg.gpus} GPUs = ${rate:.2f}/h" if price > 0 else "no static price"
-    reading = make_source(cfg, rate, led.created_unix or now).read(now)
+    reading = make_source(cfg, rate, ledger.created_unix or now).read(now)
     if reading.ok:
         got = f"spent ${reading.spent_usd:.4f}, " if reading.spent_usd is not None else ""
         out.append(
             f"  source    {cfg.source}: ok, {got}rate ${reading.rate_usd_per_hour:.2f}/h (static: {static})"
         )
-        r = reading.rate_usd_per_hour or rate
+        hourly = reading.rate_usd_per_hour or rate
         if reading.spent_usd is not None:
-            spent = max(spent, reading.spent_usd + r * max(0.0, now - reading.updated_unix) / 3600)
+            spent = max(spent, reading.spent_usd + hourly * max(0.0, now - reading.updated_unix) / 3600)
     else:
-        r = max(rate, led.rate_usd_per_hour if led.source == cfg.source else 0.0)
+        hourly = max(rate, ledger.rate_usd_per_hour if ledger.source == cfg.source else 0.0)
         out.append(
-            f"  source    {cfg.source}: FAILED ({reading.error}); would fall back to ${r:.2f}/h ({static})"
+            f"  source    {cfg.source}: FAILED ({reading.error}); would fall back to ${hourly:.2f}/h "
+            f"({static})"
         )
         if reading.spent_usd is not None:
             spent = max(spent, reading.spent_usd)
     status = read_status(run_dir / "status.json")
-    inp = policy_input(cfg, led, spent, r, status, now)
+    inputs = policy_input(cfg, ledger, spent, hourly, status, now)
     seen = f"status.json: step {status.step}, state {status.state}" if status else "no status.json yet"
     out.append(
-        f"  trainer   {seen}; step {inp.step_seconds:.2f} s, checkpoint {inp.checkpoint_seconds:.2f} s "
+        f"  trainer   {seen}; step {inputs.step_seconds:.2f} s, checkpoint {inputs.checkpoint_seconds:.2f} s "
         "(0 = not measured yet)"
     )
-    dec = decide(inp)
-    per_s, cap = r / 3600, cfg.cap_usd
+    decision = decide(inputs)
+    per_second = hourly / 3600
+    cap = cfg.cap_usd
     alert_at = min(cfg.alert_fraction * cap, cfg.alert_usd or math.inf)  # alert_usd 0 = off
-    graceful_at = cap - per_s * dec.horizon_seconds
+    graceful_at = cap - per_second * decision.horizon_seconds
     decay_at = graceful_at - cfg.decay_fraction * cap
 
     def when(at: float) -> str:
-        return _dur((at - spent) / per_s if per_s > 0 else None)
+        return _dur((at - spent) / per_second if per_second > 0 else None)
 
+    write = inputs.checkpoint_write_seconds
+    pending = f" + pending write {write:.1f}" if write else ""
     out.append(
-        f"  policy    at ${r:.2f}/h, horizon {dec.horizon_seconds:.1f} s = max(poll {cfg.poll_seconds:g}, S) "
-        f"+ poll {cfg.poll_seconds:g} + max(margin {cfg.margin_seconds:g}, S) with S = step "
-        f"{inp.step_seconds:.1f}"
-        + (f" + pending write {inp.checkpoint_write_seconds:.1f}" if inp.checkpoint_write_seconds else "")
-        + f" + checkpoint {inp.checkpoint_seconds:.1f} = {stop_seconds(inp):.1f}"
+        f"  policy    at ${hourly:.2f}/h, horizon {decision.horizon_seconds:.1f} s = "
+        f"max(poll {cfg.poll_seconds:g}, S) + poll {cfg.poll_seconds:g} + "
+        f"max(margin {cfg.margin_seconds:g}, S) with S = step {inputs.step_seconds:.1f}{pending} + "
+        f"checkpoint {inputs.checkpoint_seconds:.1f} = {stop_seconds(inputs):.1f}"
     )
     out.append(f"    alert             at ${alert_at:.4f}  {when(alert_at)}")
     out.append(f"    LR decay (WSD)    at ${max(decay_at, 0):.4f}  {when(decay_at)}")
     out.append(f"    graceful stop     at ${graceful_at:.4f}  {when(graceful_at)}")
     out.append(f"    immediate stop    at ${cap:.4f}  {when(cap)}")
-    act = {"graceful": "a graceful", "immediate": "an immediate"}.get(dec.stop)
+    act = {"graceful": "a graceful", "immediate": "an immediate"}.get(decision.stop)
     act = f"write {act} stop to {stop_file}" if act else "nothing"
-    out.append(f"  now       state {dec.state}; the watcher would do: {act}")
+    out.append(f"  now       state {decision.state}; the watcher would do: {act}")
     try:
         check_not_exhausted(cfg, run_dir)
     except BudgetExhausted as e:

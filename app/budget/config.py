@@ -16,33 +16,55 @@ CHOICES = {  # valid values
 
 @dataclass
 class BudgetConfig:
-    cap_usd: float = 0.0  # 0 = no budget guard
-    gpu_type: str = ""  # key of the built-in price table (e.g. a100-80gb); "" = cpu / unknown
-    price_per_gpu_hour: float = 0.0  # overrides the table; 0 = use the table
-    gpus: int = 0  # GPUs billed; 0 = world size (or 1 on CPU)
-    source: str = "static"  # static | file | opencost
-    source_path: str = ""  # JSON spend file for source=file
-    opencost_url: str = ""  # e.g. http://opencost.opencost:9003 for source=opencost
-    opencost_selector: str = ""  # allocation filter, e.g. label:training.kubeflow.org/job-name:pretrain
-    poll_seconds: float = 10.0  # how often the watcher reads its source
-    stale_seconds: float = 300.0  # a source older than this falls back to the static rate
+    """The spend cap, where spend comes from, and when to alert, decay the LR and stop (docs/budget.md).
+    Read by the trainer (`budget:` of its config) and by `pretrain watch` (the same section, and flags)."""
+
+    cap_usd: float = 0.0  # spend cap in US dollars for the whole run, over all restarts; 0 = no cap
+    gpu_type: str = ""  # GPU type key of the built-in price table, e.g. a100-80gb, h100-sxm
+    price_per_gpu_hour: float = 0.0  # price of one GPU-hour in USD; 0 = the price table's for the GPU type
+    gpus: int = 0  # GPUs billed (nodes x GPUs per node); 0 = the trainer's world size (1 on a CPU)
+    # where spend comes from: static (price x GPUs x time), file (JSON kept by a billing poller), opencost
+    source: str = "static"
+    source_path: str = ""  # JSON spend file for source=file, kept current by a billing poller
+    opencost_url: str = ""  # OpenCost API base URL for source=opencost, e.g. http://opencost.opencost:9003
+    # the job's OpenCost allocation for source=opencost, <aggregate>:<value>, e.g.
+    # label:training.kubeflow.org/job-name:NAME
+    opencost_selector: str = ""
+    poll_seconds: float = 10.0  # seconds between the watcher's polls of the spend source
+    stale_seconds: float = 300.0  # a source figure older than this falls back to the static rate
     alert_fraction: float = 0.8  # alert when spent >= this fraction of the cap
-    alert_usd: float = 0.0  # or at this amount (whichever comes first); 0 = off
-    margin_seconds: float = 60.0  # safety margin added to (step + checkpoint) when projecting
-    decay_fraction: float = 0.15  # WSD: fraction of the run spent in the budget-driven LR decay
+    alert_usd: float = 0.0  # also alert when spent >= this amount, whichever comes first; 0 = off
+    margin_seconds: float = 60.0  # safety margin added to step + checkpoint time when projecting the stop
+    decay_fraction: float = 0.15  # WSD: fraction of the run the budget-driven LR decay takes
     # run the watcher as a thread on rank 0; false when a sidecar watches (Kubernetes)
     in_process: bool = True
-    metrics_port: int = 0  # watcher /metrics port; 0 = off (`pretrain watch` defaults to 9401)
-    price_table: str = ""  # JSON/YAML file {gpu_type: price_per_gpu_hour} overriding the built-in table
-    kube: str = "auto"  # auto (in a cluster with a job name) | on | off: Events and last-resort suspend
-    job_name: str = ""  # the job's name for Events/suspend; "" = $PRETRAIN_JOB_NAME
-    job_kind: str = ""  # PyTorchJob | TrainJob (Trainer v2); "" = $PRETRAIN_JOB_KIND, else PyTorchJob
-    namespace: str = ""  # its namespace; "" = $POD_NAMESPACE or the service account's namespace
-    suspend_grace_seconds: float = 120.0  # after an immediate stop, suspend the job if the trainer still runs
-    # Until the trainer first reports training (a data wait, a crash loop before step 1), only this much time
-    # is charged to the cap; the rest is recorded in the ledger as unbilled_usd, not spent from the budget.
+    metrics_port: int = 0  # the watcher's Prometheus /metrics port; 0 = off (`pretrain watch`: 9401)
+    price_table: str = ""  # JSON/YAML file {gpu_type: usd_per_gpu_hour} overriding the built-in prices
+    # Kubernetes Events and last-resort suspend: auto (in a cluster with a job name), on, off
+    kube: str = "auto"
+    job_name: str = ""  # the job's name for Events and suspend; "" = $PRETRAIN_JOB_NAME
+    job_kind: str = ""  # the job's kind: PyTorchJob or TrainJob; "" = $PRETRAIN_JOB_KIND, else PyTorchJob
+    namespace: str = ""  # the job's namespace; "" = $POD_NAMESPACE or the service account's
+    # suspend the job when the trainer still runs this long after an immediate stop
+    suspend_grace_seconds: float = 120.0
+    # time charged to the cap before the trainer first reports training (an image pull, a crash loop before
+    # step 1; a data prepare runs before the pods exist); the rest is recorded in the ledger as unbilled_usd,
+    # not spent from the budget
     idle_allowance_seconds: float = 1800.0
-    max_price_per_gpu_hour: float = 0.0  # launch price guard: do not train above this USD/GPU-hour; 0 = off
+    # price guard: no training while a GPU-hour costs more than this many USD (checked at launch, and by
+    # the watcher at every poll); 0 = off
+    max_price_per_gpu_hour: float = 0.0
+
+
+# The flag that sets a budget field is named like the field (--poll-seconds sets budget.poll_seconds),
+# in `pretrain watch` and `pretrain train` alike, except where the value has a name of its own: the cap is
+# --budget-cap-usd everywhere (the chart's budget.capUSD), since a bare --cap-usd would not say what it caps.
+FLAG_NAMES = {"cap_usd": "--budget-cap-usd"}
+
+
+def flag_for(field: str) -> str:
+    """The flag that sets budget.<field>."""
+    return FLAG_NAMES.get(field, "--" + field.replace("_", "-"))
 
 
 def is_amount(val: object) -> bool:

@@ -55,7 +55,7 @@ class Watcher:
         lock: bool = True,
     ):
         if cfg.cap_usd <= 0:
-            raise UserError("the budget watcher needs a cap: --cap-usd X (budget.cap_usd) with X > 0")
+            raise UserError("the budget watcher needs a cap: --budget-cap-usd X (budget.cap_usd) with X > 0")
         now = time.time() if now is None else now
         self.cfg = cfg
         self.run_dir = Path(run_dir)

@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 
+from app.config_docs import field_help, flag_help
 from app.errors import UserError
 
 DESCRIPTION = "Turn raw text (local files or a HF Hub dataset) into token shards for `pretrain train`."
@@ -15,135 +16,73 @@ _SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
 def _count(text: str) -> int:
     """An integer with an optional k/M/G/T suffix (decimal): 50M = 50,000,000."""
-    t = text.strip().replace("_", "").lower().removesuffix("b")  # 256MB = 256M
-    scale = _SUFFIX.get(t[-1:], 1)
+    number = text.strip().replace("_", "").lower().removesuffix("b")  # 256MB = 256M
+    scale = _SUFFIX.get(number[-1:], 1)
     if scale != 1:
-        t = t[:-1]
+        number = number[:-1]
     try:
-        return int(float(t) * scale)
+        return int(float(number) * scale)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number like 50000000 or 50M, got {text!r}") from None
 
 
-# flag, type, default, metavar (None: from the flag), help; config_from_args maps them onto PrepareConfig
+# flag, PrepareConfig field, type, default, metavar (None: from the flag); each flag's help is its
+# field's comment (app/config_docs.py), and config_from_args maps the flags onto the fields
 VALUE_FLAGS = [
-    ("--text-column", str, "text", None, "parquet column / jsonl field holding the text (default: text)"),
-    (
-        "--tokenizer",
-        str,
-        "bpe",
-        "bpe|char|PATH|hf://OWNER/NAME",
-        "bpe: train a byte-level BPE on a sample of the "
-        "input (default); char: a character vocabulary; PATH: a tokenizer.json (or a dir holding one, e.g. another "
-        "data dir); hf://OWNER/NAME: the tokenizer.json of a Hub model repo (e.g. hf://openai-community/gpt2)",
-    ),
-    ("--vocab-size", _count, None, None, "BPE vocabulary size to train (default: 32768)"),
-    (
-        "--tokenizer-sample-bytes",
-        _count,
-        256 * 10**6,
-        "N",
-        "train the tokenizer on the first N bytes of training documents (default: 256M)",
-    ),
-    (
-        "--char-alphabet",
-        str,
-        "",
-        "CHARS",
-        "with --tokenizer char: a fixed alphabet (other characters map to one "
-        "unknown id) instead of the characters seen in the sample",
-    ),
-    (
-        "--val-fraction",
-        float,
-        0.01,
-        None,
-        "share of documents held out for validation: every round(1/F)-th document (default: 0.01)",
-    ),
-    ("--shard-tokens", _count, 50 * 10**6, None, "tokens per shard (default: 50M)"),
-    ("--workers", int, 0, None, "tokenizer processes (default: 0 = every available core)"),
-    ("--doc-chars", _count, 4000, None, "document size for --txt-split paragraph"),
-    ("--revision", str, None, None, "for hf:// inputs: branch, tag or commit (default: main)"),
-    (
-        "--cache-dir",
-        str,
-        None,
-        None,
-        "where Hub downloads are cached and resumed (default: HF_HUB_CACHE or ~/.cache/huggingface/hub)",
-    ),
-    ("--log-every", float, 30.0, None, "seconds between progress log lines (default: 30)"),
-    (
-        "--shard-count",
-        int,
-        1,
-        "N",
-        "cut the input into N shares that N processes (or an Indexed Job's pods) tokenize at once, each "
-        "into DATA_DIR/shares/N/I; then --finalize joins them (default: 1, one process does it all)",
-    ),
-    (
-        "--shard-index",
-        int,
-        None,
-        "I",
-        "with --shard-count N: the share this process tokenizes, 0..N-1 (default: $JOB_COMPLETION_INDEX)",
-    ),
+    ("--text-column", "text_column", str, "text", None),
+    ("--tokenizer", "tokenizer", str, "bpe", "bpe|char|PATH|hf://OWNER/NAME"),
+    ("--vocab-size", "vocab_size", _count, None, None),
+    ("--tokenizer-sample-bytes", "sample_bytes", _count, 256 * 10**6, "N"),
+    ("--char-alphabet", "char_alphabet", str, "", "CHARS"),
+    ("--val-fraction", "val_fraction", float, 0.01, None),
+    ("--shard-tokens", "shard_tokens", _count, 50 * 10**6, None),
+    ("--workers", "workers", int, 0, None),
+    ("--doc-chars", "doc_chars", _count, 4000, None),
+    ("--revision", "revision", str, None, None),
+    ("--cache-dir", "cache_dir", str, None, None),
+    ("--log-every", "log_every", float, 30.0, None),
+    ("--shard-count", "shard_count", int, 1, "N"),
+    ("--shard-index", "shard_index", int, None, "I"),
 ]
 
-# flag, choices (the first is the default), help
+# flag, PrepareConfig field, choices (the first is the default)
 CHOICE_FLAGS = [
-    (
-        "--dtype",
-        ("auto", "uint16", "uint32"),
-        "token id width on disk; auto = uint16 when the vocabulary fits (default: auto)",
-    ),
-    (
-        "--txt-split",
-        ("file", "line", "paragraph"),
-        "how .txt inputs become documents: one per file (default), "
-        "one per line, or runs of blank-line separated paragraphs of about --doc-chars characters",
-    ),
-    (
-        "--verify",
-        ("sha256", "size"),
-        "how a re-run checks shards already written before skipping them (default: sha256)",
-    ),
-    (
-        "--progress",
-        ("auto", "bar", "log", "none"),
-        "progress display: a bar on a terminal, else a log line every --log-every seconds (default: auto)",
-    ),
+    ("--dtype", "dtype", ("auto", "uint16", "uint32")),
+    ("--txt-split", "txt_split", ("file", "line", "paragraph")),
+    ("--verify", "verify", ("sha256", "size")),
+    ("--progress", "progress", ("auto", "bar", "log", "none")),
 ]
+
+
+def _shown(value):
+    """A default as the help shows it: 50M for 50,000,000."""
+    if isinstance(value, int) and value >= 10**6 and value % 10**6 == 0:
+        return f"{value // 10**6}M"
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from app.data.settings import PrepareConfig
+
+    helps = field_help(PrepareConfig)
     p.add_argument(
         "--input",
         action="append",
         required=True,
         metavar="PATH|hf://datasets/OWNER/NAME[?include=GLOB]",
-        help="text to prepare: a parquet/jsonl(.gz/.zst)/txt file, a directory of them, a glob, or a HF Hub dataset "
-        "(e.g. hf://datasets/HuggingFaceFW/fineweb-edu?include=sample/10BT/*.parquet). Repeat to combine inputs",
+        help=flag_help(helps["inputs"]),
     )
-    p.add_argument(
-        "--out", required=True, metavar="DATA_DIR", help="output dir for shards, tokenizer and manifest"
-    )
-    for flag, kind, default, metavar, text in VALUE_FLAGS:
+    p.add_argument("--out", required=True, metavar="DATA_DIR", help=flag_help(helps["out_dir"]))
+    for flag, name, kind, default, metavar in VALUE_FLAGS:
+        shown = default if default is not None else getattr(PrepareConfig, name, None)
+        text = flag_help(helps[name], _shown(shown))
         p.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
-    for flag, choices, text in CHOICE_FLAGS:
-        p.add_argument(flag, choices=choices, default=choices[0], help=text)
+    for flag, name, choices in CHOICE_FLAGS:
+        p.add_argument(flag, choices=choices, default=choices[0], help=flag_help(helps[name], choices[0]))
     p.add_argument(
-        "--include",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="for hf:// inputs: only files matching GLOB (repeatable; same as ?include=GLOB)",
+        "--include", action="append", default=[], metavar="GLOB", help=flag_help(helps["includes"])
     )
-    p.add_argument(
-        "--finalize",
-        action="store_true",
-        help="with --shard-count N: join the N finished shares into DATA_DIR (manifest, tokenizer) with the "
-        "same arguments they were made with; the token stream and validation split are a one-process prepare's",
-    )
+    p.add_argument("--finalize", action="store_true", help=flag_help(helps["finalize"]))
 
 
 def config_from_args(args: argparse.Namespace):

@@ -8,7 +8,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.budget.config import flag_for
 from app.config import Config, load_config, preset_names, vocab_for_estimates
+from app.config_docs import field_help, flag_help, help_for
 from app.errors import UserError
 
 DESCRIPTION = "train a model (locally, or under torchrun / Kubernetes)"
@@ -16,12 +18,18 @@ DESCRIPTION = "train a model (locally, or under torchrun / Kubernetes)"
 
 @dataclass
 class RunArgs:
-    """Runtime choices that are not part of the model/training config."""
+    """Runtime choices that are not part of the model/training config (each comment is its flag's help)."""
 
-    out: Path
-    resume: str = "auto"  # auto | never | PATH
+    out: Path  # run directory: checkpoints/, metrics.jsonl, status.json, budget/ (default: runs/<preset>)
+    # auto: continue from the newest valid checkpoint in RUN_DIR (default); never: start fresh; PATH: a run
+    # dir or a checkpoints/step_NNNNNN dir
+    resume: str = "auto"
+    # poll this JSON file each step; {"mode": "graceful"|"immediate"} stops the run (default:
+    # RUN_DIR/stop.json)
     stop_file: Path | None = None
-    overwrite: bool = False  # a fresh start in a used run dir moves the old run aside
+    # with --resume never (or PATH from another run) in a RUN_DIR that holds checkpoints: move the old run
+    # (checkpoints, metrics.jsonl, budget) aside into RUN_DIR/previous-<time>/ instead of refusing
+    overwrite: bool = False
 
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,78 +46,52 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override one config key, dotted, e.g. --set model.n_layer=8, --set optim.name=muon, "
         "--set train.compile=false, --set metrics.trackers=tensorboard,mlflow; repeatable; "
-        "--print-config lists every key",
+        "--print-config lists every key, docs/config.md explains each",
     )
 
 
-# flag, type, metavar, help: the value flags of `pretrain train` (each sets the config key it names)
-VALUE_FLAGS = [
-    (
-        "--out",
-        str,
-        "RUN_DIR",
-        "run directory: checkpoints/, metrics.jsonl, status.json, budget/ (default: runs/<preset>)",
-    ),
-    ("--max-steps", int, "N", "planned end after N optimizer steps (train.max_steps)"),
-    (
-        "--resume",
-        str,
-        "auto|never|PATH",
-        "auto: continue from the newest valid checkpoint in RUN_DIR (default); "
-        "never: start fresh; PATH: a run dir or a checkpoints/step_NNNNNN dir",
-    ),
-    (
-        "--stop-file",
-        str,
-        "PATH",
-        'poll this JSON file each step; {"mode": "graceful"|"immediate"} stops the run '
-        "(default: RUN_DIR/stop.json)",
-    ),
-    ("--metrics-port", int, "PORT", "serve Prometheus /metrics on this port (metrics.port; 0 = off)"),
-    ("--budget-cap-usd", float, "X", "stop gracefully before spend reaches X dollars (budget.cap_usd)"),
-    (
-        "--price-per-gpu-hour",
-        float,
-        "P",
-        "price of one GPU-hour in dollars for static spend tracking (budget.price_per_gpu_hour)",
-    ),
-    ("--gpus", int, "N", "GPUs billed (budget.gpus; default: the world size)"),
-    (
-        "--max-price-per-gpu-hour",
-        float,
-        "USD",
-        "launch price guard: do not start (exit 0) while a GPU-hour costs "
-        "more (budget.max_price_per_gpu_hour)",
-    ),
-    (
-        "--gpu-type",
-        str,
-        "T",
-        "GPU type (b200, h200, h100-sxm, a100-80gb, ...): prices the run (budget.gpu_type), "
-        "sets the MFU peak (metrics.gpu_type) and picks the micro-batch x accumulation that fits its memory at "
-        "--gpus N (or the torchrun world size), as `pretrain plan --preset P` prints it; an explicit "
-        "--set train.micro_batch_size wins",
-    ),
-]
+# The flags that set one config key each (their help is the key's comment, app/config_docs.py); the budget's
+# are named as `pretrain watch` names them (app.budget.config.flag_for).
+CONFIG_FLAGS = {
+    "train.max_steps": ("--max-steps", "N"),
+    "metrics.port": ("--metrics-port", "PORT"),
+    "budget.cap_usd": (flag_for("cap_usd"), "X"),
+    "budget.price_per_gpu_hour": (flag_for("price_per_gpu_hour"), "P"),
+    "budget.gpus": (flag_for("gpus"), "N"),
+    "budget.max_price_per_gpu_hour": (flag_for("max_price_per_gpu_hour"), "USD"),
+}
+GPU_TYPE_HELP = (
+    "GPU type (b200, h200, h100-sxm, a100-80gb, ...): prices the run (budget.gpu_type), sets the MFU peak "
+    "(metrics.gpu_type) and picks the micro-batch x accumulation that fits its memory at --gpus N (or the "
+    "torchrun world size), as `pretrain plan --preset P` prints it; an explicit --set train.micro_batch_size "
+    "wins"
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
-    for flag, kind, metavar, text in VALUE_FLAGS:
-        p.add_argument(
-            flag, type=kind, metavar=metavar, help=text, default="auto" if flag == "--resume" else None
-        )
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="with --resume never (or PATH from another run) in a RUN_DIR that holds checkpoints: move the "
-        "old run (checkpoints, metrics.jsonl, budget) aside into RUN_DIR/previous-<time>/ instead of refusing",
-    )
+    run_help = field_help(RunArgs)
+    p.add_argument("--out", metavar="RUN_DIR", help=flag_help(run_help["out"]))
+    for key, (flag, metavar) in CONFIG_FLAGS.items():
+        kind = type(help_default(key))
+        p.add_argument(flag, type=kind, metavar=metavar, help=flag_help(help_for(key)) + f" ({key})")
+    p.add_argument("--resume", metavar="auto|never|PATH", default="auto", help=flag_help(run_help["resume"]))
+    p.add_argument("--stop-file", metavar="PATH", help=flag_help(run_help["stop_file"]))
+    p.add_argument("--gpu-type", metavar="T", help=GPU_TYPE_HELP)
+    p.add_argument("--overwrite", action="store_true", help=flag_help(run_help["overwrite"]))
     p.add_argument(
         "--print-config",
         action="store_true",
         help="print the resolved config and parameter counts, then exit",
     )
+
+
+def help_default(key: str):
+    """The default of a dotted config key (its type is the flag's)."""
+    value = Config()
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -118,12 +100,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         args.config,
         args.overrides,
         {
-            "train.max_steps": args.max_steps,
-            "metrics.port": args.metrics_port,
-            "budget.cap_usd": args.budget_cap_usd,
-            "budget.price_per_gpu_hour": args.price_per_gpu_hour,
-            "budget.gpus": args.gpus,
-            "budget.max_price_per_gpu_hour": args.max_price_per_gpu_hour,
+            **{key: getattr(args, flag_dest(flag)) for key, (flag, _) in CONFIG_FLAGS.items()},
             "budget.gpu_type": args.gpu_type,
             "metrics.gpu_type": args.gpu_type,
         },
@@ -139,6 +116,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return cfg
 
 
+def flag_dest(flag: str) -> str:
+    """argparse's attribute for a flag: --max-steps -> max_steps."""
+    return flag.removeprefix("--").replace("-", "_")
+
+
 def check_size(cfg: Config) -> None:
     """Refuse (one line, exit 2) a model whose weights, gradients and optimizer state alone, sharded over
     every planned rank, exceed one device's memory: it can never train, whatever the batch, and building
@@ -148,21 +130,25 @@ def check_size(cfg: Config) -> None:
 
     from app.trainer import memory
 
-    world, cuda = memory.planned_world_size(cfg), memory.plans_for_cuda(cfg)
+    world = memory.planned_world_size(cfg)
+    cuda = memory.plans_for_cuda(cfg)
     sized = dataclasses.replace(cfg.model, vocab_size=vocab_for_estimates(cfg))
     static = memory.estimate(sized, 1, "fsdp", world, cuda=cuda, optimizer=cfg.optim.name).static
     have, where = memory.device_memory_bytes(cfg)
     if have is None and cuda:
         largest = max(memory.GPU_MEMORY_GB, key=memory.GPU_MEMORY_GB.get)
-        have, where = int(memory.GPU_MEMORY_GB[largest] * memory.GB), f"the largest GPU known ({largest})"
+        have = int(memory.GPU_MEMORY_GB[largest] * memory.GB)
+        where = f"the largest GPU known ({largest})"
     elif have is None:
-        have, where = memory.host_memory_bytes(), "this machine"
+        have = memory.host_memory_bytes()
+        where = "this machine"
     if static > have:
         sharded = f"sharded over {world} ranks" if world > 1 else "on one rank"
         raise UserError(
-            "the model does not fit, whatever the batch: its weights, gradients and optimizer state alone are "
-            f"{static / memory.GB:,.0f} GB per rank ({sharded}), above the {have / memory.GB:,.0f} GB of {where}; make model.n_layer or "
-            "model.d_model smaller, or plan for more or larger GPUs (--gpus N --gpu-type T)"
+            "the model does not fit, whatever the batch: its weights, gradients and optimizer state alone "
+            f"are {static / memory.GB:,.0f} GB per rank ({sharded}), above the {have / memory.GB:,.0f} GB "
+            f"of {where}; make model.n_layer or model.d_model smaller, or plan for more or larger GPUs "
+            "(--gpus N --gpu-type T)"
         )
 
 
@@ -191,15 +177,16 @@ def print_config(cfg: Config) -> int:
 
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
     note = "" if cfg.model.vocab_size else f" (vocab from the data; counted with {vocab_for_estimates(cfg)})"
-    cfg.model.vocab_size = m = vocab_for_estimates(cfg)
+    cfg.model.vocab_size = vocab_for_estimates(cfg)
     from app.trainer.model import build_model
 
     model = build_model(cfg.model, "meta")  # once: counting and the optimizer groups both read it
     counts = count_parameters(model)
     print(f"# parameters: {counts.total:,} total, {counts.non_embedding:,} non-embedding{note}")
     print(
-        f"# vocabulary: {m:,} tokens; embedding and head padded to {cfg.model.padded_vocab:,} rows "
-        f"(model.vocab_multiple={cfg.model.vocab_multiple}): {counts.padding:,} of the parameters, never read"
+        f"# vocabulary: {cfg.model.vocab_size:,} tokens; embedding and head padded to "
+        f"{cfg.model.padded_vocab:,} rows (model.vocab_multiple={cfg.model.vocab_multiple}): "
+        f"{counts.padding:,} of the parameters, never read"
     )
     print(f"# training FLOPs per token: {flops_per_token(cfg.model):,.0f}")
     if cfg.train.micro_batch_size == "auto":
@@ -219,20 +206,21 @@ def _auto_micro_batch_lines(cfg: Config) -> list[str]:
     """train.micro_batch_size=auto: the rule, and what it picks for the planned device (set in `cfg`)."""
     from app.trainer import layout, memory
 
-    world, cuda = memory.planned_world_size(cfg), memory.plans_for_cuda(cfg)
+    world = memory.planned_world_size(cfg)
+    cuda = memory.plans_for_cuda(cfg)
     have, where = memory.device_memory_bytes(cfg)
-    if have is None:
-        have, where = (
-            (80 * memory.GB, "an 80 GB GPU")
-            if cuda
-            else (memory.host_memory_bytes(), "this machine's memory")
-        )
-        where += " (--gpu-type or train.device_memory_gb plans for yours)"
+    if have is None and cuda:
+        have = 80 * memory.GB
+        where = "an 80 GB GPU (--gpu-type or train.device_memory_gb plans for yours)"
+    elif have is None:
+        have = memory.host_memory_bytes()
+        where = "this machine's memory (--gpu-type or train.device_memory_gb plans for yours)"
     chosen = layout.fit_memory(cfg, world, int(have), cuda, "GPU" if cuda else "CPU")
-    cfg.train.micro_batch_size, cfg.train.activation_checkpointing = chosen.micro_batch, chosen.checkpointing
+    cfg.train.micro_batch_size = chosen.micro_batch
+    cfg.train.activation_checkpointing = chosen.checkpointing
     return [
-        "# micro-batch: auto = the largest divisor of batch_tokens / (seq_len x ranks) sequences whose memory "
-        "estimate fits 90% of the device,",
+        "# micro-batch: auto = the largest divisor of batch_tokens / (seq_len x ranks) sequences whose "
+        "memory estimate fits 90% of the device,",
         "#   the rest of batch_tokens by gradient accumulation; an out-of-memory error in the first steps "
         "halves it; a resume keeps it",
         f"#   planned for {where}: {chosen.describe()}",

@@ -36,7 +36,7 @@ class BudgetLink:
         elif is_rank0 and not self.enabled and cfg.budget.max_price_per_gpu_hour > 0:
             log.warning(
                 "budget: max_price_per_gpu_hour is checked at launch only: with budget.in_process=false and "
-                "no cap no watcher runs (`pretrain watch` needs --cap-usd); set budget.cap_usd to stop on a "
+                "no cap no watcher runs (`pretrain watch` needs --budget-cap-usd); set budget.cap_usd to stop on a "
                 "price rise mid-run"
             )
 

@@ -36,7 +36,6 @@ class Heartbeat:
         loop stood still for `blocking_seconds` and `write_seconds` ran in the background."""
         if not self.enabled:
             return
-        c = checkpoint
         self.last = time.monotonic()
         atomic_write_json(
             self.path,
@@ -44,9 +43,9 @@ class Heartbeat:
                 "step": step,
                 "tokens": tokens,
                 "step_seconds": step_seconds,
-                "checkpoint_seconds": c.seconds if c else 0.0,
-                "checkpoint_blocking_seconds": c.blocking_seconds if c else 0.0,
-                "checkpoint_write_seconds": c.write_seconds if c else 0.0,
+                "checkpoint_seconds": checkpoint.seconds if checkpoint else 0.0,
+                "checkpoint_blocking_seconds": checkpoint.blocking_seconds if checkpoint else 0.0,
+                "checkpoint_write_seconds": checkpoint.write_seconds if checkpoint else 0.0,
                 "last_checkpoint_step": max(last_checkpoint_step, 0),
                 "state": state,
                 **({"event": self.event} if self.event else {}),

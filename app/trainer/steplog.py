@@ -43,7 +43,8 @@ class StepLog:
     def discard(self, step: int) -> None:
         """Forget `step`'s row (a step retried after an out-of-memory error)."""
         if self.steps and self.steps[-1][0] == step:
-            self.rows.pop(), self.steps.pop()
+            self.rows.pop()
+            self.steps.pop()
 
     def read(self) -> list[StepRow]:
         """Collective when distributed: every rank calls it at the same steps."""
@@ -52,9 +53,10 @@ class StepLog:
         rows = torch.stack(self.rows)
         mean = all_reduce_sum(rows[:, :-2].contiguous(), self.env) / self.env.world_size  # the norm is global
         values = torch.cat([mean, rows[:, -2:]], dim=1).tolist()
-        out = [
-            StepRow(s, lr, r[0], r[-2], bool(r[-1]), r[1:-2])
-            for (s, lr), r in zip(self.steps, values, strict=True)
-        ]
-        self.rows, self.steps = [], []
+        out = []
+        for (step, lr), row in zip(self.steps, values, strict=True):
+            loss, *loop_losses, grad_norm, finite = row
+            out.append(StepRow(step, lr, loss, grad_norm, bool(finite), loop_losses))
+        self.rows = []
+        self.steps = []
         return out

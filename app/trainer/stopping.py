@@ -339,8 +339,9 @@ class BadSteps:
         if self.in_a_row >= self.max_bad:
             return StopDecision(
                 StopCause.DIVERGED,
-                f"diverged: {self.in_a_row} steps in a row with a non-finite loss or gradient (updates skipped); "
-                "lower optim.lr or raise schedule.warmup_steps, then resume from the last checkpoint",
+                f"diverged: {self.in_a_row} steps in a row with a non-finite loss or gradient (updates "
+                "skipped); lower optim.lr or raise schedule.warmup_steps, then resume from the last "
+                "checkpoint",
             )
         return None
 

@@ -392,7 +392,7 @@ capabilities of trainer.extraCapabilities (and IPC_LOCK for an RDMA fabric: pinn
 {{- define "pretrain.watcherArgs" -}}
 {{- $v := .Values -}}
 - watch
-- --cap-usd
+- --budget-cap-usd
 - {{ $v.budget.capUSD | toString | quote }}
 - --gpus
 - {{ $v.gpus | int | quote }}

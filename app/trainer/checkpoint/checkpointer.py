@@ -54,8 +54,8 @@ class Checkpointer:
         on_commit: Callable[[SaveResult], None],
         on_save: Callable[[str], None],
     ) -> None:
-        """`resume`: --resume (auto | never | a path). `data`: what meta.json says of the data, `files`: copied
-        into every checkpoint (the tokenizer: a checkpoint dir alone is enough to sample or export).
+        """`resume`: --resume (auto | never | a path). `data`: what meta.json says of the data, `files`:
+        copied into every checkpoint (the tokenizer: a checkpoint dir alone is enough to sample or export).
         `expect_bytes`: the estimated size of one checkpoint, checked against the free space at once.
         `on_commit(result)`: a save is committed. `on_save(state)`: "saving" while the loop stands still for
         a save, "running" after it (the heartbeat)."""
@@ -69,15 +69,8 @@ class Checkpointer:
         self.warn = warn
         self.on_commit = on_commit
         self.on_save = on_save
-        self.writer = CheckpointWriter(
-            self.run_dir,
-            env.rank,
-            env.world_size,
-            cfg.checkpoint,
-            expect_bytes=expect_bytes,
-            warn=warn,
-            full_after_step=cfg.drill.volume_full_after_step,
-        )
+        self.expect_bytes = expect_bytes
+        self.writer: CheckpointWriter | None = None  # made by load(), when there is something to save
         self.resume_from: CheckpointInfo | None = None
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -118,17 +111,27 @@ class Checkpointer:
         self.model = model
         self.optimizer = optimizer
         info = self.resume_from
-        if info is None:
-            return TrainerState()
-        self._restore_weights(info)
-        state = TrainerState(**load_trainer_state(info))
-        self.start_step = info.step
-        if self.resume == "auto":  # the checkpoint is this run dir's own
-            self.last_saved_step = info.step
-        self.log(f"resumed from {describe(info)}")
-        note = self._schedule_note(info, state.budget_decay)
-        if note:
-            self.log(note)
+        state = TrainerState()
+        if info is not None:
+            self._restore_weights(info)
+            state = TrainerState(**load_trainer_state(info))
+            self.start_step = info.step
+            if self.resume == "auto":  # the checkpoint is this run dir's own
+                self.last_saved_step = info.step
+            self.log(f"resumed from {describe(info)}")
+            note = self._schedule_note(info, state.budget_decay)
+            if note:
+                self.log(note)
+        # every rank at this point: the writer makes a process group of its own
+        self.writer = CheckpointWriter(
+            self.run_dir,
+            self.env.rank,
+            self.env.world_size,
+            self.cfg.checkpoint,
+            expect_bytes=self.expect_bytes,
+            warn=self.warn,
+            full_after_step=self.cfg.drill.volume_full_after_step,
+        )
         return state
 
     def resumed(self) -> tuple[int, float] | None:
@@ -223,7 +226,8 @@ class Checkpointer:
     def abandon(self) -> None:
         """Not collective in effect: drop a pending background write without committing it (an immediate
         stop, or a crash); its temp dir goes, the last committed checkpoint stands."""
-        self.writer.abandon()
+        if self.writer is not None:
+            self.writer.abandon()
 
     def _report(self, result: SaveResult | None) -> None:
         """A save is reported once committed (at once when synchronous, later from the background)."""

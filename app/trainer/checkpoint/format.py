@@ -94,7 +94,8 @@ def _stream(
     fsync (held within 8 blocks, one writer reached 60% of a plain write, unheld 85%:
     benchmarks/bench_checkpoint.py). It waits only after a tensor whose bytes were a private copy (made by
     _raw, or `transient`: made for this write), so only one is alive. `cancel` may raise to abandon it."""
-    h, pending = hashlib.sha256(), deque()
+    digest = hashlib.sha256()
+    pending: deque = deque()  # hash updates submitted, in order
 
     def drain() -> None:
         while pending:
@@ -105,27 +106,27 @@ def _stream(
             if cancel is not None:
                 cancel()  # raises to abandon the write
             block = view[i : i + BLOCK]
-            pending.append(pool.submit(h.update, block))  # one worker: updates in order
-            f.write(block)
+            pending.append(pool.submit(digest.update, block))  # one worker: updates in order
+            out.write(block)
             while pending and pending[0].done():
                 pending.popleft().result()
 
-    with ThreadPoolExecutor(1, thread_name_prefix="sha256") as pool, open(path, "wb") as f:
+    with ThreadPoolExecutor(1, thread_name_prefix="sha256") as pool, open(path, "wb") as out:
         try:
             write(memoryview(head))
-            for t in tensors:
-                write(_raw(t))
-                if transient or t.device.type != "cpu" or not t.is_contiguous():  # _raw made a copy
+            for tensor in tensors:
+                write(_raw(tensor))
+                if transient or tensor.device.type != "cpu" or not tensor.is_contiguous():  # _raw made a copy
                     drain()
-            size = f.tell()
-            f.flush()
-            os.fsync(f.fileno())  # the hash thread works off its backlog meanwhile
+            size = out.tell()
+            out.flush()
+            os.fsync(out.fileno())  # the hash thread works off its backlog meanwhile
             drain()
         except BaseException:
-            for fut in pending:
-                fut.cancel()  # an abandoned file's hash is not needed: only a running update is waited for
+            for update in pending:
+                update.cancel()  # an abandoned file's hash is not needed: only a running update is waited for
             raise
-    return FileEntry(h.hexdigest(), size)
+    return FileEntry(digest.hexdigest(), size)
 
 
 def write_safetensors(
@@ -151,7 +152,7 @@ def write_json_file(path: Path, data: Any) -> FileEntry:
 
 
 def chunk(file: str, key: str, offsets, shape) -> dict:
-    return {"file": file, "key": key, "offsets": [int(o) for o in offsets], "shape": [int(s) for s in shape]}
+    return {"file": file, "key": key, "offsets": [int(n) for n in offsets], "shape": [int(n) for n in shape]}
 
 
 def merge_chunks(parts: list[dict]) -> dict[str, dict]:
@@ -166,10 +167,10 @@ def merge_chunks(parts: list[dict]) -> dict[str, dict]:
             have["chunks"] += entry["chunks"]
     for name, entry in tensors.items():
         total = math.prod(entry["shape"])
-        got = sum(math.prod(c["shape"]) for c in entry["chunks"])
+        got = sum(math.prod(piece["shape"]) for piece in entry["chunks"])
         if got != total:
             raise ValueError(f"the pieces of {name} hold {got} of its {total} elements")
-        entry["chunks"].sort(key=lambda c: c["offsets"])
+        entry["chunks"].sort(key=lambda piece: piece["offsets"])
     return dict(sorted(tensors.items()))
 
 
@@ -219,16 +220,16 @@ class ShardReader:
         if len(offsets) != len(entry["shape"]) or out.dim() != len(entry["shape"]):
             raise ValueError(f"{name}: a box of rank {out.dim()} asked of a tensor of shape {entry['shape']}")
         filled = 0
-        for c in entry["chunks"]:
-            lo = [max(o, co) for o, co in zip(offsets, c["offsets"], strict=True)]
-            hi = [
-                min(o + s, co + cs)
-                for o, s, co, cs in zip(offsets, out.shape, c["offsets"], c["shape"], strict=True)
-            ]
-            if any(a >= b for a, b in zip(lo, hi, strict=True)):
+        for piece in entry["chunks"]:
+            # the overlap of the box asked for and this chunk, [start, stop) in each dim of the tensor
+            start = [max(box, have) for box, have in zip(offsets, piece["offsets"], strict=True)]
+            ends = zip(offsets, out.shape, piece["offsets"], piece["shape"], strict=True)
+            stop = [min(box + size, have + have_size) for box, size, have, have_size in ends]
+            if any(first >= end for first, end in zip(start, stop, strict=True)):
                 continue
-            dst = out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets, strict=True))]
-            self._read_into(c, lo, hi, dst)
+            where = zip(start, stop, offsets, strict=True)
+            dst = out[tuple(slice(first - box, end - box) for first, end, box in where)]
+            self._read_into(piece, start, stop, dst)
             filled += dst.numel()
         if filled != out.numel():
             raise ValueError(f"{name}: the checkpoint's chunks cover {filled} of the {out.numel()} asked for")
@@ -237,30 +238,36 @@ class ShardReader:
     def _header_of(self, file: str) -> tuple[int, int, dict]:
         """(fd, where the data starts, header) of a safetensors file, read once per reader."""
         if file not in self._plain:
-            f = self._stack.enter_context(open(self.root / file, "rb", buffering=0))  # noqa: SIM115
-            (n,) = struct.unpack("<Q", _pread(f.fileno(), 8, 0))
-            self._plain[file] = (f.fileno(), 8 + n, json.loads(_pread(f.fileno(), n, 8)))
+            handle = self._stack.enter_context(open(self.root / file, "rb", buffering=0))  # noqa: SIM115
+            fd = handle.fileno()
+            (header_bytes,) = struct.unpack("<Q", _pread(fd, 8, 0))
+            self._plain[file] = (fd, 8 + header_bytes, json.loads(_pread(fd, header_bytes, 8)))
         return self._plain[file]
 
-    def _read_into(self, c: dict, lo: list[int], hi: list[int], dst: torch.Tensor) -> bool:
-        """Read the box [lo, hi) of chunk `c` into `dst` with one pread of the rows it spans: straight into
-        `dst` (True) when the box is whole rows (as FSDP and DDP shards and whole tensors are) and `dst` is
-        contiguous host memory of the stored dtype, else into a buffer `dst` copies from (another device or
-        dtype, a box of columns). No mapping of the file into this process (its pages never count in RSS)."""
-        fd, start, header = self._header_of(c["file"])
-        entry = header.get(c["key"]) or {}
+    def _read_into(self, piece: dict, start: list[int], stop: list[int], dst: torch.Tensor) -> bool:
+        """Read the box [start, stop) of chunk `piece` into `dst` with one pread of the rows it spans:
+        straight into `dst` (True) when the box is whole rows (as FSDP and DDP shards and whole tensors
+        are) and `dst` is contiguous host memory of the stored dtype, else into a buffer `dst` copies from
+        (another device or dtype, a box of columns). No mapping of the file into this process (its pages
+        never count in RSS)."""
+        fd, data_start, header = self._header_of(piece["file"])
+        entry = header.get(piece["key"]) or {}
         dtype = _FROM_TAG.get(entry.get("dtype"))
-        shape = [int(x) for x in entry.get("shape", ())]
-        begin, end = (int(x) for x in entry.get("data_offsets", (0, -1)))
-        if dtype is None or shape != c["shape"] or end - begin != math.prod(shape) * dtype.itemsize:
-            raise ValueError(f"{c['file']}: {c['key']} does not match the checkpoint's index")
-        box = [slice(a - co, b - co) for a, b, co in zip(lo, hi, c["offsets"], strict=True)]
+        shape = [int(size) for size in entry.get("shape", ())]
+        begin, end = (int(offset) for offset in entry.get("data_offsets", (0, -1)))
+        if dtype is None or shape != piece["shape"] or end - begin != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"{piece['file']}: {piece['key']} does not match the checkpoint's index")
+        # the box in the chunk's own coordinates
+        spans = zip(start, stop, piece["offsets"], strict=True)
+        box = [slice(first - origin, end - origin) for first, end, origin in spans]
         rows = box[0] if shape else slice(0, 1)
-        whole_rows = all(b.start == 0 and b.stop == n for b, n in zip(box[1:], shape[1:], strict=True))
+        whole_rows = all(
+            cols.start == 0 and cols.stop == size for cols, size in zip(box[1:], shape[1:], strict=True)
+        )
         direct = whole_rows and dst.device.type == "cpu" and dst.is_contiguous() and dst.dtype == dtype
         buf = dst if direct else torch.empty((rows.stop - rows.start, *shape[1:]), dtype=dtype)
-        first = start + begin + rows.start * math.prod(shape[1:]) * dtype.itemsize
-        _pread_into(fd, _raw(buf), first)  # buf is contiguous host memory: read in place
+        first_byte = data_start + begin + rows.start * math.prod(shape[1:]) * dtype.itemsize
+        _pread_into(fd, _raw(buf), first_byte)  # buf is contiguous host memory: read in place
         if not direct:
             dst.copy_(buf[(slice(None), *box[1:])].reshape(dst.shape))
         return direct

@@ -30,7 +30,10 @@ PREFIX = "step_"
 STEP_DIR = re.compile(r"^step_\d{6,}$")
 META = "meta.json"
 FORMAT_VERSION = 2
-REFIT = "use the config it was trained with, or a new --out (or --resume never --overwrite to move that run aside)"
+REFIT = (
+    "use the config it was trained with, or a new --out "
+    "(or --resume never --overwrite to move that run aside)"
+)
 
 
 def step_dir_name(step: int) -> str:

@@ -164,13 +164,16 @@ class CheckpointWriter:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed save of this step
             tmp.mkdir(parents=True)
         agree([0])  # every rank waits for the temp dir
-        mp, aliases = model_pieces(model, self.rank, self.world)
-        op, structure = optimizer_pieces(model, optimizer, self.rank, self.world) if optimizer else ([], None)
+        weights, aliases = model_pieces(model, self.rank, self.world)
+        moments: list[Piece] = []
+        structure = None
+        if optimizer is not None:
+            moments, structure = optimizer_pieces(model, optimizer, self.rank, self.world)
         job = _Job(
             step=step,
             tmp=tmp,
-            model=mp,
-            optimizer=op,
+            model=weights,
+            optimizer=moments,
             aliases=aliases,
             structure=_snapshot(structure),
             trainer_state=_snapshot(trainer_state),
@@ -182,7 +185,7 @@ class CheckpointWriter:
             final=final,
         )
         if not self.expect_bytes:  # no estimate: this rank's share of the state times the ranks
-            self.expect_bytes = self.world * sum(p.tensor.nbytes for p in mp + op)
+            self.expect_bytes = self.world * sum(piece.tensor.nbytes for piece in weights + moments)
         self._cancel.clear()
         if not background:
             self._run(job)
@@ -283,8 +286,8 @@ class CheckpointWriter:
                     kept = f"resumes from {there[0].name}, intact" if there else "starts afresh"
                     stop = f" (the save for the stop: {job.reason})" if job.final else ""
                     raise OutOfSpace(
-                        f"out of space on the checkpoint volume at step {job.step}{stop}: {figures}. Grow the "
-                        f"volume or free space there; the restart {kept}"
+                        f"out of space on the checkpoint volume at step {job.step}{stop}: {figures}. Grow "
+                        f"the volume or free space there; the restart {kept}"
                     )
                 raise error or CheckpointError("another rank failed to write its part")
             config = self.config
@@ -378,7 +381,8 @@ class CheckpointWriter:
 def stage(pieces: list[Piece], buffers: dict[str, torch.Tensor]) -> list[Piece]:
     """Copies of the pieces in host memory, so the loop can change the live tensors while they are
     written. The buffers are reused by the next save: allocating (and on CUDA pinning) 1/world of the
-    state every save would cost more than the copy, so an asynchronous writer holds that much between saves."""
+    state every save would cost more than the copy, so an asynchronous writer holds that much between
+    saves."""
     cuda = any(p.tensor.device.type == "cuda" for p in pieces)
     out = []
     for p in pieces:
