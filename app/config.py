@@ -1,7 +1,9 @@
 """Typed run config: dataclasses, YAML presets, `--set a.b=c` overrides and validation.
 
 Resolution order: dataclass defaults < preset YAML < --config FILE.yaml < --set overrides < flags.
-Every error is a ConfigError with one line that names the key and how to fix it.
+Every error is a ConfigError with one line that names the key and how to fix it. Each field's comment is
+its help wherever it is shown (app/config_docs.py: the flags, docs/config.md). Drills have a section of
+their own (`drill:`); keys that moved are listed in MOVED.
 """
 
 from __future__ import annotations

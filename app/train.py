@@ -257,7 +257,7 @@ class Trainer:
 
             if state.step % self.cfg.train.log_every == 0:
                 self.read_step_log()
-            last = self.stopper.planned.check(state.step, state.tokens, 0.0) is not None
+            last = self.stopper.ends_at(state.step, state.tokens)
             self.evaluator.maybe_evaluate(state, last=last)  # the last step's eval comes before its save
             self.sampler.maybe_sample(state.step)
             self.checkpointer.maybe_save(state.step, self.snapshot)

@@ -1,5 +1,5 @@
 """`pretrain train` flags (also `python -m app.train` under torchrun), the config they resolve to, and
-`--print-config`."""
+`--print-config`. A flag that sets a config key takes its help from the key's field (app/config_docs.py)."""
 
 from __future__ import annotations
 

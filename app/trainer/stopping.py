@@ -427,6 +427,11 @@ class StopAgreement:
         self.costs: list[float] = []  # seconds of the recent agreements
         self.agreed_once = False
 
+    def ends_at(self, step: int, tokens: int) -> bool:
+        """Whether max_steps or max_tokens end the run at this step (known ahead on every rank alike, so
+        its last eval can come before the save of the stop; the clock's limit is only known when agreed)."""
+        return self.planned.check(step, tokens, 0.0) is not None
+
     def local(self, step: int, tokens: int, elapsed: float) -> StopDecision:
         candidates = [
             self.planned.check(step, tokens, elapsed),

@@ -39,6 +39,8 @@ Snapshot = Callable[[], tuple[TrainerState, dict]]
 
 
 class Checkpointer:
+    """One per run, built before the model (a start must know what it resumes to size its batches)."""
+
     def __init__(
         self,
         run_dir: Path,
@@ -56,7 +58,7 @@ class Checkpointer:
     ) -> None:
         """`resume`: --resume (auto | never | a path). `data`: what meta.json says of the data, `files`:
         copied into every checkpoint (the tokenizer: a checkpoint dir alone is enough to sample or export).
-        `expect_bytes`: the estimated size of one checkpoint, checked against the free space at once.
+        `expect_bytes`: the estimated size of one checkpoint, checked against the free space by `load`.
         `on_commit(result)`: a save is committed. `on_save(state)`: "saving" while the loop stands still for
         a save, "running" after it (the heartbeat)."""
         self.run_dir = Path(run_dir)
