@@ -46,7 +46,11 @@ EVAL_OFF = ["--set", "train.eval_every=0"]
 PHASES = {
     "before-model": ([], "app.trainer.parallelize:build_parallel_model", None),
     "step-0-eval": ([], "app.trainer.evaluate:validation_loss", None),
-    "first-step": (EVAL_OFF, "torch.nn.utils:clip_grads_with_norm_", None),  # after backward, before the update
+    "first-step": (
+        EVAL_OFF,
+        "torch.nn.utils:clip_grads_with_norm_",
+        None,
+    ),  # after backward, before the update
     "first-save": (
         EVAL_OFF,
         "app.trainer.checkpoint.writer:model_pieces",

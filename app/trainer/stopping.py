@@ -209,9 +209,15 @@ class PlannedEnd:
     @classmethod
     def of(cls, cfg: Config, tokens_per_step: int, plan: dict | None) -> PlannedEnd:
         """A run's planned end; `plan`: one agreed before a restart, which stands."""
-        t, sched = cfg.train, cfg.schedule
+        train = cfg.train
+        schedule = cfg.schedule
         end = cls(
-            t.max_steps, t.max_tokens, t.max_hours * 3600, tokens_per_step, sched.name, sched.decay_fraction
+            train.max_steps,
+            train.max_tokens,
+            train.max_hours * 3600,
+            tokens_per_step,
+            schedule.name,
+            schedule.decay_fraction,
         )
         end.follow(plan)
         return end
@@ -240,7 +246,9 @@ class PlannedEnd:
         if self.pace_from is None:
             self.pace_from = (step, elapsed) if step > self.first_step else None
             return 0
-        done, since = step - self.pace_from[0], elapsed - self.pace_from[1]
+        first_step, first_elapsed = self.pace_from
+        done = step - first_step
+        since = elapsed - first_elapsed
         if done < PACE_STEPS or (self.schedule == "cosine" and elapsed < PACE_SHARE * self.max_seconds):
             return 0
         left = self.end_step(step, tokens) - step

@@ -118,8 +118,8 @@ def check_format(path: Path, meta: dict) -> str:
     if isinstance(found, int) and not isinstance(found, bool) and 1 <= found < FORMAT_VERSION:
         raise UserError(
             f"{path} is in checkpoint format {found} (written by pretrain {wrote or 'an older version'}), "
-            f"which this version does not read (format {FORMAT_VERSION}): use the pretrain version that wrote "
-            "it, or train into a new --out"
+            f"which this version does not read (format {FORMAT_VERSION}): use the pretrain version that "
+            "wrote it, or train into a new --out"
         )
     newer = (_version_key(wrote) or ()) > (_version_key(__version__) or ())
     if isinstance(found, int) and not isinstance(found, bool) and found > FORMAT_VERSION and newer:
