@@ -185,6 +185,6 @@ def test_a_killed_local_worker_makes_the_launcher_exit_144(tmp_path):
             launcher.wait(30)
     assert launcher.returncode == 144, out
     assert "lost rank 1" in out and "-> exit 144" in out.splitlines()[-1], out
-    from app.trainer.checkpoint import resolve_latest
+    from app.trainer.checkpoint.store import resolve_latest
 
     assert resolve_latest(run).step == 5

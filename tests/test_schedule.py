@@ -184,7 +184,7 @@ def _ends_annealed(run, min_lr: float, gap: float, tolerance: float) -> dict:
     """The last step's LR (metrics.jsonl) is the minimum, and the newest checkpoint holds that step."""
     import json
 
-    from app.trainer.checkpoint import load_trainer_state, resolve_latest
+    from app.trainer.checkpoint.store import load_trainer_state, resolve_latest
 
     last = train_rows(run)[-1]
     info = resolve_latest(run)
@@ -230,7 +230,7 @@ def test_a_max_hours_run_ends_annealed_on_a_checkpoint_and_resumes_exactly(tmp_p
     import re
     import shutil
 
-    from app.trainer import checkpoint as ckpt
+    from app.trainer.checkpoint import store as ckpt
 
     run = tmp_path / "run"
     args = [

@@ -80,7 +80,7 @@ def test_a_sigterm_after_an_evaluation_names_that_val_loss_with_the_checkpoint(t
     """SIGTERM at step 7 of a run evaluated every 4 steps: the stop's checkpoint (step 7) was not evaluated,
     so no checkpoint ranks as best; the summary says so and names the evaluation of step 4 and its val loss,
     which the checkpoint's trainer state records as its last evaluation."""
-    from app.trainer.checkpoint import load_trainer_state, resolve_latest
+    from app.trainer.checkpoint.store import load_trainer_state, resolve_latest
 
     run = tmp_path / "run"
     env = cli_env(
