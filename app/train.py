@@ -175,9 +175,14 @@ class Trainer:
         self.autocast = autocast_for(cfg, device)
         self.steplog = StepLog(env)
         stop_file = run.stop_file or run_dir / "stop.json"
+        planned = PlannedEnd.of(cfg, self.data.tokens_per_step, self.state.budget_decay)
+        dropped = planned.drop_outdated(self.state.step, self.state.tokens, cfg.schedule, cfg.optim)
+        if dropped:  # resumed with another max_hours: the end is planned again
+            log(dropped)
+            self.state.budget_decay = None
         self.stopper = StopAgreement(
             stop_file=stop_file if env.is_rank0 else None,  # only the master pod's
-            planned=PlannedEnd.of(cfg, self.data.tokens_per_step, self.state.budget_decay),
+            planned=planned,
             early=early,
             signals=signals,
             bad_steps=bad_steps,
@@ -279,9 +284,13 @@ class Trainer:
         """An end plan the ranks just agreed (the budget's LR decay, or where max_hours ends), once: from
         now on it is part of the state, and the LR schedule and the planned end follow it."""
         state = self.state
+        planned = self.stopper.planned
         if plan and not state.budget_decay:
+            # the planned curve starts at the LR this step runs at without it, so the LR does not jump;
+            # stored with the plan, so a resume follows the same curve
+            plan["start_lr"] = planned.lr(state.step, state.tokens, self.cfg.schedule, self.cfg.optim)
             state.budget_decay = plan
-            self.report.log(self.stopper.planned.follow(plan))
+            self.report.log(planned.follow(plan))
 
     def step(self) -> bool:
         """One optimizer step; False when it ran out of memory in this process's first steps under
@@ -289,7 +298,8 @@ class Trainer:
         cfg = self.cfg
         state = self.state
         state.lr = self.stopper.planned.lr(state.step, state.tokens, cfg.schedule, cfg.optim)
-        set_muon_momentum(self.optimizer, muon_momentum_at(state.step, state.lr, cfg.schedule, cfg.optim))
+        annealed = self.stopper.planned.annealed(state.step, state.tokens, cfg.schedule, cfg.optim)
+        set_muon_momentum(self.optimizer, muon_momentum_at(state.step, annealed, cfg.optim))
         skip_spikes = self.skip_if_spike if cfg.train.skip_spike_updates else None
         first_micro = self.data.micro_steps
         try:

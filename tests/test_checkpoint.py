@@ -95,10 +95,9 @@ def _edit_meta(path, **fields):
     (path / "meta.json").write_text(json.dumps(meta))
 
 
-@pytest.mark.parametrize("found", ["2x", 2.5, True, None, -1, 0, 3])
+@pytest.mark.parametrize("found", ["2x", 2.5, True, None, -1, 0])
 def test_a_damaged_format_version_is_a_corrupt_checkpoint(tmp_path, model, found):
-    """Not a format number, or a newer format stamped with this very release (which writes format 2):
-    damage, so the checkpoint is skipped and the one before it used."""
+    """Not a format number at all: damage, so the checkpoint is skipped and the one before it used."""
     _save(tmp_path, 1, model)
     _edit_meta(_save(tmp_path, 2, model).path, format_version=found)
     warnings = []
@@ -106,18 +105,26 @@ def test_a_damaged_format_version_is_a_corrupt_checkpoint(tmp_path, model, found
     assert len(warnings) == 1 and "damaged format_version" in warnings[0], warnings
 
 
-def test_a_newer_format_from_a_newer_release_is_refused_naming_both_versions(tmp_path, model):
-    """A downgrade: the newest checkpoint was written by a newer pretrain in a format this one cannot read.
-    Refused (never skipped, a fresh start would bury it), naming both releases and both formats."""
+@pytest.mark.parametrize("wrote", ["99.0.0", "this release", None])
+def test_a_newer_format_is_refused_naming_both_versions(tmp_path, model, wrote):
+    """A downgrade: the newest checkpoint was written in a format this pretrain cannot read, by a newer
+    release, by a build of this very release number that changed the format (a dev build, a forgotten
+    version bump), or by one that did not say. Refused (never skipped: a fresh start would bury it),
+    naming both releases and both formats."""
     from app import __version__
 
+    release = __version__ if wrote == "this release" else wrote
     _save(tmp_path, 1, model)
     newer = _save(tmp_path, 2, model).path
-    _edit_meta(newer, format_version=ckpt.FORMAT_VERSION + 1, versions={"pretrain": "99.0.0"})
+    _edit_meta(
+        newer, format_version=ckpt.FORMAT_VERSION + 1, versions={"pretrain": release} if release else {}
+    )
     with pytest.raises(UserError) as refused:
         ckpt.resolve_latest(tmp_path, warn=pytest.fail)
     line = str(refused.value)
-    assert f"format {ckpt.FORMAT_VERSION + 1}, written by pretrain 99.0.0" in line, line
+    assert f"format {ckpt.FORMAT_VERSION + 1}, written by pretrain {release or 'a newer version'}" in line, (
+        line
+    )
     assert f"this is pretrain {__version__}, which reads format {ckpt.FORMAT_VERSION}" in line, line
 
 
@@ -248,7 +255,10 @@ def test_the_final_eval_is_in_the_final_checkpoint_and_a_torn_log_line_is_cut(tm
 def test_a_newest_checkpoint_with_a_non_utf8_or_newer_meta_on_the_command_line(tmp_path):
     """The real commands on a run whose newest meta.json is not UTF-8: `train` (auto) warns, sets it aside
     and resumes from the one before; `--resume` of that checkpoint and `sample` of it say in one line what is
-    wrong (exit 2). A newest checkpoint of a newer format from a newer pretrain stops `train` in one line."""
+    wrong (exit 2). A newest checkpoint of a newer format stops `train` in one line, whether a newer release
+    or a build of this release number wrote it, and stays where it is."""
+    from app import __version__
+
     run = tmp_path / "run"
     trained = pretrain(
         "train", "--out", str(run), "--max-steps", "4", *FAST, "--set", "checkpoint.every_steps=2"
@@ -271,12 +281,15 @@ def test_a_newest_checkpoint_with_a_non_utf8_or_newer_meta_on_the_command_line(t
     assert "resumed from" in resumed.stdout and "(step 2" in resumed.stdout
     assert (newest.parent / "corrupt-step_000004").is_dir() and ckpt.resolve_latest(run).step == 6
     newer = ckpt.checkpoints_root(run) / "step_000006"
-    fields = json.loads(meta) | {
-        "format_version": ckpt.FORMAT_VERSION + 1,
-        "versions": {"pretrain": "99.0.0"},
-    }
-    (newer / "meta.json").write_text(json.dumps(fields))
-    refused = pretrain("train", "--out", str(run), "--max-steps", "8", *FAST)
-    lines = refused.stderr.strip().splitlines()
-    assert refused.returncode == 2 and len(lines) == 1 and "pretrain 99.0.0" in lines[0], refused.stderr
-    assert newer.is_dir()  # refused, not set aside
+    fields = json.loads(meta) | {"format_version": ckpt.FORMAT_VERSION + 1}
+    for release in ("99.0.0", __version__):  # a newer release, or a build of this one with a new format
+        (newer / "meta.json").write_text(json.dumps(fields | {"versions": {"pretrain": release}}))
+        refused = pretrain("train", "--out", str(run), "--max-steps", "8", *FAST)
+        lines = refused.stderr.strip().splitlines()
+        assert refused.returncode == 2 and len(lines) == 1, refused.stderr
+        assert f"written by pretrain {release}" in lines[0] and "resume it with the pretrain" in lines[0], (
+            lines
+        )
+        assert (
+            newer.is_dir() and not (newer.parent / "corrupt-step_000006").exists()
+        )  # refused, not set aside

@@ -11,7 +11,7 @@ from app.config import OptimConfig, ScheduleConfig
 from app.trainer.model import build_model
 from app.trainer.optim import param_groups
 from app.trainer.schedule import CLOCK_MARGIN, DecayPlan, budget_decay_steps, clock_end_steps, horizon, lr_at
-from app.trainer.stopping import PACE_SHARE, PACE_STEPS, PlannedEnd
+from app.trainer.stopping import CLOCK_OVERRUN, OVERRUN_SECONDS, PACE_SHARE, PACE_STEPS, PlannedEnd, StopCause
 from tests.conftest import FAST, pretrain, train_rows
 
 OPT = OptimConfig(lr=1.0, min_lr=0.1)
@@ -37,6 +37,10 @@ def test_wsd_is_flat_then_decays_linearly_over_the_last_fraction():
     assert lr_at(29, s, OPT, 100, plan) == 1.0
     assert lr_at(39, s, OPT, 100, plan) == pytest.approx(0.1)
     assert lr_at(80, s, OPT, 100, plan) == pytest.approx(0.1)
+    # decided during max_steps' own decay (LR 0.775 at step 84): it goes on down from there, not from peak
+    late = DecayPlan(start_step=84, steps=10, start_lr=lr_at(84, s, OPT, 100))
+    assert lr_at(84, s, OPT, 100, late) == pytest.approx(0.775 - 0.0675)
+    assert lr_at(93, s, OPT, 100, late) == 0.1
 
 
 def test_budget_decay_starts_when_the_remaining_budget_is_the_decay_fraction_of_the_run():
@@ -55,13 +59,39 @@ def test_budget_decay_starts_when_the_remaining_budget_is_the_decay_fraction_of_
     assert budget_decay_steps(0, 10, 1, 0, 0.2) == 0  # nothing measured yet
 
 
-def test_a_plan_shorter_than_two_warmups_still_ends_at_min_lr():
-    """tiny's 30 warm-up steps and a max_hours plan that ends at step 25 on a slow machine: the warm-up
-    shrinks to half the planned run and the cosine still reaches min_lr at the end (it ended mid-warm-up)."""
+@pytest.mark.parametrize("name", ["cosine", "wsd"])
+def test_a_plan_agreed_inside_the_warmup_decays_from_where_the_lr_is(name):
+    """tiny's 30 warm-up steps and a max_hours plan agreed at step 11 that ends at 25 (a slow machine): the
+    planned curve starts at the LR step 11 runs at unplanned (12/30 of peak), so the LR never jumps (it
+    used to jump to peak, 2.5x in one step), decays every step after and the plan's last step (24, which
+    makes the final weights) runs at min_lr exactly."""
+    s = ScheduleConfig(name=name, warmup_steps=30)
+    start_lr = lr_at(11, s, OPT, 10**6)
+    assert start_lr == pytest.approx(12 / 30)
+    plan = DecayPlan(start_step=11, steps=14, cause="max_hours", start_lr=start_lr)
+    lrs = [lr_at(i, s, OPT, 10**6, plan) for i in range(0, 30)]
+    rises = [b - a for a, b in zip(lrs, lrs[1:], strict=False)]
+    assert max(rises) <= 1 / 30 + 1e-12  # never more than one warm-up increment
+    assert all(rise < 0 for rise in rises[11:24])  # annealing from the plan on
+    assert lrs[24] == 0.1 and lrs[25:] == [0.1] * 5
+
+
+@pytest.mark.parametrize(("start", "steps"), [(11, 3), (12, 98), (40, 1), (7, 2), (500, 12345)])
+def test_a_planned_cosine_runs_its_last_step_at_min_lr(start, steps):
+    """The step that makes a planned run's final weights (end_step - 1) runs at min_lr, not one step short
+    of it (issue #33: `--set train.max_hours=0.02` ends at min_lr)."""
+    s = ScheduleConfig(name="cosine", warmup_steps=5)
+    plan = DecayPlan(start_step=start, steps=steps, cause="max_hours", start_lr=0.9)
+    assert lr_at(plan.end_step - 1, s, OPT, 10**6, plan) == 0.1
+    assert lr_at(start, s, OPT, 10**6, plan) == pytest.approx(0.9 if steps > 1 else 0.1)
+
+
+def test_a_plan_stored_by_an_older_pretrain_keeps_its_curve():
+    """A plan without start_lr (a checkpoint from before it existed) follows the curve it was made on: the
+    warm-up capped at half the plan, the cosine from there to the plan's end (exact resume)."""
     s = ScheduleConfig(name="cosine", warmup_steps=30)
     plan = DecayPlan(start_step=11, steps=14, cause="max_hours")
-    assert lr_at(11, s, OPT, 400, plan) == pytest.approx(1.0)  # warm-up of 12 steps done
-    assert lr_at(24, s, OPT, 400, plan) == pytest.approx(0.1, abs=0.02)
+    assert lr_at(11, s, OPT, 400, plan) == pytest.approx(1.0)
     assert lr_at(25, s, OPT, 400, plan) == pytest.approx(0.1)
     assert lr_at(11, s, OPT, 16) == pytest.approx(12 / 30)  # max_steps alone: the warm-up is as configured
 
@@ -76,8 +106,8 @@ def test_the_horizon_is_the_first_of_max_steps_and_max_tokens():
 
 def test_a_cosine_plan_moves_the_end_of_the_curve():
     s = ScheduleConfig(name="cosine", warmup_steps=10)
-    plan = DecayPlan(start_step=12, steps=98, cause="max_hours")  # ends at 110 although max_steps is 10^6
-    assert [lr_at(i, s, OPT, 10**6, plan) for i in (60, 110)] == [pytest.approx(0.55), pytest.approx(0.1)]
+    plan = DecayPlan(start_step=10, steps=101, cause="max_hours", start_lr=1.0)  # max_steps is 10^6
+    assert [lr_at(i, s, OPT, 10**6, plan) for i in (60, 110)] == [pytest.approx(0.55), 0.1]
 
 
 def test_the_clock_end_is_planned_from_the_pace():
@@ -104,13 +134,56 @@ def test_planned_end_measures_its_pace_then_ends_at_the_agreed_step():
     assert proposed == int((1000 - at) * (1 - CLOCK_MARGIN))
     end.follow({"start_step": step, "steps": proposed, "cause": "max_hours"})
     assert end.clock_proposal(step + 1, 0, at + 1) == 0
-    assert end.check(step + proposed - 1, 0, 1200.0) is None  # the plan, not the clock, ends it now
+    assert end.check(step + proposed - 1, 0, 1050.0) is None  # the plan, not the clock, ends it now
     assert "reached step" in end.check(step + proposed, 0, 990.0).reason
     unplanned = PlannedEnd(10**6, max_seconds=1000.0)
     assert "max_hours=0.277778" in unplanned.check(5, 0, 1000.0).reason  # too few steps to plan: the clock
     budget = PlannedEnd(10**6, max_seconds=1000.0)
     budget.follow({"start_step": 5, "steps": 10})  # a budget decay (no cause: older checkpoints) ends nothing
     assert budget.planned.cause == "budget" and budget.check(100, 0, 0.0) is None
+
+
+def test_the_clock_still_stops_a_planned_run_whose_pace_fell():
+    """After a max_hours plan the plan's step ends the run, but should the pace fall (a throttled or slower
+    node) the clock stops it anyway CLOCK_OVERRUN of max_hours (at least OVERRUN_SECONDS) past it, saying
+    so: a run bought for 10 hours stops by 10.5, not at twice the hours."""
+    hours = PlannedEnd(10**6, max_seconds=36000.0)
+    hours.follow({"start_step": 100, "steps": 900, "cause": "max_hours", "start_lr": 1.0, "hours": 10.0})
+    assert hours.check(500, 0, 36000.0 * (1 + CLOCK_OVERRUN) - 1) is None
+    late = hours.check(500, 0, 36000.0 * (1 + CLOCK_OVERRUN))
+    assert (
+        late.cause == StopCause.PLANNED and "max_hours=10 overran by 30.0 min before step 1000" in late.reason
+    )
+    assert "planned for max_hours=10 ends" in hours.check(1000, 0, 100.0).reason
+    short = PlannedEnd(10**6, max_seconds=72.0)  # 0.02 hours: a minute's slack, not 3.6 s
+    short.follow({"start_step": 11, "steps": 3, "cause": "max_hours", "start_lr": 1.0, "hours": 0.02})
+    assert short.check(12, 0, 72.0 + OVERRUN_SECONDS - 1) is None
+    assert short.check(12, 0, 72.0 + OVERRUN_SECONDS).stops
+
+
+@pytest.mark.parametrize(
+    ("resumed_hours", "stored_hours", "dropped"),
+    [(0.04, 0.02, True), (0.0, 0.02, True), (0.02, 0.02, False), (0.04, None, False), (0.0, None, True)],
+)
+def test_a_plan_for_another_max_hours_is_dropped_on_resume(resumed_hours, stored_hours, dropped):
+    """A finished (or interrupted) max_hours run resumed with more hours, or with none, plans its end again
+    instead of stopping at the old plan's step; the same hours keep the plan (exact resume). A plan from
+    an older pretrain (no hours recorded) stands unless the clock is off."""
+    s = ScheduleConfig(name="cosine", warmup_steps=5)
+    end = PlannedEnd(10**6, max_seconds=resumed_hours * 3600)
+    stored = {"start_step": 11, "steps": 3, "cause": "max_hours", "start_lr": 1.0, "hours": stored_hours}
+    end.follow(stored)
+    line = end.drop_outdated(14, 0, s, OPT)
+    assert (end.planned is None) == dropped and bool(line) == dropped
+    if dropped:
+        assert f"max_hours {stored_hours or 'another value'} -> {resumed_hours:g}" in line, line
+        assert "the LR at step 14 goes from 0.1 to 1" in line, line
+        assert end.check(14, 0, 0.0) is None  # trains on
+    else:
+        assert end.check(14, 0, 0.0).stops
+    budget = PlannedEnd(10**6, max_seconds=resumed_hours * 3600)
+    budget.follow({"start_step": 11, "steps": 3, "cause": "budget"})
+    assert budget.drop_outdated(14, 0, s, OPT) == "" and budget.planned is not None
 
 
 def test_no_weight_decay_on_norms_and_embeddings():
@@ -256,7 +329,7 @@ def test_a_max_hours_run_ends_annealed_on_a_checkpoint_and_resumes_exactly(tmp_p
     assert planned, proc.stdout[-3000:]
     end, start = int(planned[1]), int(planned[1]) - int(planned[2])
     assert f"planned end: reached step {end}" in proc.stdout
-    last = _ends_annealed(run, 0.0002, 0.0018, 0.0 if schedule == "wsd" else 0.01)
+    last = _ends_annealed(run, 0.0002, 0.0018, 0.0)  # a plan's last step runs at min_lr exactly
     assert last["step"] == end
     after = [p for p in ckpt.list_checkpoints(run) if start < ckpt.step_of(p) < end]
     assert after, f"no checkpoint between the plan (step {start}) and the end ({end})"
@@ -271,3 +344,74 @@ def test_a_max_hours_run_ends_annealed_on_a_checkpoint_and_resumes_exactly(tmp_p
     want, got = (ckpt.load_model_state(ckpt.resolve_latest(r)) for r in (run, copy))
     assert ckpt.resolve_latest(copy).step == end
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+@pytest.mark.slow  # 0.02 hours (72 s) of training, as a user runs it
+def test_the_tiny_preset_for_0_02_hours_ends_at_min_lr_on_a_checkpoint_without_an_lr_jump(tmp_path):
+    """Issue #33's done-when, the command a user runs: `pretrain train --set train.max_hours=0.02` (the tiny
+    preset: 30 warm-up steps, more than such a plan leaves on a busy 2-core box). The final checkpoint's LR
+    is optim.min_lr exactly, and the plan, agreed inside the warm-up, never lifts the LR by more than one
+    warm-up increment: from the plan on it only decays (train.log_every=1 to see each step's LR)."""
+    import re
+
+    run = tmp_path / "run"
+    proc = pretrain(
+        "train", "--out", str(run), "--set", "train.max_hours=0.02", "--set", "train.log_every=1", timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr
+    planned = re.search(r"max_hours: the LR schedule ends at step (\d+) \((\d+) steps from now", proc.stdout)
+    assert planned, proc.stdout[-3000:]
+    end, start = int(planned[1]), int(planned[1]) - int(planned[2])
+    assert (
+        f"planned end: reached step {end}, where the LR schedule planned for max_hours=0.02 ends"
+        in proc.stdout
+    )
+    last = _ends_annealed(run, 0.0002, 0.0018, 0.0)
+    assert last["step"] == end and last["lr"] == 0.0002
+    lrs = {row["step"]: row["lr"] for row in train_rows(run)}  # a row's lr made that step's weights
+    steps = sorted(lrs)
+    assert steps == list(range(1, end + 1))
+    rises = [lrs[b] - lrs[a] for a, b in zip(steps, steps[1:], strict=False)]
+    assert max(rises) <= 0.002 / 30 + 1e-12, lrs  # one warm-up increment at most (it jumped to 2.7x)
+    assert all(rise < 0 for rise in rises[start:]), lrs  # from the plan's first step (row start + 1) on
+
+
+@pytest.mark.slow  # two clock-bound runs of 14 and 29 s
+def test_a_finished_max_hours_run_resumed_with_more_hours_trains_on_and_ends_annealed(tmp_path):
+    """A run that ended at its max_hours plan, resumed with twice the hours: the old plan is dropped (with a
+    line saying so, and the LR change), a new end is planned from the pace and the run trains on to it,
+    ending at min_lr on a checkpoint. Resumed with no clock and a larger max_steps, max_steps ends it."""
+    import re
+
+    run = tmp_path / "run"
+    args = [
+        *FAST,
+        "--max-steps",
+        "1000000",
+        "--set",
+        "schedule.warmup_steps=5",
+        "--set",
+        "optim.lr=0.002",
+        "--set",
+        "optim.min_lr=0.0002",
+    ]
+    first = pretrain("train", "--out", str(run), *args, "--set", "train.max_hours=0.004")
+    assert first.returncode == 0, first.stderr
+    end = _ends_annealed(run, 0.0002, 0.0018, 0.0)["step"]
+    assert f"reached step {end}, where the LR schedule planned for max_hours=0.004 ends" in first.stdout
+    more = pretrain("train", "--out", str(run), *args, "--set", "train.max_hours=0.008")
+    assert more.returncode == 0, more.stderr
+    assert (
+        f"note: train.max_hours 0.004 -> 0.008: the LR schedule's planned end at step {end} is dropped"
+        in (more.stdout)
+    )
+    planned = re.search(r"max_hours: the LR schedule ends at step (\d+)", more.stdout)
+    assert planned and int(planned[1]) > end + 10, more.stdout[-3000:]
+    assert f"planned end: reached step {planned[1]}, where the LR schedule planned for max_hours=0.008" in (
+        more.stdout
+    )
+    assert _ends_annealed(run, 0.0002, 0.0018, 0.0)["step"] == int(planned[1])
+    unclocked = ["--max-steps", str(int(planned[1]) + 3), "--set", "train.max_hours=0"]
+    done = pretrain("train", "--out", str(run), *args, *unclocked)
+    assert done.returncode == 0, done.stderr
+    assert f"reached max_steps={int(planned[1]) + 3}" in done.stdout, done.stdout[-2000:]

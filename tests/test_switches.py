@@ -192,7 +192,7 @@ def test_new_parameters_go_to_their_optimizer_groups():
 
 
 def test_muon_momentum_warms_up_and_follows_the_lr_decay_only_for_muon():
-    from app.trainer.schedule import lr_at
+    from app.trainer.schedule import annealed_at
 
     cfg = load_config(
         "tiny",
@@ -209,7 +209,7 @@ def test_muon_momentum_warms_up_and_follows_the_lr_decay_only_for_muon():
     s, o = cfg.schedule, cfg.optim
 
     def at(step):
-        return muon_momentum_at(step, lr_at(step, s, o, 1000), s, o)
+        return muon_momentum_at(step, annealed_at(step, s, o, 1000), o)
 
     # 0.85 -> 0.97 over 300 steps (before and across the LR warm-up), flat at peak LR, then down to 0.9
     # as the LR decays from its peak (step 500) to min_lr (step 999)
@@ -217,13 +217,28 @@ def test_muon_momentum_warms_up_and_follows_the_lr_decay_only_for_muon():
         [0.85, 0.852, 0.91, 0.97, 0.97, 0.935, 0.9], abs=1e-3
     )
     plain = load_config("tiny").optim
-    assert muon_momentum_at(0, 1e-6, s, plain) == muon_momentum_at(999, 1e-6, s, plain) == 0.95  # off
+    assert muon_momentum_at(0, 1.0, plain) == muon_momentum_at(999, 1.0, plain) == 0.95  # off
     cfg = load_config("tiny", overrides=[f"optim.{k}={v}" for k, v in OPTIM.items()])
     model = build_model(small())
     opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
     set_muon_momentum(opt, 0.9)
     assert {g["name"]: g.get("momentum") for g in opt.param_groups}["matrix"] == 0.9
     assert all("momentum" not in g or g["name"] == "matrix" for g in opt.param_groups)
+
+
+def test_muon_momentum_anneals_with_a_plan_that_ends_inside_the_warmup():
+    """tiny's 30 warm-up steps and a max_hours plan agreed at step 11 that ends at step 25: the LR decays
+    from step 11 to min_lr at step 24, and the momentum follows it down to muon_momentum_end (it stayed at
+    muon_momentum, because the step never reached the configured warm-up)."""
+    from app.trainer.schedule import DecayPlan, annealed_at, lr_at
+
+    cfg = load_config("tiny", overrides=["optim.muon_momentum=0.97", "optim.muon_momentum_end=0.9"])
+    s, o = cfg.schedule, cfg.optim
+    plan = DecayPlan(start_step=11, steps=14, cause="max_hours", start_lr=lr_at(11, s, o, 400))
+    momenta = [muon_momentum_at(i, annealed_at(i, s, o, 400, plan), o) for i in range(26)]
+    assert momenta[:12] == [0.97] * 12  # warming up, then the plan's first step at its start LR
+    assert all(a > b for a, b in zip(momenta[11:25], momenta[12:25], strict=False))
+    assert momenta[24] == pytest.approx(0.9) and momenta[25] == pytest.approx(0.9)
 
 
 def test_bad_switch_values_are_one_line_exit_2(tmp_path):

@@ -5,7 +5,9 @@ give that step from the start (`horizon`). A clock does not: with a budget cap (
 the end is planned from the measured pace, agreed across ranks and stored in the trainer state as a
 DecayPlan (exact resume). With WSD the plan is made when the steps left are `decay_fraction` of the run
 and the decay starts there; with cosine (max_hours) it is made once the pace is measured and sets the
-curve's end. README ("Planned ends and the LR schedule") says what each combination does.
+curve's end. A plan's curve starts from the LR the run is at (stored with it), so it never jumps, and
+its last step runs at min_lr exactly. README ("Planned ends and the LR schedule") says what each
+combination does.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ class DecayPlan:
     start_step: int  # the step it was agreed at
     steps: int  # WSD: linear decay to min_lr over this many steps, then min_lr; cosine: its end, from start
     cause: str = "budget"  # budget | max_hours (which ends the run at the plan's end)
+    # The LR step `start_step` would have run at without the plan: the planned curve starts there, so a plan
+    # agreed inside the warm-up (or a WSD decay) does not jump. None: a plan stored by an older pretrain,
+    # which keeps its own curve (a warm-up capped at half the plan, a cosine from there) for exact resume.
+    start_lr: float | None = None
+    hours: float | None = None  # max_hours: the train.max_hours it was planned for (None: not recorded)
 
     @property
     def end_step(self) -> int:
@@ -65,48 +72,94 @@ def lr_at(
     budget_decay: DecayPlan | None = None,
 ) -> float:
     """LR for the optimizer step that turns `step` into `step + 1`. `max_steps`: the horizon (`horizon`);
-    `budget_decay`: an agreed plan (budget or max_hours), which replaces the horizon's end; its warm-up
-    takes at most half the planned run, so a plan that ends early (max_hours on a slow machine) still
-    reaches min_lr. A max_steps/max_tokens horizon leaves the warm-up alone: extending such a run by
-    --max-steps must not change the warm-up it already ran."""
+    `budget_decay`: an agreed plan (budget or max_hours), which replaces the horizon's end from its start
+    step on (`planned_lr`). A max_steps/max_tokens horizon leaves the warm-up alone: extending such a run
+    by --max-steps must not change the warm-up it already ran."""
+    plan = budget_decay
+    if plan is not None and plan.start_lr is None:
+        return _older_plan_lr(step, sched, optim, plan)
+    if plan is not None and step >= plan.start_step:
+        return planned_lr(step, sched.name, optim.min_lr, plan)
     peak, floor = optim.lr, optim.min_lr
-    end = budget_decay.end_step if budget_decay is not None else max_steps
     warmup = sched.warmup_steps
-    if budget_decay is not None:  # a plan's end, known only mid-run, may fall inside the warm-up
-        warmup = min(warmup, end // 2)
     if warmup and step < warmup:
         return peak * (step + 1) / warmup
     if sched.name == "constant":
         return peak
     if sched.name == "cosine":
-        span = max(1, end - warmup)
+        span = max(1, max_steps - warmup)
         progress = min(1.0, (step - warmup) / span)
         return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
     # WSD: flat at peak, then a linear decay to min_lr
-    if budget_decay is not None:
-        start, steps = budget_decay.start_step, max(1, budget_decay.steps)
-    else:
-        steps = max(1, round(sched.decay_fraction * max_steps))
-        start = max_steps - steps
-    if step < start:
+    steps = max(1, round(sched.decay_fraction * max_steps))
+    if step < max_steps - steps:
         return peak
-    return peak - (peak - floor) * min(1.0, (step - start + 1) / steps)
+    return peak - (peak - floor) * min(1.0, (step - max_steps + steps + 1) / steps)
 
 
-def muon_momentum_at(step: int, lr: float, sched: ScheduleConfig, optim: OptimConfig) -> float:
-    """Muon's momentum for the step that turns `step` into `step + 1` at LR `lr` (lr_at's): with
-    muon_momentum_warmup_steps, a linear rise from muon_momentum_start to muon_momentum first (the
-    record's 0.85 -> 0.95 over 300 steps); with muon_momentum_end, after the LR warm-up, it follows the
-    LR's decay from peak to min_lr down to muon_momentum_end (nanochat's 0.97 -> 0.90 over its warmdown;
-    the record's last 50 steps back to 0.85), whatever moves that decay (schedule, budget); else constant."""
-    m, warmup = optim.muon_momentum, optim.muon_momentum_warmup_steps
+def planned_lr(step: int, name: str, floor: float, plan: DecayPlan) -> float:
+    """The LR from a plan's start step on: from `plan.start_lr` (where the run was, so nothing jumps,
+    inside the warm-up included) down to `floor`, which the plan's last step (end_step - 1, the one that
+    makes the final weights) runs at exactly; cosine or linear (WSD), then `floor`. constant: start_lr."""
+    top = plan.start_lr
+    if name == "constant":
+        return top
+    done = step - plan.start_step
+    if name == "cosine":
+        progress = min(1.0, done / (plan.steps - 1)) if plan.steps > 1 else 1.0
+        return floor + 0.5 * (top - floor) * (1 + math.cos(math.pi * progress))
+    return floor + (top - floor) * max(0.0, 1 - (done + 1) / max(1, plan.steps))  # floor, exactly, at the end
+
+
+def _older_plan_lr(step: int, sched: ScheduleConfig, optim: OptimConfig, plan: DecayPlan) -> float:
+    """A plan stored without start_lr (pretrain before planned_lr): its warm-up takes at most half the
+    planned run and the cosine runs from there to the plan's end; WSD is flat at peak, then decays."""
+    peak, floor = optim.lr, optim.min_lr
+    end = plan.end_step
+    warmup = min(sched.warmup_steps, end // 2)
+    if warmup and step < warmup:
+        return peak * (step + 1) / warmup
+    if sched.name == "constant":
+        return peak
+    if sched.name == "cosine":
+        progress = min(1.0, (step - warmup) / max(1, end - warmup))
+        return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
+    if step < plan.start_step:
+        return peak
+    return peak - (peak - floor) * min(1.0, (step - plan.start_step + 1) / max(1, plan.steps))
+
+
+def annealed_at(
+    step: int, sched: ScheduleConfig, optim: OptimConfig, max_steps: int, plan: DecayPlan | None = None
+) -> float:
+    """How far the LR has decayed at `step`: 0 while it warms up or holds its peak, 1 at min_lr. Under a
+    plan the decay starts at the plan's start (from its start_lr, inside the warm-up too)."""
+    top = optim.lr
+    if plan is not None and plan.start_lr is not None and step >= plan.start_step:
+        top = plan.start_lr
+    elif step < sched.warmup_steps:
+        return 0.0
+    if top <= optim.min_lr:  # nothing left to decay: at the floor already, or no decay configured
+        return 1.0 if optim.lr > optim.min_lr else 0.0
+    lr = lr_at(step, sched, optim, max_steps, plan)
+    return min(1.0, max(0.0, (top - lr) / (top - optim.min_lr)))
+
+
+def muon_momentum_at(step: int, annealed: float, optim: OptimConfig) -> float:
+    """Muon's momentum for the step that turns `step` into `step + 1`, the LR's decay `annealed` far
+    (annealed_at): with muon_momentum_warmup_steps, a linear rise from muon_momentum_start to
+    muon_momentum first (the record's 0.85 -> 0.95 over 300 steps); with muon_momentum_end, it follows the
+    LR's decay from its top to min_lr down to muon_momentum_end (nanochat's 0.97 -> 0.90 over its
+    warmdown; the record's last 50 steps back to 0.85), whatever moves that decay (schedule, budget,
+    max_hours' plan); else constant."""
+    momentum = optim.muon_momentum
+    warmup = optim.muon_momentum_warmup_steps
     if warmup and step < warmup:
         frac = step / warmup
-        return (1 - frac) * optim.muon_momentum_start + frac * m
-    if optim.muon_momentum_end and step >= sched.warmup_steps and optim.lr > optim.min_lr:
-        annealed = min(1.0, max(0.0, (optim.lr - lr) / (optim.lr - optim.min_lr)))
-        return m + annealed * (optim.muon_momentum_end - m)
-    return m
+        return (1 - frac) * optim.muon_momentum_start + frac * momentum
+    if optim.muon_momentum_end:
+        return momentum + annealed * (optim.muon_momentum_end - momentum)
+    return momentum
 
 
 def budget_decay_steps(

@@ -20,7 +20,7 @@ from app.config import Config, OptimConfig, ScheduleConfig
 from app.errors import EXIT_DIVERGED, EXIT_LOW_MFU, UserError
 from app.files import check_writable_dir
 from app.trainer.distributed import agree
-from app.trainer.schedule import DecayPlan, clock_end_steps, horizon, lr_at, plan_line
+from app.trainer.schedule import DecayPlan, annealed_at, clock_end_steps, horizon, lr_at, plan_line
 
 PROCESS_START = time.time()  # stop files older than this process are stale
 AGREEMENT_SHARE = 0.01  # auto k: the agreement may cost this share of a step
@@ -186,15 +186,20 @@ def _graceful(reason: str) -> StopDecision:
 
 PACE_STEPS = 10  # max_hours: steps a process measures its pace over before a plan
 PACE_SHARE = 0.05  # cosine + max_hours: and this share of max_hours (a pace past compile and warm-up)
+# max_hours after a plan: the clock still stops the run this share of max_hours (at least OVERRUN_SECONDS)
+# past it, should the pace fall after the plan (a throttled or slower node, costlier late evaluations)
+CLOCK_OVERRUN = 0.05
+OVERRUN_SECONDS = 60.0
 
 
 @dataclass
 class PlannedEnd:
     """max_steps, max_tokens and max_hours. The first two give the end step at once (`end_step`, the LR
     schedule's horizon); max_hours is a clock, so its end step is planned from the pace (`clock_proposal`),
-    agreed by the ranks and stored in the trainer state (`follow`). From then on that step is the end, not
-    the clock: a run cut off by the clock would end short of min_lr, and a pace that changes after the plan
-    moves the end by as much. Before a plan (too few steps to measure) the clock ends the run."""
+    agreed by the ranks and stored in the trainer state (`follow`). From then on that step is the end: a run
+    cut off by the clock would end short of min_lr. The clock stays a backstop (`overrun_seconds`) should
+    the pace fall after the plan. Before a plan (too few steps to measure) the clock ends the run. A plan
+    made for another max_hours than the resumed run's is dropped and made again (`drop_outdated`)."""
 
     max_steps: int
     max_tokens: int = 0
@@ -236,6 +241,38 @@ class PlannedEnd:
         """The LR of the step after `step`, on the schedule that ends at this planned end."""
         return lr_at(step, sched, optim, self.end_step(step, tokens), self.planned)
 
+    def annealed(self, step: int, tokens: int, sched: ScheduleConfig, optim: OptimConfig) -> float:
+        """How far that LR has decayed (0 at its top, 1 at min_lr): what Muon's momentum follows."""
+        return annealed_at(step, sched, optim, self.end_step(step, tokens), self.planned)
+
+    def drop_outdated(self, step: int, tokens: int, sched: ScheduleConfig, optim: OptimConfig) -> str:
+        """A resumed max_hours plan made for another train.max_hours than this run's (more hours bought, or
+        the clock turned off) no longer says where the run ends: drop it, so the end is planned again from
+        this run's pace (or comes from max_steps/max_tokens). Returns the line for the log ("" when the plan
+        stands). A plan from an older pretrain did not record its hours: it stands unless the clock is off."""
+        plan = self.planned
+        hours = self.max_seconds / 3600
+        if plan is None or plan.cause != "max_hours":
+            return ""
+        if plan.hours is None and hours:
+            return ""
+        if plan.hours is not None and math.isclose(plan.hours, hours):
+            return ""
+        before = self.lr(step, tokens, sched, optim)
+        self.planned = None
+        after = self.lr(step, tokens, sched, optim)
+        was = f"{plan.hours:g}" if plan.hours is not None else "another value"
+        then = "its end is planned again from this run's pace" if hours else "max_steps/max_tokens end it"
+        return (
+            f"note: train.max_hours {was} -> {hours:g}: the LR schedule's planned end at step {plan.end_step} "
+            f"is dropped and {then}; the LR at step {step} goes from {before:.3g} to {after:.3g} (README: "
+            "Planned ends and the LR schedule)"
+        )
+
+    def overrun_seconds(self) -> float:
+        """How far past max_hours the clock lets a planned run go before it stops it all the same."""
+        return max(CLOCK_OVERRUN * self.max_seconds, OVERRUN_SECONDS)
+
     def clock_proposal(self, step: int, tokens: int, elapsed: float) -> int:
         """Steps from `step` to the end of a max_hours plan, once this process has measured its pace from its
         second step on (compile and the first evaluation are behind it); 0 while there is nothing to plan."""
@@ -263,10 +300,18 @@ class PlannedEnd:
             return StopDecision(StopCause.PLANNED, f"planned end: reached max_tokens={self.max_tokens}")
         hours = self.max_seconds / 3600
         plan = self.planned
-        if plan is not None and plan.cause == "max_hours":  # the plan replaced the clock: it ends annealed
-            if step < plan.end_step:
+        if plan is not None and plan.cause == "max_hours":  # the plan's step ends it, annealed
+            planned_for = f"max_hours={plan.hours:g}" if plan.hours is not None else "max_hours"
+            if step >= plan.end_step:
+                why = f"reached step {plan.end_step}, where the LR schedule planned for {planned_for} ends"
+                return StopDecision(StopCause.PLANNED, f"planned end: {why}")
+            if not self.max_seconds or elapsed_seconds < self.max_seconds + self.overrun_seconds():
                 return None
-            why = f"reached step {plan.end_step}, where the LR schedule planned for max_hours={hours:g} ends"
+            why = (
+                f"max_hours={hours:g} overran by {(elapsed_seconds - self.max_seconds) / 60:.1f} min before "
+                f"step {plan.end_step}, where the LR schedule ends (the pace fell after the plan); stopping "
+                "above min_lr"
+            )
             return StopDecision(StopCause.PLANNED, f"planned end: {why}")
         if self.max_seconds and elapsed_seconds >= self.max_seconds:
             return StopDecision(StopCause.PLANNED, f"planned end: reached max_hours={hours:g}")
@@ -487,8 +532,15 @@ class StopAgreement:
             )
         self.every = every
         plan = None
-        if decay or clock:  # the budget's first, should both come at once
-            plan = {"start_step": step, "steps": decay or clock, "cause": "budget" if decay else "max_hours"}
+        if decay:  # the budget's first, should both come at once
+            plan = {"start_step": step, "steps": decay, "cause": "budget"}
+        elif clock:
+            plan = {
+                "start_step": step,
+                "steps": clock,
+                "cause": "max_hours",
+                "hours": self.planned.max_seconds / 3600,
+            }
         if code == mine.encode():
             return Agreement(mine, plan, bool(save))
         cause = SEVERITY[code // 1000]

@@ -97,38 +97,32 @@ def read_meta(path: Path) -> dict | None:
     return meta if isinstance(meta, dict) and "files" in meta and "step" in meta else None
 
 
-def _version_key(text: object) -> tuple[int, ...] | None:
-    """A release such as "0.1.0" as (0, 1, 0); None for anything else."""
-    parts = re.match(r"^(\d+)\.(\d+)(?:\.(\d+))?", str(text))
-    return tuple(int(p or 0) for p in parts.groups()) if parts else None
-
-
 def check_format(path: Path, meta: dict) -> str:
-    """ "" for a checkpoint of FORMAT_VERSION. Another format is refused in one line, never skipped (a
-    fresh start would bury that run): an older one (format 1 had no field), or a newer one written by a
-    newer pretrain (a downgrade), naming both versions. A field that is neither (not a number, or a
-    newer format from a release that cannot have written it) is damage: returned as the reason, so the
-    checkpoint is skipped like any corrupt one and the previous one is used."""
+    """ "" for a checkpoint of FORMAT_VERSION. Any other format number is refused in one line, never
+    skipped (a fresh start would bury that run): an older one (format 1 had no field), or a newer one (a
+    downgrade: written by a newer pretrain, or a build of this release number that changed the format),
+    naming both formats and releases. Only a field that is not a format number at all (not an int, or
+    not positive) is damage: returned as the reason, so the checkpoint is skipped like any corrupt one
+    and the previous one is used."""
     from app import __version__
 
     found = meta.get("format_version", 1)
     if found == FORMAT_VERSION:
         return ""
+    if not isinstance(found, int) or isinstance(found, bool) or found < 1:
+        return f"meta.json has a damaged format_version ({found!r})"
     wrote = (meta.get("versions") or {}).get("pretrain")
-    if isinstance(found, int) and not isinstance(found, bool) and 1 <= found < FORMAT_VERSION:
+    if found < FORMAT_VERSION:
         raise UserError(
             f"{path} is in checkpoint format {found} (written by pretrain {wrote or 'an older version'}), "
             f"which this version does not read (format {FORMAT_VERSION}): use the pretrain version that "
             "wrote it, or train into a new --out"
         )
-    newer = (_version_key(wrote) or ()) > (_version_key(__version__) or ())
-    if isinstance(found, int) and not isinstance(found, bool) and found > FORMAT_VERSION and newer:
-        raise UserError(
-            f"{path} is in checkpoint format {found}, written by pretrain {wrote}; this is pretrain "
-            f"{__version__}, which reads format {FORMAT_VERSION}: resume it with pretrain {wrote} or newer, "
-            "or train into a new --out"
-        )
-    return f"meta.json has a damaged format_version ({found!r})"
+    raise UserError(
+        f"{path} is in checkpoint format {found}, written by pretrain {wrote or 'a newer version'}; this is "
+        f"pretrain {__version__}, which reads format {FORMAT_VERSION}: resume it with the pretrain that "
+        "wrote it (or a newer one), or train into a new --out"
+    )
 
 
 @dataclass(frozen=True)
