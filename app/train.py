@@ -36,20 +36,20 @@ from app.trainer.metrics import device_peak, flops_per_token
 from app.trainer.model import count_parameters
 from app.trainer.optim import build_optimizer, set_lr, set_muon_momentum, step_unless
 from app.trainer.parallelize import clip_grad_norm, grad_sync, unwrap
+from app.trainer.planned_end import PlannedEnd
 from app.trainer.report import Reporter
 from app.trainer.runtime import autocast_for, configure_device, pick_device
 from app.trainer.schedule import muon_momentum_at
 from app.trainer.spikes import SpikeDetector
 from app.trainer.steplog import StepLog
+from app.trainer.stop_causes import StopDecision
 from app.trainer.stopping import (
     Agreement,
     BadSteps,
     EarlyStopping,
     MfuFloor,
-    PlannedEnd,
     SignalFlag,
     StopAgreement,
-    StopDecision,
 )
 
 

@@ -10,8 +10,9 @@ import torch
 from app.config import OptimConfig, ScheduleConfig
 from app.trainer.model import build_model
 from app.trainer.optim import param_groups
+from app.trainer.planned_end import CLOCK_OVERRUN, OVERRUN_SECONDS, PACE_SHARE, PACE_STEPS, PlannedEnd
 from app.trainer.schedule import CLOCK_MARGIN, DecayPlan, budget_decay_steps, clock_end_steps, horizon, lr_at
-from app.trainer.stopping import CLOCK_OVERRUN, OVERRUN_SECONDS, PACE_SHARE, PACE_STEPS, PlannedEnd, StopCause
+from app.trainer.stop_causes import StopCause
 from tests.conftest import FAST, pretrain, train_rows
 
 OPT = OptimConfig(lr=1.0, min_lr=0.1)
