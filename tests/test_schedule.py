@@ -254,6 +254,20 @@ def test_budget_drives_the_wsd_decay_and_ends_annealed_inside_the_cap(tmp_path):
     assert not math.isnan(rows[-1]["loss"])
 
 
+# max_steps out of reach, so the clock ends the run; a short warm-up, LR 2e-3 down to 2e-4
+CLOCK_BOUND = [
+    *FAST,
+    "--max-steps",
+    "1000000",
+    "--set",
+    "schedule.warmup_steps=5",
+    "--set",
+    "optim.lr=0.002",
+    "--set",
+    "optim.min_lr=0.0002",
+]
+
+
 def _ends_annealed(run, min_lr: float, gap: float, tolerance: float) -> dict:
     """The last step's LR (metrics.jsonl) is the minimum, and the newest checkpoint holds that step."""
     import json
@@ -308,17 +322,9 @@ def test_a_max_hours_run_ends_annealed_on_a_checkpoint_and_resumes_exactly(tmp_p
 
     run = tmp_path / "run"
     args = [
-        *FAST,
-        "--max-steps",
-        "1000000",
+        *CLOCK_BOUND,
         "--set",
         f"schedule.name={schedule}",
-        "--set",
-        "schedule.warmup_steps=5",
-        "--set",
-        "optim.lr=0.002",
-        "--set",
-        "optim.min_lr=0.0002",
         "--set",
         "checkpoint.every_steps=20",
         "--set",
@@ -385,17 +391,7 @@ def test_a_finished_max_hours_run_resumed_with_more_hours_trains_on_and_ends_ann
     import re
 
     run = tmp_path / "run"
-    args = [
-        *FAST,
-        "--max-steps",
-        "1000000",
-        "--set",
-        "schedule.warmup_steps=5",
-        "--set",
-        "optim.lr=0.002",
-        "--set",
-        "optim.min_lr=0.0002",
-    ]
+    args = CLOCK_BOUND
     first = pretrain("train", "--out", str(run), *args, "--set", "train.max_hours=0.004")
     assert first.returncode == 0, first.stderr
     end = _ends_annealed(run, 0.0002, 0.0018, 0.0)["step"]
