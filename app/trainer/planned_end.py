@@ -42,7 +42,7 @@ class PlannedEnd:
 
     @classmethod
     def of(cls, cfg: Config, tokens_per_step: int, plan: dict | None) -> PlannedEnd:
-        """A run's planned end; `plan`: one agreed before a restart, which stands."""
+        """A run's planned end; `plan`: one agreed before a restart (see drop_outdated)."""
         train = cfg.train
         schedule = cfg.schedule
         end = cls(
