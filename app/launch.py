@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.run import parse_args, parse_min_max_nnodes, run
 
-from app.errors import EXIT_OUT_OF_SPACE, EXIT_PEER_LOST
+from app.errors import EXIT_OUT_OF_SPACE, EXIT_PEER_LOST, EXIT_SMALLER_BATCH
 from app.errors import print_stderr as _log
 from app.trainer.lease import proc_stat
 
@@ -74,11 +74,15 @@ def shell_code(code: int) -> int:
 
 
 def workers_code(codes: list) -> int:
-    """The launcher's code for its failed workers: a lost peer (144) when a worker found one and every other
-    was killed by a signal (the lost one itself, or torchrun's teardown of the rest), so the operators
-    retry it as a lost peer, not as a plain kill; else the first failure's code."""
-    lost = EXIT_PEER_LOST in codes and all(c == EXIT_PEER_LOST or c < 0 for c in codes)
-    return EXIT_PEER_LOST if lost else shell_code(next((c for c in codes if c), 1))
+    """The launcher's code for its failed workers: a code workers chose so that the run is retried, when
+    every other worker was killed by a signal (the lost one itself, or torchrun's teardown of the rest),
+    whatever order torchrun lists them in: 145 (a rank ran out of memory at an auto micro-batch, the
+    smaller one is recorded), else 144 (a lost peer), so the operators retry it as that, not as a plain
+    kill; else the first failure's code (a crash beside them keeps its own: a bug is not retried)."""
+    chosen = [c for c in (EXIT_SMALLER_BATCH, EXIT_PEER_LOST) if c in codes]
+    if chosen and all(c in chosen or c < 0 for c in codes):
+        return chosen[0]
+    return shell_code(next((c for c in codes if c), 1))
 
 
 hard_exit_hooks: list = []  # run, in order, before an os._exit (a signal caught in rendezvous, a hang)

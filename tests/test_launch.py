@@ -203,3 +203,15 @@ def test_a_lost_peer_wins_only_over_killed_workers():
     assert workers_code([1, 144]) == 1
     assert workers_code([-9]) == 137
     assert workers_code([0, 2]) == 2
+
+
+def test_a_restart_at_a_smaller_micro_batch_wins_over_killed_workers():
+    """145 (one rank out of memory at an auto micro-batch: the smaller size is recorded) whichever order
+    torchrun lists its failures in: the rank that ran out of memory, and the others it left in a
+    collective, which torchrun's teardown kills; a crash beside it keeps its own code."""
+    from app.launch import workers_code
+
+    assert workers_code([145, -15]) == 145
+    assert workers_code([-15, 145]) == 145
+    assert workers_code([-15, 145, 145, -9]) == 145
+    assert workers_code([1, 145]) == 1

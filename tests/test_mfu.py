@@ -117,34 +117,51 @@ def test_out_of_memory_halves_the_micro_batch_and_retries_the_same_data(tmp_path
     assert weights(auto, 6).keys() == weights(fixed, 6).keys() and len(losses_by_step(auto)) == 6
 
 
-@pytest.mark.slow  # two launches of 2 gloo ranks
-def test_out_of_memory_on_several_ranks_records_the_smaller_batch_and_exits_retryable(tmp_path):
-    """With several ranks a half-done collective cannot be unwound: the ranks record the smaller micro-batch
-    and exit 145 (retryable, one line), which the operator's restart policy retries; the restart trains at
-    it. Before, the rank crashed with exit 1, a permanent failure: the recorded size was never used."""
+def _launch_two_ranks(run, *extra: str):
+    """The container's launcher (app.launch) with 2 local gloo workers, as a trainer pod runs them."""
     import subprocess
     import sys
 
     from tests.conftest import REPO, cli_env
 
-    run = tmp_path / "run"
     cmd = [sys.executable, "-m", "app.launch", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0"]
     args = ["-m", "app.train", "--out", str(run), "--max-steps", "2", *FAST]
     args += ["--set", "train.micro_batch_size=auto", "--set", f"train.batch_tokens={8 * 64 * 2}"]
+    return subprocess.run(
+        [*cmd, *args, *extra], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300
+    )
 
-    def launch(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [*cmd, *args, *extra], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300
-        )
 
-    first = launch("--set", "drill.oom_above=4")
+@pytest.mark.slow  # two launches of 2 gloo ranks
+def test_out_of_memory_on_several_ranks_records_the_smaller_batch_and_exits_retryable(tmp_path):
+    """With several ranks a half-done collective cannot be unwound: the ranks record the smaller micro-batch
+    and exit 145 (retryable, one line), which the operator's restart policy retries; the restart trains at
+    it. Before, the rank crashed with exit 1, a permanent failure: the recorded size was never used."""
+    run = tmp_path / "run"
+    first = _launch_two_ranks(run, "--set", "drill.oom_above=4")
     assert first.returncode == 145, first.stdout[-2000:] + first.stderr[-3000:]
     assert "out of memory at micro-batch 8 (step 1): restarting at micro-batch 4" in first.stderr
     assert "Traceback" not in first.stderr, first.stderr[-3000:]
     assert json.loads((run / layout.OOM_RECORD).read_text()) == {"micro_batch_size": 4}
-    again = launch()
+    again = _launch_two_ranks(run)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "micro-batch 4 x accumulation 2 per rank" in again.stdout
+
+
+@pytest.mark.slow  # one launch of 2 gloo ranks
+def test_one_rank_out_of_memory_alone_makes_the_launcher_exit_retryable_without_a_traceback(tmp_path):
+    """A real out-of-memory error hits one rank (rank 0 holds more, or one GPU is busier): the other is
+    left in a collective whose peer is gone. It ends with the same retryable 145 and one line naming the
+    rank that ran out, not a gloo/NCCL traceback and exit 1 (permanent); the launcher's code is 145
+    whatever order torchrun lists the workers in."""
+    run = tmp_path / "run"
+    first = _launch_two_ranks(run, "--set", "drill.oom_above=4", "--set", "drill.oom_rank=1")
+    out = first.stdout[-2000:] + first.stderr[-3000:]
+    assert first.returncode == 145, out
+    assert "Traceback" not in first.stderr, out
+    assert "out of memory at micro-batch 8 (step 1): restarting at micro-batch 4" in first.stderr, out
+    assert "-> exit 145" in first.stderr.splitlines()[-1], out
+    assert json.loads((run / layout.OOM_RECORD).read_text()) == {"micro_batch_size": 4}
 
 
 def test_bench_reports_the_padded_vocab_and_the_chosen_micro_batch(tmp_path):

@@ -22,13 +22,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from app.errors import EXIT_PEER_LOST
+from app.errors import EXIT_PEER_LOST, RestartSmaller
 
 _CONTROL_GROUP = None
 PULSE_SECONDS = 2.0
 LOST_AFTER_SECONDS = 30.0  # far above a live thread's longest pause; a peer not yet seen gets 3x
 SUSPECT_AFTER_SECONDS = 6.0
 _WATCH = None  # this rank's PeerWatch
+RESTART_KEY = "restart-smaller"  # in the watch's store: a rank left to restart at a smaller micro-batch
 
 
 @dataclass
@@ -154,6 +155,13 @@ class PeerWatch:
         for t in self.threads:  # no store call in flight while the interpreter tears the store down
             t.join(timeout=2 * PULSE_SECONDS)
 
+    def posted(self, key: str) -> str:
+        """A value another rank posted for all (or "")."""
+        with contextlib.suppress(Exception):
+            if self.store.check([key]):
+                return self.store.get(key).decode()
+        return ""
+
     def _deadman(self) -> None:
         while not self.ended.wait(PULSE_SECONDS):  # a store call never returns: node 0 vanished silently
             if time.monotonic() - self.answered > LOST_AFTER_SECONDS:
@@ -196,10 +204,21 @@ def at_step(step: int) -> None:
         _WATCH.step = step
 
 
+def restarting_smaller(why: str) -> None:
+    """This rank is about to exit 145 (RestartSmaller, `why`): posted for its peers, which its exit leaves
+    in a collective that fails (exit_if_peer_lost), so that they exit 145 too, not 1 with a traceback."""
+    if _WATCH is not None:
+        with contextlib.suppress(Exception):  # the store's host gone: the peers find that themselves
+            _WATCH.store.set(RESTART_KEY, f"rank {_WATCH.rank}: {why}")
+
+
 def exit_if_peer_lost(error: BaseException) -> None:
-    """A collective failed: a lost peer is named and this rank exits 144; returns if every peer beats."""
+    """A collective failed: a peer that left to restart at a smaller micro-batch raises RestartSmaller
+    (exit 145, one line); a lost peer is named and this rank exits 144; returns if every peer beats."""
     chain = [error, error.__cause__, error.__context__]
     if _WATCH is None or not any(isinstance(e, dist.DistError) or "/gloo/" in str(e) for e in chain):
         return  # gloo's errors are RuntimeErrors that name its source file
+    if restart := _WATCH.posted(RESTART_KEY):  # posted before that peer left: no wait needed
+        raise RestartSmaller(restart) from None
     _WATCH.suspect = True
     _WATCH.peer_ended.wait(LOST_AFTER_SECONDS + 2 * PULSE_SECONDS)

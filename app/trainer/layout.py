@@ -171,23 +171,25 @@ def halve_after_oom(cfg: Config, env, run_dir: Path, warn, step: int) -> int:
             f"({run_dir / OOM_RECORD})"
         )
     if smaller and env.world_size > 1:
-        raise RestartSmaller(
-            f"out of memory at micro-batch {t.micro_batch_size} (step {step + 1}): restarting at micro-batch "
-            f"{smaller}"
-        )
+        why = f"out of memory at micro-batch {t.micro_batch_size} (step {step + 1}): restarting at micro-batch {smaller}"
+        from app.trainer import distributed as peers
+
+        peers.restarting_smaller(why)  # before this rank leaves its peers in a collective
+        raise RestartSmaller(why)
     return smaller
 
 
-def oom_drill(limit: int):
+def oom_drill(limit: int, rank: int = -1):
     """drill.oom_above: a forward hook that fails like a full GPU on training micro-batches above
     `limit` sequences (tests the auto fallback on a CPU; evaluation, without gradients, needs far less
     memory and passes). It fails after the forward, as a real one does mid-step: the blocks have run (and
-    compiled, with train.compile) at the size that does not fit."""
+    compiled, with train.compile) at the size that does not fit. drill.oom_rank fails that rank alone."""
+    this_rank = rank < 0 or int(os.environ.get("RANK", "0")) == rank
 
     def hook(module, args, _output):
         import torch
 
-        if module.training and args[0].size(0) > limit:
+        if module.training and args[0].size(0) > limit and this_rank:
             raise torch.OutOfMemoryError(f"injected: micro-batch {args[0].size(0)} > {limit}")
 
     return hook

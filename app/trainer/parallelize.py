@@ -176,7 +176,7 @@ def build_parallel_model(
     if cfg.drill.oom_above:  # out of memory above a micro-batch size (app/trainer/layout.py)
         from app.trainer.layout import oom_drill
 
-        model.register_forward_hook(oom_drill(cfg.drill.oom_above))
+        model.register_forward_hook(oom_drill(cfg.drill.oom_above, cfg.drill.oom_rank))
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile_enabled(cfg, device):
