@@ -150,6 +150,86 @@ def test_resuming_adamw_state_with_muon_converts_and_back_restarts_the_moments(t
         fit_state(bogus, back, model)
 
 
+# ---------------------------------------------------------------- Muon: torch's update, and a skip that copies nothing
+
+
+def _muon_pair(adjust: str, shapes=((24, 40), (72, 24))):
+    """ShardedMuon and torch.optim.Muon on equal copies of a wide and a tall matrix (torch transposes a tall
+    one for Newton-Schulz), with weight decay and Nesterov, as optim.name=muon builds them."""
+    from app.trainer.optim import ShardedMuon
+
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    kw = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True, "adjust_lr_fn": adjust}
+    return ours, theirs, ShardedMuon(ours, **kw), torch.optim.Muon(theirs, **kw)
+
+
+@pytest.mark.parametrize("adjust", ["match_rms_adamw", "original"])
+def test_sharded_muon_in_one_process_is_torch_muon_bit_for_bit(adjust):
+    """ShardedMuon claims the lines of torch's _single_tensor_muon: weights and momentum buffers equal torch's
+    bit for bit, stepped without `found_inf` (a non-fused AdamW beside it), with it clear (fused AdamW: every
+    step), and with it set on a non-finite gradient, which torch's Muon would not step at all; the momentum
+    changes per step (optim.muon_momentum_end's schedule sets it)."""
+    ours, theirs, o_ours, o_theirs = _muon_pair(adjust)
+    for step, found_inf in enumerate([None, None, 0.0, 1.0, 0.0, 1.0, 0.0]):
+        g = torch.Generator().manual_seed(step)
+        for a, b in zip(ours, theirs, strict=True):
+            grad = torch.randn(a.shape, generator=g)
+            if found_inf:
+                grad.view(-1)[step] = float("nan")
+            a.grad = grad.clone()
+            b.grad = grad.clone()
+        for group in (*o_ours.param_groups, *o_theirs.param_groups):
+            group["momentum"] = 0.95 - 0.01 * step
+        if found_inf is not None:
+            o_ours.found_inf = torch.tensor(found_inf)
+        o_ours.step()
+        if not found_inf:
+            o_theirs.step()
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.equal(a, b), (step, found_inf)
+            assert torch.equal(o_ours.state[a]["momentum_buffer"], o_theirs.state[b]["momentum_buffer"]), step
+
+
+def test_the_device_side_skip_copies_no_matrix():
+    """With fused AdamW `found_inf` comes with every step, so what the skip costs is paid every step: no
+    matrix-sized tensor beyond what a step without it allocates, and two in-place passes per matrix (the
+    gradient zeroed where non-finite, the update scaled by 0 or 1), the 0-dim weights once per group."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self, smallest: int):
+            super().__init__()
+            self.smallest, self.count, self.fresh = smallest, 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.count += 1
+            inputs = {t.untyped_storage().data_ptr() for t in args if isinstance(t, torch.Tensor)}
+            for t in out if isinstance(out, (list, tuple)) else [out]:
+                big = isinstance(t, torch.Tensor) and t.numel() >= self.smallest
+                self.fresh += big and t.untyped_storage().data_ptr() not in inputs
+            return out
+
+    ours, _, opt, _ = _muon_pair("match_rms_adamw", shapes=[(24, 40), (72, 24), (24, 40), (72, 24)])
+    for p in ours:
+        p.grad = torch.randn(p.shape)
+    opt.step()  # the momentum buffers exist from here on
+    runs = {}
+    for found_inf in (None, 0.0):
+        for p in ours:
+            p.grad = torch.randn(p.shape)
+        if found_inf is not None:
+            opt.found_inf = torch.tensor(found_inf)
+        with Ops(min(p.numel() for p in ours)) as ops:
+            opt.step()
+        runs[found_inf] = ops
+    assert runs[0.0].fresh == runs[None].fresh, "the skip allocates a matrix-sized tensor"
+    # + the 0-dim skip flag (once) and the two weights (once per group: 3 ops each)
+    assert runs[0.0].count - runs[None].count <= 2 * len(ours) + 7, (runs[0.0].count, runs[None].count)
+
+
 # ---------------------------------------------------------------- FSDP2: the gathered update is exact
 
 FSDP_WORKER = """

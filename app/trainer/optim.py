@@ -84,8 +84,10 @@ class ShardedMuon(torch.optim.Muon if hasattr(torch.optim, "Muon") else torch.op
     (tests/test_optim.py). The turns run one after another: communication does not overlap Newton-Schulz.
 
     A skipped step (a non-finite gradient, or train.skip_spike_updates) keeps every parameter and momentum
-    buffer: the gradient is zeroed, and the momentum's weight, the weight decay and the update are scaled to
-    zero on the device, without copying a matrix."""
+    buffer, decided on the device: the momentum's weight and the weight decay become 0 and 1 (two 0-dim
+    tensors per group), and per matrix the gradient and the update are zeroed in place. With fused AdamW
+    `found_inf` comes with every step, so those two in-place passes over each matrix are what the skip
+    costs; nothing is allocated (tests/test_optim.py)."""
 
     @torch.no_grad()
     def step(self, closure=None):  # the closure, if any, is MuonAdamW.step's to evaluate
@@ -93,23 +95,29 @@ class ShardedMuon(torch.optim.Muon if hasattr(torch.optim, "Muon") else torch.op
         skip = None if found_inf is None else found_inf.bool()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            updates = [self._momentum(p, group, skip) for p in params]
+            weight = 1 - group["momentum"]
+            decay = 1 - group["lr"] * group["weight_decay"]
+            if skip is not None:
+                weight = torch.where(skip, 0.0, weight)
+                decay = torch.where(skip, 1.0, decay)
+            updates = [self._momentum(p, group, weight, skip) for p in params]
             for p, orthogonal in zip(params, self._orthogonalise(params, updates, group), strict=True):
-                self._apply(p, orthogonal, group, skip)
+                if skip is not None:
+                    orthogonal.masked_fill_(skip, 0.0)  # this rank's rows of a result it owns
+                local = _local(p)
+                local.mul_(decay)
+                local.add_(orthogonal, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
 
-    def _momentum(self, p: torch.Tensor, group: dict, skip: torch.Tensor | None) -> torch.Tensor:
+    def _momentum(self, p: torch.Tensor, group: dict, weight, skip: torch.Tensor | None) -> torch.Tensor:
         """Momentum and the Nesterov update, on this rank's rows (elementwise: a shard is enough)."""
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p.grad)
         buf, grad = _local(state["momentum_buffer"]), _local(p.grad)
-        mom = group["momentum"]
-        weight = 1 - mom
         if skip is not None:  # a non-finite gradient would poison the buffer even at weight 0
             grad.masked_fill_(skip, 0.0)
-            weight = torch.where(skip, 0.0, weight)
         buf.lerp_(grad, weight)
-        return grad.lerp(buf, mom) if group["nesterov"] else buf
+        return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
 
     def _orthogonalise(self, params: list, updates: list, group: dict) -> list[torch.Tensor]:
         """Each parameter's orthogonalised update, as this rank's rows of it."""
@@ -128,18 +136,6 @@ class ShardedMuon(torch.optim.Muon if hasattr(torch.optim, "Muon") else torch.op
                 for i, rows in zip(turn, owned, strict=True):
                     out[i] = rows
         return out
-
-    def _apply(
-        self, p: torch.Tensor, orthogonal: torch.Tensor, group: dict, skip: torch.Tensor | None
-    ) -> None:
-        lr, wd = group["lr"], group["weight_decay"]
-        decay = 1 - lr * wd
-        if skip is not None:
-            decay = torch.where(skip, 1.0, decay)
-            orthogonal = orthogonal.masked_fill(skip, 0.0)
-        local = _local(p)
-        local.mul_(decay)
-        local.add_(orthogonal, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
 
 
 def _adjust_lr(lr: float, adjust_lr_fn, shape) -> float:
