@@ -71,6 +71,8 @@ def test_estimate_is_within_15_percent_of_measured_cpu_allocations(checkpointing
     if not checkpointing:  # with recomputation the peak falls inside backward, as gradients fill in
         assert math.isclose(e.activations, m["Activation"], rel_tol=0.15)
     assert math.isclose(e.total, m["Total"], rel_tol=0.15)
+    # an underestimate picks a micro-batch that runs out of memory: never more than 5% under
+    assert e.total >= 0.95 * m["Total"], (e.total, m["Total"])
 
 
 def test_the_eager_estimate_under_bf16_autocast_is_what_autograd_keeps():

@@ -32,6 +32,13 @@ table's row in the value dtype; the soft-cap keeps its tanh (4V per read-out); a
 raw embedding (4d). U-net skips keep nothing new: the early block's output is kept as the next input.
 Compiled, the switches' terms are eager's (an upper bound: only the default model's compiled terms are
 measured), ReLU squared keeping 2*a*f for 3*a*f.
+
+With activation checkpointing each block keeps only its fp32 input (4d), and the inputs every block reads
+stay (the x0 skip's embedding, the value tables' rows 4kv each, the raw embedding under its norm). The
+peak is the larger of the end of forward (the read-out, then the logits' gradients) and the recompute of
+one block in backward: its tensors as above plus its MLP's gradients at their widest, 2*a*f for SwiGLU,
+3*a*f for ReLU squared (the square's, 2 relu(x)'s and their product's). Measured on CPU with every switch
+(tests/test_memory.py): 1-7% above MemTracker's peak.
 """
 
 from __future__ import annotations
@@ -170,9 +177,13 @@ def activation_bytes(
     ve_runs = sum(_runs_of_block(m, i) for i, t in enumerate(m.value_embed_tables) if t is not None)
     once += ve_runs * (a * kv + (2 * kv if autocast else 0))
     if checkpointing:
-        # each block keeps only its fp32 input; the peak is either the end of forward (the read-out's
-        # tensors) or the recompute of one block in backward (the read-out's are freed by then)
-        live = blocks_run * 4 * m.d_model + max(readout, per_block)
+        # module docstring; estimate() counts the logits' gradients (8V) as buffers, but they are freed
+        # before the recompute, which therefore needs only what exceeds them
+        inputs = (4 * d if m.embed_norm else 0) + (4 * d if m.x0_skip else 0) + 4 * kv * m.value_embeds
+        value_mix = a * kv + (2 * kv if autocast else 0) if m.value_embeds else 0
+        mlp_grads = (3 if m.mlp == "relu2" else 2) * a * f
+        recompute = per_block + value_mix + mlp_grads - 8 * v
+        live = blocks_run * 4 * d + inputs + max(readout, recompute)
     else:
         live = blocks_run * per_block + readout + once
     return micro_batch * m.seq_len * (live + 16)  # + the int64 inputs and targets
