@@ -112,6 +112,31 @@ def test_an_absurd_model_size_is_refused_before_anything_is_built(tmp_path, prin
     assert proc.stdout == "" and not run.exists()
 
 
+def test_print_config_of_a_gpu_sized_model_prints_on_a_small_machine_with_a_note():
+    """--print-config is how a GPU run is prepared, often on a laptop: a 10.9B model (175 GB of weights,
+    gradients and AdamW state) is measured against the largest known GPU, as for an unknown GPU type, and
+    printed, with a note where this machine could not train it; training here is still refused."""
+    from app.trainer import memory
+
+    big = ["--set", "model.n_layer=40", "--set", "model.d_model=4096", "--set", "model.n_head=32"]
+    big += ["--set", "model.d_ff=16384"]
+    proc = pretrain("train", "--preset", "gpt2-124m", *big, "--print-config", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "n_layer: 40" in proc.stdout and "# parameters: 10,9" in proc.stdout
+    cfg = load_config("gpt2-124m", overrides=[o for o in big if o != "--set"])
+    if memory.estimate(cfg.model, 1, "ddp", 1, cuda=False).static > memory.host_memory_bytes():
+        assert "#   note: this does not fit this machine" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_a_model_too_big_for_any_gpu_names_its_largest_part():
+    """A vocabulary of 10^12 tokens: the embedding and head are what does not fit, so the line names
+    model.vocab_size, not the depth or width."""
+    proc = pretrain("train", "--set", "model.vocab_size=1000000000000", "--print-config", timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "make model.vocab_size smaller" in lines[0] and "model.n_layer" not in lines[0], lines
+
+
 def test_print_config_shows_the_compile_mode_that_runs_under_fsdp(capsys, monkeypatch):
     """max-autotune's CUDA graphs break FSDP2's gathers, so an FSDP run compiles without them: the config
     printout says so (and why), not just the configured value; DDP keeps max-autotune."""

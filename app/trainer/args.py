@@ -105,7 +105,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
             "metrics.gpu_type": args.gpu_type,
         },
     )
-    check_size(cfg)  # before anything is built: an absurd size is refused in seconds, not after minutes
+    # before anything is built: an absurd size is refused in seconds, not after minutes
+    check_size(cfg, printing=getattr(args, "print_config", False))
     if args.gpu_type:
         _apply_layout(cfg, args)
     if cfg.metrics.port and cfg.budget.cap_usd and not cfg.budget.metrics_port:
@@ -121,11 +122,13 @@ def flag_dest(flag: str) -> str:
     return flag.removeprefix("--").replace("-", "_")
 
 
-def check_size(cfg: Config) -> None:
+def check_size(cfg: Config, printing: bool = False) -> None:
     """Refuse (one line, exit 2) a model whose weights, gradients and optimizer state alone, sharded over
     every planned rank, exceed one device's memory: it can never train, whatever the batch, and building
     its parameter tables (for --print-config, or at start) would take minutes. Arithmetic only (the
-    memory estimate); the device is the one --print-config plans for (unknown GPU: the largest known)."""
+    memory estimate); the device is the one --print-config plans for; none known: the largest known GPU
+    for CUDA and for `printing` (--print-config is how a GPU run is prepared, often on a laptop: its
+    printout says when this machine cannot train it), else this machine."""
     import dataclasses
 
     from app.trainer import memory
@@ -135,7 +138,7 @@ def check_size(cfg: Config) -> None:
     sized = dataclasses.replace(cfg.model, vocab_size=vocab_for_estimates(cfg))
     static = memory.estimate(sized, 1, "fsdp", world, cuda=cuda, optimizer=cfg.optim.name).static
     have, where = memory.device_memory_bytes(cfg)
-    if have is None and cuda:
+    if have is None and (cuda or printing):
         largest = max(memory.GPU_MEMORY_GB, key=memory.GPU_MEMORY_GB.get)
         have = int(memory.GPU_MEMORY_GB[largest] * memory.GB)
         where = f"the largest GPU known ({largest})"
@@ -145,11 +148,25 @@ def check_size(cfg: Config) -> None:
     if static > have:
         sharded = f"sharded over {world} ranks" if world > 1 else "on one rank"
         raise UserError(
-            "the model does not fit, whatever the batch: its weights, gradients and optimizer state alone "
-            f"are {static / memory.GB:,.0f} GB per rank ({sharded}), above the {have / memory.GB:,.0f} GB "
-            f"of {where}; make model.n_layer or model.d_model smaller, or plan for more or larger GPUs "
-            "(--gpus N --gpu-type T)"
+            "the model does not fit, whatever the batch: its weights, gradients and optimizer state alone are "
+            f"{static / memory.GB:,.0f} GB per rank ({sharded}), above the {have / memory.GB:,.0f} GB of "
+            f"{where}; {_largest_part(sized)}, or plan for more or larger GPUs (--gpus N --gpu-type T)"
         )
+
+
+def _largest_part(m) -> str:
+    """The fix for a model too big to train: shrink whichever of its parts is the largest."""
+    from app.trainer.memory import param_split
+
+    split = param_split(m)
+    embedding_and_head = m.padded_vocab * m.d_model * (1 if m.tie_embeddings else 2)
+    parts = {
+        "make model.n_layer or model.d_model smaller": split.total - split.root,
+        "make model.vocab_size smaller (the embedding and head are most of it)": embedding_and_head,
+        "make model.value_embeds smaller (the value-embedding tables are most of it)": split.root
+        - embedding_and_head,
+    }
+    return max(parts, key=parts.get)
 
 
 def _apply_layout(cfg: Config, args: argparse.Namespace) -> None:

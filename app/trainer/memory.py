@@ -399,6 +399,12 @@ def print_lines(cfg: Config, world_size: int) -> list[str]:
         else f"#   device memory: {c.device_source}",
         f"#   train.parallel={t.parallel} -> {c.mode}: {c.reason}",
     ]
+    chosen = c.fsdp if c.mode == "fsdp" else c.ddp
+    if not cuda and chosen.total > (host := host_memory_bytes()):
+        lines.append(
+            f"#   note: this does not fit this machine ({host / GB:,.1f} GB), so training here is refused; "
+            "--gpus N --gpu-type T plans it for GPUs"
+        )
     if c.device_bytes is None and cuda and t.parallel == "auto" and world_size > 1:
         h100 = int(GPU_MEMORY_GB["h100-sxm"] * GB)
         alt, why = choose("auto", c.ddp, c.fsdp, h100, world_size)
