@@ -53,8 +53,8 @@ def test_figures_are_judged_on_a_gpu_only_and_mfu_on_hopper_only():
     assert values["recompiles"] == 0 and values["x1-50m compiled peak / estimate"] == pytest.approx(0.9)
     assert check.judge("x1-50m compiled MFU", 0.38, "h100-sxm", dry=False) is True
     assert check.judge("x1-50m compiled MFU", 0.20, "h100-sxm", dry=False) is False
-    assert check.judge("x1-50m compiled MFU", 0.20, "a100", dry=False) is None  # another GPU's peak
-    assert check.judge("sdpa GQA", "math", "a100", dry=False) is False
+    assert check.judge("x1-50m compiled MFU", 0.20, "a100-80gb", dry=False) is None  # another GPU's peak
+    assert check.judge("sdpa GQA", "math", "a100-80gb", dry=False) is False
     assert check.judge("recompiles", 1, "h100-sxm", dry=False) is False
     assert check.judge("recompiles", 0, "h100-sxm", dry=True) is None
     assert check.judge("x1-50m fp8 / bf16 tokens/s", None, "h100-sxm", dry=False) is None

@@ -203,7 +203,8 @@ def test_a_layout_kept_from_a_checkpoint_keeps_the_configured_device_memory():
         ("NVIDIA H200", "h200", 989),
         ("NVIDIA H200 NVL", "h200-nvl", 835),
         ("NVIDIA GH200 480GB", "gh200", 989),
-        ("NVIDIA A100-SXM4-80GB", "a100", 312),
+        ("NVIDIA A100-SXM4-80GB", "a100-80gb", 312),
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb", 312),
         ("NVIDIA A800-SXM4-80GB", "a800", 312),
         ("NVIDIA B200", "b200", 2250),
         ("NVIDIA L40S", "l40s", 362),
@@ -234,3 +235,16 @@ def test_the_planner_and_the_run_see_the_same_device_size():
     run.model.vocab_size = vocab_for_estimates(run)
     at_start = layout.auto_micro_batch(run, 1, "cuda")
     assert planned.micro_batch == at_start.micro_batch and planned.device_gb * GB == 85.0 * GB
+
+
+def test_every_gpu_name_maps_to_a_row_the_planner_and_the_trainer_share():
+    """One GPU table: a device name the trainer recognises has a peak, and each priced type can be planned
+    with a known memory size (a type added for one purpose is known to the others)."""
+    from app import gpus
+    from app.budget import pricing
+    from app.trainer.memory import GPU_MEMORY_GB
+
+    assert {row for _, row in gpus.NAMES} <= set(gpus.GPUS)
+    for key in pricing.priced():
+        assert key in GPU_MEMORY_GB and pricing.peak_tflops(key) > 0
+    assert gpus.normalize("NVIDIA H100 NVL") == "h100-nvl" and gpus.known("h100 nvl").price is None

@@ -114,7 +114,7 @@ def test_cli_prints_the_plan_and_a_table(capsys):
     ):
         assert needle in out, needle
     table = out.split("across GPU types")[1].splitlines()[2:]
-    assert [row.split()[0] for row in table if row.strip()] == list(P.pricing.GPUS)
+    assert [row.split()[0] for row in table if row.strip()] == P.pricing.priced()
     assert P.main(["--budget-usd", "35", "--gpu", "nope"]) == 2
     assert "unknown GPU type 'nope'" in capsys.readouterr().err
 

@@ -1,54 +1,25 @@
-"""GPU prices and peaks: what a GPU-hour costs and what it computes, so static spend and plans need no API.
+"""What a GPU-hour costs and what it computes, so static spend and plans need no API: the built-in
+prices and peaks are app/gpus.py's table (the trainer's MFU reads the same peaks, so it and the planner
+agree).
 
 Prices are approximate on-demand list prices (2025): they drift and differ per provider, so
-`--price-per-gpu-hour` or a price table file (`budget.price_table`) wins. Peaks are the trainer's
-(app.trainer.metrics.PEAK_TFLOPS), so its MFU and the planner agree.
+`--price-per-gpu-hour` or a price table file (`budget.price_table`) wins.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import yaml
 
 from app.budget.config import BudgetConfig, is_amount
 from app.errors import UserError
-
-GPUS: dict[str, float] = {  # USD per GPU-hour, approximate on-demand
-    "a100-40gb": 1.29,
-    "a100-80gb": 1.79,
-    "h100-pcie": 2.49,
-    "h100-sxm": 2.99,
-    "h200": 3.79,
-    "b200": 5.99,
-    "l40s": 0.99,
-}
-
-ALIASES = {
-    "a100": "a100-80gb",
-    "a100-sxm": "a100-80gb",
-    "a100-sxm4-80gb": "a100-80gb",
-    "a100-sxm4-40gb": "a100-40gb",
-    "a100-80gb-pcie": "a100-80gb",
-    "h100": "h100-sxm",
-    "h100-80gb": "h100-sxm",
-    "h100-80gb-hbm3": "h100-sxm",
-    "h100-sxm5": "h100-sxm",
-    "h200-141gb": "h200",
-    "h200-sxm": "h200",
-}
-
-
-def normalize(gpu_type: str) -> str:
-    """'NVIDIA A100-SXM4-80GB', 'A100_80GB' -> a table key when one matches, else the cleaned name."""
-    key = re.sub(r"[\s_]+", "-", gpu_type.strip().lower()).removeprefix("nvidia-")
-    return ALIASES.get(key, key)
+from app.gpus import GPUS, known, normalize, priced
 
 
 def detect_cuda_gpu_type() -> str:
-    """The table key of the local CUDA device (e.g. 'NVIDIA H100 80GB HBM3' -> h100-sxm), or "" (CPU,
+    """The GPUS key of the local CUDA device (e.g. 'NVIDIA H100 80GB HBM3' -> h100-sxm), or "" (CPU,
     unknown model, or torch missing)."""
     try:
         import torch
@@ -58,10 +29,8 @@ def detect_cuda_gpu_type() -> str:
         name = torch.cuda.get_device_name(0)
     except Exception:
         return ""
-    from app.trainer.metrics import detect_gpu_type
-
-    key = detect_gpu_type(name)  # the trainer's "a100" is priced by its memory
-    return "a100-40gb" if key == "a100" and "40gb" in name.lower() else normalize(key)
+    key = normalize(name)
+    return key if key in GPUS else ""
 
 
 def resolve_gpus(cfg: BudgetConfig, world_size: int) -> int:
@@ -104,18 +73,19 @@ def price_per_gpu_hour(gpu_type: str, override: float = 0.0, table_path: str = "
     key = normalize(gpu_type)
     if key and table_path and key in (table := load_price_table(table_path)):
         return table[key]
-    return GPUS.get(key, 0.0)
+    row = GPUS.get(key)
+    return row.price if row is not None and row.price is not None else 0.0
 
 
 def peak_tflops(gpu_type: str) -> float:
     """Dense bf16 TFLOP/s per GPU; 0 when unknown."""
-    from app.trainer.metrics import PEAK_TFLOPS
-
-    return PEAK_TFLOPS.get(normalize(gpu_type), 0.0)
+    row = known(gpu_type)
+    return row.peak_tflops if row is not None else 0.0
 
 
 def known_types() -> str:
-    return ", ".join(GPUS)
+    """The GPU types with a built-in price."""
+    return ", ".join(priced())
 
 
 def local_price(cfg: BudgetConfig, world_size: int) -> tuple[str, int, float]:
@@ -134,7 +104,10 @@ def static_rate(
 
 
 def no_price_error(gpu_type: str) -> UserError:
-    what = f"GPU type '{gpu_type}'" if gpu_type else "this machine (CPU or an unknown GPU)"
+    if gpu_type and known(gpu_type):  # app/gpus.py knows its peak, not a price
+        what = f"GPU type '{gpu_type}' (no built-in price)"
+    else:
+        what = f"GPU type '{gpu_type}'" if gpu_type else "this machine (CPU or an unknown GPU)"
     return UserError(
         f"no price for {what}: pass --price-per-gpu-hour P (budget.price_per_gpu_hour) "
         f"or a GPU type (--gpu-type / budget.gpu_type), one of: {known_types()}"

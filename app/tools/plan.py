@@ -279,7 +279,7 @@ def format_plan(plan: Plan, presets: dict[str, float]) -> list[str]:
         f"  {'gpu':<10} {'$/GPU-h':>8} {'TFLOP/s':>8} {'hours':>9} {'FLOPs':>9} {'params':>7} "
         f"{'tokens':>7} {'loss':>6}",
     ]
-    for key in pricing.GPUS:
+    for key in pricing.priced():
         p = make_plan(plan.budget_usd, key, plan.gpus, mfu=plan.mfu)
         lines.append(
             f"  {key:<10} {p.price_per_gpu_hour:>8.2f} {p.peak_tflops:>8g} {p.hours:>9,.1f} {p.flops:>9.2e} "

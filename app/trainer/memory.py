@@ -48,6 +48,7 @@ from dataclasses import dataclass, fields
 
 from app.config import Config, ModelConfig
 from app.errors import UserError
+from app.gpus import normalize, with_memory
 from app.trainer.supervision import readouts_and_blocks_run
 
 GB = 1e9
@@ -55,24 +56,10 @@ GIB = 1 << 30
 HEADROOM = 0.9  # auto: DDP must fit in this share of the device memory
 CUDA_OVERHEAD = 3 * GIB  # CUDA context (~0.5-1 GiB), NCCL buffers (~1 GiB), allocator fragmentation
 
-# Device memory by GPU type (keys of app.budget.pricing and app.trainer.metrics), for planning on a machine
-# without the GPU: what torch.cuda.mem_get_info reports as the device's total on that GPU (GB = 1e9 bytes;
-# an "80GB" H100 has 80 GiB of HBM, of which the driver shows about 85 GB), so that a plan and the run's
+# Device memory by GPU type, for planning on a machine without the GPU: app/gpus.py's table (what
+# torch.cuda.mem_get_info reports as the device's total on that GPU), so that a plan and the run's
 # train.micro_batch_size=auto, which asks the device itself, pick the same micro-batch.
-GPU_MEMORY_GB = {
-    "a100-40gb": 42.3,
-    "a100-80gb": 85.0,
-    "a800": 85.0,
-    "h100-pcie": 85.0,
-    "h100-sxm": 85.0,
-    "h100-nvl": 100.0,
-    "h800": 85.0,
-    "h200": 150.0,
-    "h200-nvl": 150.0,
-    "b200": 191.0,
-    "l40s": 47.7,
-    "l4": 23.7,
-}
+GPU_MEMORY_GB = with_memory()
 
 
 @dataclass(frozen=True)
@@ -280,8 +267,6 @@ def device_memory_bytes(cfg: Config, device=None) -> tuple[int | None, str]:
 
         _, total = torch.cuda.mem_get_info(device)
         return int(total), f"CUDA device {torch.cuda.get_device_name(device)}"
-    from app.budget.pricing import normalize
-
     for key in (normalize(k) for k in (cfg.metrics.gpu_type, cfg.budget.gpu_type) if k):
         if key in GPU_MEMORY_GB:
             return int(GPU_MEMORY_GB[key] * GB), f"GPU type {key}"

@@ -4,72 +4,25 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from pathlib import Path
 
 from app.config import ModelConfig
+from app.gpus import GPUS, known, normalize
 from app.trainer.supervision import readouts_and_blocks_run
-
-# Dense bf16 peak TFLOP/s per device (vendor datasheets, no sparsity: half the "with sparsity" figure).
-PEAK_TFLOPS = {
-    "a100": 312.0,
-    "a100-40gb": 312.0,
-    "a100-80gb": 312.0,
-    "a800": 312.0,
-    "a10": 125.0,
-    "h100": 989.0,
-    "h100-sxm": 989.0,
-    "h100-pcie": 756.0,
-    "h100-nvl": 835.0,
-    "h800": 989.0,  # the SXM H100's compute with less NVLink bandwidth
-    "h800-pcie": 756.0,
-    "h20": 148.0,
-    "h200": 989.0,
-    "h200-nvl": 835.0,
-    "gh200": 989.0,
-    "b100": 1750.0,
-    "b200": 2250.0,
-    "gb200": 2500.0,
-    "l4": 121.0,
-    "l40": 181.0,
-    "l40s": 362.0,
-}
-
-# CUDA device names (lower case) -> PEAK_TFLOPS key: the first pattern that matches wins, so the variants
-# (NVL, PCIe, GH200 and GB200, which contain other names) come before their base names.
-_DEVICE_NAMES = (
-    (r"gh200", "gh200"),
-    (r"gb200", "gb200"),
-    (r"h200.*nvl", "h200-nvl"),
-    (r"h200", "h200"),
-    (r"h100.*nvl", "h100-nvl"),
-    (r"h100.*pcie", "h100-pcie"),
-    (r"h100", "h100-sxm"),
-    (r"h800.*pcie", "h800-pcie"),
-    (r"h800", "h800"),
-    (r"\bh20\b", "h20"),
-    (r"b200", "b200"),
-    (r"b100", "b100"),
-    (r"a100", "a100"),
-    (r"a800", "a800"),
-    (r"l40s", "l40s"),
-    (r"\bl40\b", "l40"),
-    (r"\bl4\b", "l4"),
-    (r"\ba10\b", "a10"),
-)
 
 
 def detect_gpu_type(device_name: str) -> str:
-    """Map a CUDA device name (e.g. 'NVIDIA H100 80GB HBM3', 'NVIDIA H100 NVL') to a PEAK_TFLOPS key,
-    or '' (then MFU is not reported unless --gpu-type or metrics.peak_tflops gives the peak)."""
-    name = device_name.lower()
-    return next((key for pattern, key in _DEVICE_NAMES if re.search(pattern, name)), "")
+    """A CUDA device name (e.g. 'NVIDIA H100 80GB HBM3', 'NVIDIA H100 NVL') -> its app/gpus.py key, or ''
+    (then MFU is not reported unless --gpu-type or metrics.peak_tflops gives the peak)."""
+    key = normalize(device_name)
+    return key if key in GPUS else ""
 
 
 def peak_flops(gpu_type: str, override_tflops: float = 0.0) -> float:
     """Peak FLOP/s of one device; 0 when unknown (then MFU is not reported)."""
-    return (override_tflops or PEAK_TFLOPS.get(gpu_type.lower(), 0.0)) * 1e12
+    row = known(gpu_type) if gpu_type else None
+    return (override_tflops or (row.peak_tflops if row else 0.0)) * 1e12
 
 
 def device_peak(gpu_type: str, override_tflops: float, device) -> tuple[str, float]:
