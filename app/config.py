@@ -262,9 +262,9 @@ class DrillConfig:
     # micro-batches above this many sequences fail as out of memory (a CPU rehearses
     # train.micro_batch_size=auto's halving); 0 = off
     oom_above: int = 0
-    # with drill.oom_above, fail on this rank alone, as a real GPU does (the others are left waiting in a
-    # collective); -1 = every rank
-    oom_rank: int = -1
+    # with drill.oom_above, fail on this one rank (its RANK), as a real GPU does, leaving the others waiting
+    # in a collective; "" = every rank
+    oom_rank: str = ""
     # feed high-loss batches from this optimizer step on (rehearses the loss-spike alert); 0 = off
     spike_at_step: int = 0
     spike_batches: int = 3  # how many steps drill.spike_at_step feeds

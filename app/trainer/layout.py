@@ -179,12 +179,12 @@ def halve_after_oom(cfg: Config, env, run_dir: Path, warn, step: int) -> int:
     return smaller
 
 
-def oom_drill(limit: int, rank: int = -1):
+def oom_drill(limit: int, rank: str = ""):
     """drill.oom_above: a forward hook that fails like a full GPU on training micro-batches above
     `limit` sequences (tests the auto fallback on a CPU; evaluation, without gradients, needs far less
     memory and passes). It fails after the forward, as a real one does mid-step: the blocks have run (and
     compiled, with train.compile) at the size that does not fit. drill.oom_rank fails that rank alone."""
-    this_rank = rank < 0 or int(os.environ.get("RANK", "0")) == rank
+    this_rank = rank in ("", os.environ.get("RANK", "0"))
 
     def hook(module, args, _output):
         import torch
