@@ -106,6 +106,12 @@ def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [d for d in docs if d["kind"] == kind]
 
 
+def prepare_job(docs: list[dict[str, Any]], role: str = "prepare") -> dict[str, Any]:
+    """The prepare Job (role "prepare": the pods that tokenize) or its finalizer (role "finalizer")."""
+    (job,) = [d for d in by_kind(docs, "Job") if d["metadata"]["labels"].get("pretrain/prepare-role") == role]
+    return job
+
+
 def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     found = by_kind(docs, kind)
     assert len(found) == 1, f"expected one {kind}, got {len(found)}"
@@ -545,7 +551,8 @@ def local_path(arg: str, root: Path) -> str:
 class PreparePod:
     """A rendered prepare container (`python -m app.data.prepare_job`, role "prepare" or "finalizer") run for
     real with /data under root: with a stand-in `pretrain` that exits $FAIL (its arguments go to calls.txt),
-    or with real=True the real one; the Kubernetes API is the one `kubeconfig` names (none: no API)."""
+    or with real=True the real one; the Kubernetes API is the one `kubeconfig` names (none: no API, and no
+    ~/.kube/config either: HOME is root)."""
 
     def __init__(
         self,
@@ -554,11 +561,11 @@ class PreparePod:
         role: str = "prepare",
         kubeconfig: Path | None = None,
         real: bool = False,
+        own: tuple[str, ...] = (),
     ):
-        (job,) = [
-            d for d in by_kind(docs, "Job") if d["metadata"]["labels"].get("pretrain/prepare-role") == role
-        ]
+        job = prepare_job(docs, role)
         self.job = job
+        self.own = list(own)  # more options of the step (before `--`), e.g. a short --missing-grace
         self.c = job["spec"]["template"]["spec"]["containers"][0]
         assert self.c["command"] == ["python", "-m", "app.data.prepare_job"], self.c["command"]
         self.fingerprint = self.c["args"][self.c["args"].index("--fingerprint") + 1]
@@ -572,17 +579,14 @@ class PreparePod:
         (fake_bin / "pretrain").chmod(0o755)
         path = f"{Path(sys.executable).parent if real else fake_bin}:{os.environ['PATH']}"
         self.env = {k: v for k, v in os.environ.items() if k not in ("KUBERNETES_SERVICE_HOST", "KUBECONFIG")}
-        self.env.update(PATH=path, PYTHONPATH=str(REPO), POD_NAMESPACE="default")
+        self.env.update(PATH=path, PYTHONPATH=str(REPO), POD_NAMESPACE="default", HOME=str(root))
         if kubeconfig is not None:
             self.env["KUBECONFIG"] = str(kubeconfig)
 
     def command(self) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "app.data.prepare_job",
-            *(local_path(a, self.root) for a in self.c["args"]),
-        ]
+        args = [local_path(a, self.root) for a in self.c["args"]]
+        split = args.index("--")
+        return [sys.executable, "-m", "app.data.prepare_job", *args[:split], *self.own, *args[split:]]
 
     def run(self, timeout: float = 120, **extra: str) -> subprocess.CompletedProcess:
         return subprocess.run(

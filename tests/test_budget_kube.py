@@ -379,6 +379,33 @@ def test_from_config(monkeypatch):
     assert KubeActions.from_config(BudgetConfig(kube="auto")) is None  # in a cluster but no job name
 
 
+def test_one_client_loader_whose_bad_credentials_are_one_line(api, tmp_path, monkeypatch):
+    """The watcher, the wait step and the prepare's finalizer load the client alike: a kubeconfig (or in a
+    pod the service-account token) that does not load is a UserError naming it, never a traceback."""
+    from app.budget.kube import api_client
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.kube/config
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    assert api_client() is None
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "nonexistent"))
+    with pytest.raises(UserError, match=f"from {tmp_path / 'nonexistent'}: Invalid kube-config file"):
+        api_client()
+    cfg = BudgetConfig(kube="on", job_name=JOB, namespace=NS)
+    with pytest.raises(UserError, match="^budget.kube=on but cannot load the Kubernetes credentials"):
+        KubeActions.from_config(cfg)
+    monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig(tmp_path / "kubeconfig")))
+    kube = KubeActions.from_config(cfg)
+    assert kube is not None and kube.event("LowMFU", "MFU 12%")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")  # a pod without its token
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    with pytest.raises(
+        UserError, match="from the service-account token .*: Service token file does not exist"
+    ):
+        api_client()
+    assert KubeActions.from_config(BudgetConfig(kube="auto", job_name=JOB)) is None  # logged, actions off
+
+
 def test_a_trainjob_gets_its_events_and_is_suspended_through_spec_suspend(api):
     """Kubeflow Trainer v2: the same actions on trainer.kubeflow.org/v1alpha1 TrainJob (spec.suspend)."""
     kube = KubeActions(NS, JOB, client.ApiClient(client.Configuration(host=api.url)), kind="TrainJob")

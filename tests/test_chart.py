@@ -170,9 +170,10 @@ def test_render_matrix(helm_bin, gpus, variant):
     if variant == "kueue":
         # out of the queue until its data is ready: the prepare then adds the label, and Kueue admits it
         assert "kueue.x-k8s.io/queue-name" not in labels
-        prepare_args = h.one(docs, "Job")["spec"]["template"]["spec"]["containers"][0]["args"]
-        assert prepare_args[prepare_args.index("--queue") + 1] == "gpu-queue"
-        assert h.one(docs, "Job")["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "cpu-queue"
+        release_args = h.prepare_job(docs, "finalizer")["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert release_args[release_args.index("--queue") + 1] == "gpu-queue"
+        for role in ("prepare", "finalizer"):
+            assert h.prepare_job(docs, role)["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "cpu-queue"
         assert run_policy["schedulingPolicy"] == {"minAvailable": nodes, "priorityClass": "training-high"}
     else:
         assert "kueue.x-k8s.io/queue-name" not in labels
@@ -206,7 +207,7 @@ def test_hf_token_never_plain(helm_bin):
     docs = h.render({"hfToken.existingSecret": "hf-token"})
     text = yaml.safe_dump_all(docs)
     assert "secretKeyRef" in text
-    prepare = h.one(docs, "Job")["spec"]["template"]["spec"]["containers"][0]
+    prepare = h.prepare_job(docs)["spec"]["template"]["spec"]["containers"][0]
     assert h.env_map(prepare)["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}
     schema = json.loads((h.CHART / "values.schema.json").read_text())
     assert set(schema["properties"]["hfToken"]["properties"]) == {"existingSecret", "key"}
@@ -303,7 +304,7 @@ def test_rbac_least_privilege(helm_bin):
     job_rule = rules[("kubeflow.org",), ("pytorchjobs",)]
     assert job_rule["verbs"] == ["get", "patch"]
     assert job_rule["resourceNames"] == ["pretrain"]
-    prepare = h.one(docs, "Job")["metadata"]["name"]
+    prepare = h.prepare_job(docs)["metadata"]["name"]
     assert rules[("batch",), ("jobs",)] == {
         "apiGroups": ["batch"],
         "resources": ["jobs"],
@@ -368,7 +369,7 @@ def test_prepare_job_on_cpu_pool(helm_bin):
             "prepare.extraArgs": ["--workers", "4"],
         }
     )
-    job = h.one(docs, "Job")
+    job = h.prepare_job(docs)
     pod = job["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert pod["nodeSelector"] == {"pool": "cpu"}
@@ -388,7 +389,7 @@ def test_prepare_job_on_cpu_pool(helm_bin):
     for rtype in ("Master",):
         wait = h.container(h.pod_spec(h.one(docs, "PyTorchJob"), rtype), "wait-for-data", init=True)
         assert wait["args"][wait["args"].index("--fingerprint") + 1] == fp
-    other = h.one(h.render({"prepare.input": "/data/raw"}), "Job")["spec"]["template"]["spec"]["containers"][
+    other = h.prepare_job(h.render({"prepare.input": "/data/raw"}))["spec"]["template"]["spec"]["containers"][
         0
     ]
     assert other["args"][other["args"].index("--fingerprint") + 1] != fp
@@ -438,6 +439,9 @@ def test_prepare_and_wait_steps(helm_bin, tmp_path):
     proc = prep.run()
     assert proc.returncode == 0, proc.stderr
     assert marker.read_text().strip() == prep.fingerprint
+    assert api.job["spec"]["runPolicy"]["suspend"] is True  # the pod that parses the input releases nothing
+    fin = h.PreparePod(docs, tmp_path, role="finalizer", kubeconfig=api.kubeconfig)
+    assert fin.run().returncode == 0
     assert api.job["spec"]["runPolicy"]["suspend"] is False  # released
     assert (
         prep.calls.read_text()

@@ -76,7 +76,7 @@ def test_policies_render_validate_and_let_only_the_job_and_prometheus_in(schedul
     trainers = by["trainer"]
     assert len(trainers) == (1 if gpus == 1 or scheduler == "trainjob" else 2)  # Master (+ Worker)
     (prepare, _), (serve, serve_spec) = by["prepare"][0], by["serve"][0]
-    for pod, _ in [*trainers, (prepare, None), (serve, None)]:
+    for pod, _ in [*trainers, *by["prepare"], (serve, None)]:  # the prepare pods and their finalizer
         assert isolated(nps, pod), pod.labels
         assert not isolated(nps, pod, "Egress"), "egress stays open by default"
     rendezvous = 23456 if scheduler == "pytorchjob" else 29400  # the operators' MASTER_PORT
@@ -125,7 +125,13 @@ def test_restricted_egress_dns_peers_api_server_and_downloads_only(scheduler):
             assert not allowed(nps, trainer, dst, port), (dst, port)
         assert not allowed(nps, trainer, other_release(trainer), NCCL)
     assert allowed(nps, prepare, HF_HUB, 443) and allowed(nps, prepare, KUBE_DNS, 53, "UDP")
-    assert allowed(nps, prepare, API_SERVER, 443)  # it releases the suspended training job
+    # the pods that parse the downloads reach no API server; their finalizer, which releases the job, does
+    (fin, _) = by["prepare"][1]
+    assert fin.labels["pretrain/prepare-role"] == "finalizer"
+    assert not allowed(nps, prepare, API_SERVER, 443) and allowed(nps, fin, API_SERVER, 443)
+    assert allowed(nps, fin, KUBE_DNS, 53, "UDP") and allowed(
+        nps, fin, HF_HUB, 443
+    )  # sharded: hf:// listings
     for dst, port in (
         (HF_HUB, 80),
         (METADATA, 80),
@@ -165,7 +171,9 @@ def test_restricted_egress_needs_the_api_servers_address_while_pods_call_it():
     docs = render("pytorchjob", {"networkPolicy.restrictEgress": True, **quiet, **API})
     trainer = pods(docs)["trainer"][0][0]
     assert not allowed(policies(docs), trainer, API_SERVER, 443)
-    assert allowed(policies(docs), pods(docs)["prepare"][0][0], API_SERVER, 443)
+    (prepare, _), (fin, _) = pods(docs)["prepare"]
+    assert allowed(policies(docs), fin, API_SERVER, 443)
+    assert not allowed(policies(docs), prepare, API_SERVER, 443)
     own_data = {"prepare.enabled": False, "config": {"data": {"dataset": "/data/x"}}}
     docs = render("pytorchjob", {"networkPolicy.restrictEgress": True, **quiet, **own_data})
     assert not allowed(policies(docs), pods(docs)["trainer"][0][0], API_SERVER, 443)

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import chart_pods as pods
@@ -88,21 +89,23 @@ def test_1_crash_loops_end_after_max_restarts(tmp_path, monkeypatch):
 
 
 def test_2_a_failed_prepare_ends_the_job_with_a_reason(tmp_path, monkeypatch):
-    """`pretrain prepare` fails with a bad argument: the prepare pod marks the failure final and leaves the
-    training job suspended (no GPU pod) with a PrepareFailed Event and the condition DataReady=False that
-    `kubectl describe` shows. Were its pods started anyway, their wait step gives up at once and leaves a
-    verdict, and the launcher exits 4 (permanent) instead of the initContainer failing (read as 0xbeef =
-    retryable by the operator)."""
+    """`pretrain prepare` fails with a bad argument: the prepare pod marks the failure final, and the
+    finalizer leaves the training job suspended (no GPU pod) with a PrepareFailed Event and the condition
+    DataReady=False that `kubectl describe` shows. Were its pods started anyway, their wait step gives up at
+    once and leaves a verdict, and the launcher exits 4 (permanent) instead of the initContainer failing
+    (read as 0xbeef = retryable by the operator)."""
     docs = h.render({"prepare.wait.pollSeconds": 1})
     h.validate_all(docs)
     api = h.JobApi(docs, tmp_path)
-    prep = h.PreparePod(docs, tmp_path, kubeconfig=api.kubeconfig)
+    prep = h.PreparePod(docs, tmp_path)
     (tmp_path / "run").mkdir()
     proc = prep.run(FAIL="2")
     assert proc.returncode == 2 and "final: true" in proc.stderr
     failed = json.loads((tmp_path / "data" / "fineweb-edu-10bt" / "_FAILED").read_text())
     assert failed["final"] is True and failed["fingerprint"] == prep.fingerprint
     assert failed["reason"] == "error: stub failed"
+    fin = h.PreparePod(docs, tmp_path, role="finalizer", kubeconfig=api.kubeconfig)
+    assert fin.run().returncode == 4
     job = api.job
     assert job["spec"]["runPolicy"]["suspend"] is True
     (event,) = [e for e in api.events() if e["reason"] == "PrepareFailed"]
@@ -116,12 +119,12 @@ def test_2_a_failed_prepare_ends_the_job_with_a_reason(tmp_path, monkeypatch):
     h.validate_all([job])
     api.close()
     proc = pods.wait_step(docs, tmp_path)
-    assert proc.returncode == 0 and "gave up" in proc.stderr and "exited 2" in proc.stderr
+    assert proc.returncode == 0 and "gave up" in proc.stderr and "exit 2" in proc.stderr
     gate_env(trainer(docs), tmp_path, monkeypatch)
     assert restarts.gated(lambda argv: 0, []) == restarts.EXIT_DATA_NOT_READY
-    assert "`pretrain prepare` exited 2" in (tmp_path / "termination-log").read_text()
+    assert "`pretrain prepare` failed for good: exit 2" in (tmp_path / "termination-log").read_text()
     # the Job itself: exit 2 fails it at once; evictions do not count against backoffLimit
-    rules = h.one(docs, "Job")["spec"]["podFailurePolicy"]["rules"]
+    rules = h.prepare_job(docs)["spec"]["podFailurePolicy"]["rules"]
     assert rules[0] == {
         "action": "FailJob",
         "onExitCodes": {"containerName": "prepare", "operator": "In", "values": [2]},
@@ -135,18 +138,32 @@ def test_2_a_failed_prepare_ends_the_job_with_a_reason(tmp_path, monkeypatch):
 def test_2_a_crashing_prepare_is_final_only_past_its_backoff_limit(tmp_path):
     docs = h.render({"prepare.backoffLimit": 1})
     api = h.JobApi(docs, tmp_path)
-    prep = h.PreparePod(docs, tmp_path, kubeconfig=api.kubeconfig)
+    prep = h.PreparePod(docs, tmp_path)
+    # the finalizer, with the prepare Job's uid (which the marker carries) in the fake API
+    job = h.prepare_job(docs)
+    api.server.store({**job, "metadata": {**job["metadata"], "namespace": "default", "uid": "uid-1"}})
+    fin = h.PreparePod(docs, tmp_path, role="finalizer", kubeconfig=api.kubeconfig, own=("--poll", "0.2"))
+    waiting = fin.start()
     failed = tmp_path / "data" / "fineweb-edu-10bt" / "_FAILED"
-    assert prep.run(FAIL="137").returncode == 137 and json.loads(failed.read_text())["final"] is False
-    assert prep.run(FAIL="143").returncode == 143  # a preemption does not count
+    assert prep.run(FAIL="137", PRETRAIN_JOB_UID="uid-1").returncode == 137
+    assert json.loads(failed.read_text())["final"] is False
+    assert prep.run(FAIL="143", PRETRAIN_JOB_UID="uid-1").returncode == 143  # a preemption does not count
     assert json.loads(failed.read_text())["failures"] == 1
-    assert not [e for e in api.events() if e["reason"] == "PrepareFailed"], "not final yet"
-    assert prep.run(FAIL="137").returncode == 137 and json.loads(failed.read_text())["final"] is True
+    time.sleep(1.0)
+    assert waiting.poll() is None, "not final yet: the finalizer waits"
+    assert not [e for e in api.events() if e["reason"] == "PrepareFailed"]
+    assert prep.run(FAIL="137", PRETRAIN_JOB_UID="uid-1").returncode == 137
+    assert json.loads(failed.read_text())["final"] is True
+    assert waiting.wait(timeout=60) == 4
     assert [e["reason"] for e in api.events()] == ["PrepareFailed"]
-    # a new Job (a new uid) after a fix gets its whole backoff limit again
+    # a new Job (a new uid) after a fix gets its whole backoff limit again, and its finalizer does not take
+    # the old Job's final marker for its own
+    api.server.store({**job, "metadata": {**job["metadata"], "namespace": "default", "uid": "uid-2"}})
+    waiting = fin.start()
     assert prep.run(FAIL="137", PRETRAIN_JOB_UID="uid-2").returncode == 137
     assert json.loads(failed.read_text())["final"] is False
-    assert prep.run().returncode == 0 and not failed.exists()
+    assert prep.run(PRETRAIN_JOB_UID="uid-2").returncode == 0 and not failed.exists()
+    assert waiting.wait(timeout=60) == 0
     assert api.job["spec"]["runPolicy"]["suspend"] is False
     (condition,) = [c for c in api.job["status"]["conditions"] if c["type"] == "DataReady"]
     assert (condition["status"], condition["reason"]) == ("True", "DataPrepared")
@@ -157,7 +174,7 @@ def test_2_the_wait_reads_the_prepare_job_and_posts_events(tmp_path):
     docs = h.render()
     master = h.pod_spec(h.one(docs, "PyTorchJob"), "Master")
     wait = h.container(master, "wait-for-data", init=True)
-    job = h.one(docs, "Job")["metadata"]["name"]
+    job = h.prepare_job(docs)["metadata"]["name"]
     assert arg(wait, "--job") == job and arg(wait, "--event-job") == "pretrain"
     assert arg(wait, "--timeout") == "21600", "a finite default wait"
     mounts = {m["mountPath"]: m["name"] for m in wait["volumeMounts"]}
@@ -309,7 +326,7 @@ def test_3_the_volume_permission_step_hands_the_mount_points_to_uid_1000(tmp_pat
     assert sc["runAsUser"] == 0 and sc["allowPrivilegeEscalation"] is False
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER", "DAC_OVERRIDE"]}
     assert step["args"] == ["/ckpt", "/ckpt/pretrain"] and h.env_map(step)["OWNER"] == "1000:1000"
-    prep_pod = h.one(docs, "Job")["spec"]["template"]["spec"]
+    prep_pod = h.prepare_job(docs)["spec"]["template"]["spec"]
     assert h.container(prep_pod, "volume-permissions", init=True)["args"] == [
         "/data",
         "/data/fineweb-edu-10bt",
@@ -370,19 +387,39 @@ def test_3_volume_permissions_auto(values, on):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the script as uid 1000")
 def test_3_an_unwritable_data_volume_is_one_line_and_fails_the_job_at_once(tmp_path):
+    """The prepare pod cannot write the volume, nor so a marker: exit 2 fails its Job at once (the
+    podFailurePolicy), and the finalizer reads that Failed condition and tells the training job (the
+    PrepareFailed Event, DataReady=False), which stays suspended."""
     work = Path(tempfile.mkdtemp())
     try:
         os.chmod(work, 0o755)
         docs = h.render()
         api = h.JobApi(docs, work)
-        prep = h.PreparePod(docs, work, kubeconfig=api.kubeconfig)
+        prep = h.PreparePod(docs, work)
         os.chmod(work / "data", 0o755)  # root-owned, as a fresh export
         cmd = ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", *prep.command()]
         proc = subprocess.run(cmd, env=prep.env, capture_output=True, text=True, timeout=60, cwd=h.REPO)
-        api.close()
         assert proc.returncode == 2, proc.stderr  # the podFailurePolicy fails the Job on 2
         (line,) = proc.stderr.strip().splitlines()
         assert "is not writable as uid 1000 gid 1000" in line and "volumePermissions.enabled=true" in line
+        # the Job controller's verdict on that exit, as the finalizer reads it
+        job = h.prepare_job(docs)
+        policy = (
+            "Container prepare for pod default/x failed with exit code 2 matching FailJob rule at index 0"
+        )
+        failed = {"type": "Failed", "status": "True", "reason": "PodFailurePolicy", "message": policy}
+        meta = {**job["metadata"], "namespace": "default"}
+        api.server.store({**job, "metadata": meta, "status": {"conditions": [failed]}})
+        fin = h.PreparePod(docs, work, role="finalizer", kubeconfig=api.kubeconfig)
+        cmd = ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", *fin.command()]
+        proc = subprocess.run(cmd, env=fin.env, capture_output=True, text=True, timeout=60, cwd=h.REPO)
+        api.close()
+        assert proc.returncode == 4, proc.stderr
+        (event,) = [e for e in api.events() if e["reason"] == "PrepareFailed"]
+        assert f"prepare job/{meta['name']} failed: PodFailurePolicy: {policy}" in event["message"]
+        assert f"kubectl logs job/{meta['name']}" in event["message"]
+        (condition,) = [c for c in api.job["status"]["conditions"] if c["type"] == "DataReady"]
+        assert condition["reason"] == "PrepareFailed" and api.job["spec"]["runPolicy"]["suspend"] is True
     finally:
         shutil.rmtree(work)
 
@@ -396,14 +433,22 @@ def test_4_storage_classes_and_access_modes(tmp_path):
     assert pvcs["pretrain-data"]["storageClassName"] == "efs-sc"
     assert pvcs["pretrain-ckpt"]["storageClassName"] == ""
     # several nodes on ReadWriteOnce: refused (bad values test); one node on ReadWriteOnce: the prepare pod
-    # runs anywhere (the CPU pool), alone: the training job has no pod until the prepare is done
+    # runs on the CPU pool (the training job has no pod until the prepare is done), and its finalizer on the
+    # same node: the first of the two anywhere (it matches its own term), the second beside it; else the
+    # second would hang on Multi-Attach, and they would wait for each other
     rwo = {
         "storage.data.accessModes": ["ReadWriteOnce"],
         "storage.checkpoints.accessModes": ["ReadWriteOnce"],
     }
     docs = h.render({"gpus": 4, **rwo, "prepare.nodeSelector": {"pool": "cpu"}})
     h.validate_all(docs)
-    assert "affinity" not in h.one(docs, "Job")["spec"]["template"]["spec"]
+    for role in ("prepare", "finalizer"):
+        pod = h.prepare_job(docs, role)["spec"]["template"]
+        (term,) = pod["spec"]["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        assert term["labelSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    for rwx in (h.render({"gpus": 4}), h.render({"gpus": 4, "storage.data.existingClaim": "team-data"})):
+        assert "affinity" not in h.prepare_job(rwx, "finalizer")["spec"]["template"]["spec"]
     assert h.one(docs, "PyTorchJob")["spec"]["runPolicy"]["suspend"] is True
     # an existing claim is not second-guessed (its access mode is unknown at render time)
     h.validate_all(h.render({"gpus": 16, "storage.data.existingClaim": "team-data"}))
@@ -414,22 +459,22 @@ def test_4_storage_classes_and_access_modes(tmp_path):
 
 def test_5_the_prepare_job_is_named_per_pod_template():
     base = h.render()
-    name = h.one(base, "Job")["metadata"]["name"]
+    name = h.prepare_job(base)["metadata"]["name"]
     assert re.fullmatch(r"pretrain-prepare-[0-9a-f]{8}", name)
-    assert h.one(h.render(), "Job")["metadata"]["name"] == name, "deterministic"
-    assert h.one(h.render({"gpus": 16}), "Job")["metadata"]["name"] == name, "trainer values do not matter"
+    assert h.prepare_job(h.render())["metadata"]["name"] == name, "deterministic"
+    assert h.prepare_job(h.render({"gpus": 16}))["metadata"]["name"] == name, "trainer values do not matter"
     for change in (
         {"image.tag": "0.2.0"},
         {"prepare.workers": 8},
         {"prepare.resources": {"requests": {"cpu": "4"}}},
     ):
         other = h.render(change)
-        new = h.one(other, "Job")["metadata"]["name"]
+        new = h.prepare_job(other)["metadata"]["name"]
         assert new != name, change  # helm deletes the old Job and creates this one: no immutable-field error
         wait = h.container(h.pod_spec(h.one(other, "PyTorchJob"), "Master"), "wait-for-data", init=True)
         assert arg(wait, "--job") == new
     long = h.render(release="a-release-name-of-fifty-three-characters-helm-max-53")  # helm's longest
-    job_name = h.one(long, "Job")["metadata"]["name"]
+    job_name = h.prepare_job(long)["metadata"]["name"]
     assert len(job_name) <= 63 and h.NAME.match(job_name)
     h.validate_all(long)
 
@@ -575,7 +620,7 @@ def test_7_decimal_values_with_plain_set():
         assert arg(t, "--budget-cap-usd") == "999.99" and arg(t, "--price-per-gpu-hour") == "2.49"
         watcher = h.container(h.pod_spec(h.one(docs, "PyTorchJob"), "Master"), "budget-watcher", init=True)
         assert arg(watcher, "--budget-cap-usd") == "999.99" and arg(watcher, "--price-per-gpu-hour") == "2.49"
-        prep = h.one(docs, "Job")["spec"]["template"]["spec"]["containers"][0]
+        prep = h.prepare_job(docs)["spec"]["template"]["spec"]["containers"][0]
         assert arg(prep, "--val-fraction") == "0.002"
     assert trainer(as_strings)["args"] == trainer(as_numbers)["args"]
 
@@ -591,7 +636,7 @@ def test_8_kueue(tmp_path):
     job = h.one(docs, "PyTorchJob")
     assert "kueue.x-k8s.io/queue-name" not in job["metadata"]["labels"]
     assert job["spec"]["runPolicy"]["suspend"] is True
-    args = h.one(docs, "Job")["spec"]["template"]["spec"]["containers"][0]["args"]
+    args = h.prepare_job(docs, "finalizer")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--queue") + 1] == "gpu-queue"
     rules = {tuple(r["apiGroups"]): r["verbs"] for r in h.one(h.not_prepare(docs), "Role")["rules"]}
     assert rules[("kueue.x-k8s.io",)] == ["list", "patch"]  # the watcher deactivates the Workload
@@ -629,11 +674,11 @@ def test_9_service_account_labels_and_pod_security():
     )
     h.validate_all(docs)
     metas = dict(h.pod_templates(docs))
-    assert len(metas) == 4  # Master, Worker, prepare, helm test
+    assert len(metas) == 5  # Master, Worker, prepare, its finalizer, helm test
     for where, meta in metas.items():
         assert meta["labels"]["team"] == "llm" and meta["annotations"]["cost-center"] == "42", where
-    prepare = next(m for w, m in metas.items() if w.startswith("Job/"))
-    assert prepare["labels"]["pool"] == "cpu" and prepare["annotations"]["note"] == "tokenize"
+    for prepare in (m for w, m in metas.items() if w.startswith("Job/")):
+        assert prepare["labels"]["pool"] == "cpu" and prepare["annotations"]["note"] == "tokenize"
     # Pod Security Standards: the default passes `baseline`; without the root step, `restricted`
     for where, spec in h.pod_specs(docs):
         assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, where

@@ -321,8 +321,10 @@ def test_node_0_services_prepare_affinity_and_notes(tmp_path):
     sel = budget["spec"]["selector"]
     assert sel.pop("batch.kubernetes.io/job-completion-index") == "0"  # the Job controller's pod label
     assert sel.items() <= pod_labels.items()
-    # a ReadWriteOnce data volume: the prepare pod runs alone (the TrainJob has no pod until it is done)
-    assert "affinity" not in h.one(docs, "Job")["spec"]["template"]["spec"]
+    # a ReadWriteOnce data volume: the prepare pod and its finalizer on one node (the TrainJob has no pod
+    # until the data is ready)
+    for role in ("prepare", "finalizer"):
+        assert "podAffinity" in h.prepare_job(docs, role)["spec"]["template"]["spec"]["affinity"]
     assert h.one(docs, "TrainJob")["spec"]["suspend"] is True
 
     env = {**os.environ, "KUBECONFIG": str(tmp_path / "none")}

@@ -143,9 +143,26 @@ def test_a_failed_prepare_marker_ends_the_wait(tmp_path, marker, gives_up):
     outcome, line, t = run_wait(s, then={300: write(s.data_dir / "_FAILED", json.dumps(marker))})
     if gives_up:
         assert outcome == "gave-up" and t < 330
-        assert "`pretrain prepare` exited 2" in line and f"kubectl logs job/{PREP}" in line
+        assert "`pretrain prepare` failed for good: exit 2" in line and f"kubectl logs job/{PREP}" in line
     else:
         assert outcome == "gave-up" and t >= 7200  # only the timeout ends it
+
+
+def test_a_final_marker_of_an_earlier_prepare_job_does_not_end_the_wait(tmp_path, api):
+    """A final _FAILED that an earlier Job left (before a fix, a new Job of the same arguments) is not the
+    running Job's: read through the API, the Job's uid tells them apart; its own final marker counts."""
+    api.job = {"metadata": {"uid": "uid-new"}, "status": {}}
+    s = settings(tmp_path)
+    old = {"fingerprint": FP, "exit_code": 2, "final": True, "pod": "p-old", "job_uid": "uid-old"}
+    (s.data_dir / "_FAILED").write_text(json.dumps(old))
+    then = {600: write(s.data_dir / "_READY", FP)}
+    outcome, _, t = run_wait(s, JobReader(NS, PREP, api.client), then=then)
+    assert outcome == "ready" and t >= 600
+    (s.data_dir / "_READY").unlink()
+    new = {**old, "pod": "p-new", "job_uid": "uid-new", "reason": "error: bad"}
+    (s.data_dir / "_FAILED").write_text(json.dumps(new))
+    outcome, line, t = run_wait(s, JobReader(NS, PREP, api.client))
+    assert outcome == "gave-up" and t == 0 and "in pod p-new" in line and line.count("error: bad") == 1
 
 
 def test_the_prepare_job_failed(tmp_path, api):
@@ -250,7 +267,7 @@ def test_the_cli_without_a_cluster(tmp_path):
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 4, proc.stderr
-    assert proc.stderr.count("\n") == 1 and "exited 2 in pod p-1" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "exit 2 in pod p-1" in proc.stderr
     (data / "_FAILED").unlink()
     (data / "_READY").write_text(FP + "\n")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)

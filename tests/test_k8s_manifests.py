@@ -67,7 +67,7 @@ def test_manifests_are_valid():
         + ["ConfigMap"]
         + ["PersistentVolumeClaim"] * 2
         + ["NetworkPolicy"] * 2
-        + ["Job", "PyTorchJob"]
+        + ["Job", "Job", "PyTorchJob"]  # the prepare and its finalizer, which releases the job
     )
     for name, doc in manifests().items():
         assert name == f"{name[:2]}-{doc['kind'].lower()}-{doc['metadata']['name']}.yaml"
@@ -78,7 +78,7 @@ def test_manifests_reference_each_other():
     docs = list(manifests().values())
     names = {(d["kind"], d["metadata"]["name"]) for d in docs}
     job = h.one(docs, "PyTorchJob")
-    prepare = h.one(docs, "Job")
+    prepare = h.prepare_job(docs)
     pods = [h.pod_spec(job, "Master"), prepare["spec"]["template"]["spec"]]
     for pod in pods:
         for vol in pod["volumes"]:
@@ -164,13 +164,18 @@ def test_prepare_accepts_the_chart_args(rendered):
     from app.data import prepare_job
 
     docs, _, _ = rendered
-    c = h.one(docs, "Job")["spec"]["template"]["spec"]["containers"][0]
-    assert c["command"] == ["python", "-m", "app.data.prepare_job"]
-    split = c["args"].index("--")
     own = argparse.ArgumentParser(exit_on_error=False)
     prepare_job.add_arguments(own)
+    fin = h.prepare_job(docs, "finalizer")["spec"]["template"]["spec"]["containers"][0]
+    release = own.parse_args(fin["args"][: fin["args"].index("--")])
+    assert (release.step, release.job) == ("finalize", "PyTorchJob/pretrain")
+    assert release.prepare_job == h.prepare_job(docs)["metadata"]["name"]
+    c = h.prepare_job(docs)["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == fin["command"] == ["python", "-m", "app.data.prepare_job"]
+    split = c["args"].index("--")
+    assert c["args"][split:] == fin["args"][fin["args"].index("--") :]
     pod = own.parse_args(c["args"][:split])
-    assert (pod.step, pod.job, pod.dir) == ("run", "PyTorchJob/pretrain", "/data/fineweb-edu-10bt")
+    assert (pod.step, pod.job, pod.dir) == ("run", "", "/data/fineweb-edu-10bt")
     parser = argparse.ArgumentParser(exit_on_error=False)
     prepare_cli.add_arguments(parser)
     args = parser.parse_args(c["args"][split + 1 :])

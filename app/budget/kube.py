@@ -34,6 +34,7 @@ KUEUE_GROUP, KUEUE_VERSION, WORKLOADS = "kueue.x-k8s.io", "v1beta1", "workloads"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+SA_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 COMPONENT = "pretrain-budget-watcher"
 TIMED = {"_request_timeout": 5.0}  # every API call
 MERGE_PATCH = {**TIMED, "_content_type": "application/merge-patch+json"}
@@ -46,6 +47,34 @@ def _namespace(cfg: BudgetConfig) -> str:
         return SA_NAMESPACE.read_text().strip()
     except OSError:
         return "default"
+
+
+def has_token() -> bool:
+    """In a pod whose service-account token is mounted (the chart mounts it only where the API is called)."""
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and SA_TOKEN.exists()
+
+
+def api_client() -> Any | None:
+    """The Kubernetes API client of every caller (the watcher, the wait step, the prepare's finalizer): in a
+    pod ($KUBERNETES_SERVICE_HOST), its service-account token; elsewhere $KUBECONFIG, else ~/.kube/config.
+    None outside a pod without a kubeconfig. Credentials the client cannot load (a pod without its token, a
+    broken or missing kubeconfig) are a UserError: one line that names them."""
+    from kubernetes import client, config
+
+    in_pod = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+    # read now: the client reads $KUBECONFIG once, at its import
+    kubeconfig = os.environ.get("KUBECONFIG") or "~/.kube/config"
+    if not in_pod and "KUBECONFIG" not in os.environ and not Path(kubeconfig).expanduser().exists():
+        return None
+    try:
+        if in_pod:
+            config.load_incluster_config()
+        else:
+            config.load_kube_config(config_file=kubeconfig)
+    except Exception as e:  # the client raises several types for a missing or invalid configuration
+        where = f"the service-account token {SA_TOKEN}" if in_pod else kubeconfig
+        raise UserError(f"cannot load the Kubernetes credentials from {where}: {short_error(e)}") from None
+    return client.ApiClient()
 
 
 class KubeActions:
@@ -84,16 +113,16 @@ class KubeActions:
                 raise UserError("budget.kube=on needs the job's name: --job-name NAME or $PRETRAIN_JOB_NAME")
             log.info("budget: in a cluster but no job name ($PRETRAIN_JOB_NAME); Kubernetes actions off")
             return None
-        from kubernetes import client, config
-
         try:
-            (config.load_incluster_config if in_cluster else config.load_kube_config)()
-        except Exception as e:  # the client raises several types for a missing/invalid config
+            api = api_client()
+        except UserError as e:
             if cfg.kube == "on":
-                raise UserError(f"budget.kube=on but no Kubernetes credentials: {e}") from None
-            log.warning("budget: cannot load Kubernetes credentials (%s); Kubernetes actions off", e)
+                raise UserError(f"budget.kube=on but {e}") from None
+            log.warning("budget: %s; Kubernetes actions off", e)
             return None
-        return cls(_namespace(cfg), job, client.ApiClient(), kind=kind, **names)
+        if api is None:
+            raise UserError("budget.kube=on but no Kubernetes credentials: no $KUBECONFIG, no ~/.kube/config")
+        return cls(_namespace(cfg), job, api, kind=kind, **names)
 
     def _job_meta(self) -> dict:
         """The job's metadata (fetched once), or {} when it cannot be read: a failed read is logged

@@ -4,20 +4,24 @@ GPU is billed) and which stays so until its data is ready.
 
     python -m app.data.prepare_job run OPTIONS -- PREPARE_ARGS       a prepare pod: the whole input, or with
                                                                     --shard-count N share $JOB_COMPLETION_INDEX
-    python -m app.data.prepare_job finalize OPTIONS -- PREPARE_ARGS  the finalizer of a sharded prepare
+    python -m app.data.prepare_job finalize OPTIONS -- PREPARE_ARGS  the finalizer: waits for the prepare (with
+                                                                    --shard-count N joins its shares), releases
 
-run: DIR/_READY holding --fingerprint means this exact output exists: it only releases the job. Else it runs
-`pretrain prepare PREPARE_ARGS`. Success writes DIR/_READY (atomically) and releases the job. A failure
-writes DIR/_FAILED ({fingerprint, exit_code, failures, backoff_limit, final, pod, reason}), final when the
-Job will not try again: exit 2 (bad arguments: the Job's podFailurePolicy fails it at once) or more failures
-than --backoff-limit; SIGTERM/SIGINT (130/143: preemption, eviction) are not counted, as the
-podFailurePolicy ignores disruptions. A final failure posts a PrepareFailed Event and the condition
-DataReady=False on the job, which stays suspended. A share keeps its markers in DIR/shares/N/ (_FAILED.I)
-and leaves the job to the finalizer.
+run: DIR/_READY holding --fingerprint means this exact output exists: nothing to do. Else it runs `pretrain
+prepare PREPARE_ARGS`. Success writes DIR/_READY (atomically). A failure writes DIR/_FAILED ({fingerprint,
+exit_code, failures, backoff_limit, final, pod, reason, job_uid}), final when the Job will not try again:
+exit 2 (bad arguments: the Job's podFailurePolicy fails it at once) or more failures than --backoff-limit;
+SIGTERM/SIGINT (130/143: preemption, eviction) are not counted, as the podFailurePolicy ignores disruptions.
+A share keeps its markers in DIR/shares/N/ (_FAILED.I). The run step holds no API token and calls no API:
+it parses downloaded files (parquet, a tokenizer.json), so it must not be able to rewrite the training job.
 
-finalize: waits for the shares, joins them (`pretrain prepare ... --finalize`), writes DIR/_READY and
-releases the job. A share that failed for good (its final marker), or the shares' Job Failed (read through
-the API), ends it with exit 4, a final DIR/_FAILED naming the share, and the same Event and condition.
+finalize: the only step with the token. It waits for the prepare with the trainer's wait state machine
+(app/data/wait.py): DIR/_READY, or with --shard-count N every share finished for these inputs and settings.
+It gives up on a final _FAILED marker, the prepare Job's Failed condition, the Job missing or Complete
+without the data for --missing-grace seconds, and on its own bad arguments or unwritable volume. Then, when
+sharded, it joins the shares (`pretrain prepare ... --finalize`) and writes DIR/_READY; it releases the job.
+Every final failure posts a PrepareFailed Event and the condition DataReady=False on the job, which stays
+suspended (exit 4; 2 for bad arguments).
 
 Releasing is a patch of the job's suspend field (under Kueue: its queue label; app/budget/kube.py) with
 the prepare's own ServiceAccount, allowed that patch on this release's job alone. Detail:
@@ -27,7 +31,9 @@ docs/kubernetes.md, "Data preparation and its ordering".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import signal
 import socket
@@ -37,6 +43,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from app.data.wait import (
+    FAILED,
+    READY,
+    JobReader,
+    Marker,
+    WaitSettings,
+    failure_line,
+    is_ready,
+    read_failed_marker,
+    wait_for_data,
+)
 from app.errors import EXIT_DATA_NOT_READY, UserError, print_stderr
 from app.files import atomic_write_json, fsync_dir
 
@@ -44,25 +61,17 @@ DESCRIPTION = (
     "The chart's prepare pods: run `pretrain prepare` (or join the shares), record how it ended on the data "
     "volume, and release the suspended training job, or report a failed prepare on it."
 )
-READY, FAILED, FAILURES = "_READY", "_FAILED", "_FAILURES"
+FAILURES = "_FAILURES"
 COMPONENT = "pretrain-prepare"
-TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 LOG_EVERY_SECONDS = 60.0
-PERMANENT_HTTP = (401, 403, 422)  # a release that retrying cannot fix (RBAC, refused)
-RELEASE_PATIENCE = (
-    120.0  # seconds of retries: the job may not exist yet (kubectl and Helm create it after the Job)
-)
+# a release that retrying cannot fix (RBAC, refused)
+PERMANENT_HTTP = (401, 403, 422)
+# seconds of retries: the job may not exist yet (kubectl and Helm create it after the Job)
+RELEASE_PATIENCE = 120.0
 
 
 def say(line: str) -> None:
     print(line, flush=True)
-
-
-def is_ready(out: Path, fingerprint: str) -> bool:
-    try:
-        return (out / READY).read_text().strip() == fingerprint
-    except OSError:
-        return False
 
 
 def write_ready(out: Path, fingerprint: str) -> None:
@@ -90,19 +99,6 @@ def unwritable(out: Path) -> str:
 
 
 # ---- the training job ----------------------------------------------------------------------------------
-
-
-def api_client() -> Any:
-    """The API client: in a pod with a service-account token, else from $KUBECONFIG; None without either."""
-    from kubernetes import client, config
-
-    if os.environ.get("KUBERNETES_SERVICE_HOST") and TOKEN.exists():
-        config.load_incluster_config()
-    elif os.environ.get("KUBECONFIG"):
-        config.load_kube_config()
-    else:
-        return None
-    return client.ApiClient()
 
 
 class TrainingJob:
@@ -210,7 +206,7 @@ def run_prepare(cmd: list[str]) -> tuple[int, str]:
 
 def record_failure(
     failed: Path, failures: Path, fingerprint: str, rc: int, backoff_limit: int, reason: str, **extra: Any
-) -> dict:
+) -> None:
     """The _FAILED marker of a failed attempt; final when the Job will not try again. Failures are counted
     per arguments and per Job ($PRETRAIN_JOB_UID): a new Job after a fix has its whole backoff limit."""
     uid = os.environ.get("PRETRAIN_JOB_UID", "")
@@ -240,15 +236,6 @@ def record_failure(
     print_stderr(
         f"prepare: pretrain prepare exited {rc} (failure {n}, backoffLimit {backoff_limit}, final: {str(final).lower()})"
     )
-    return marker
-
-
-def failure_line(marker: dict) -> str:
-    who = f"share {marker['share']} of {marker['shard_count']}" if "share" in marker else "`pretrain prepare`"
-    return (
-        f"{who} failed for good: exit {marker['exit_code']} in pod {marker['pod']} (failure {marker['failures']}, "
-        f"backoffLimit {marker['backoff_limit']}): {marker.get('reason') or 'no message'}"
-    )
 
 
 def _share_markers(out: Path, count: int, index: int) -> tuple[Path, Path]:
@@ -257,7 +244,7 @@ def _share_markers(out: Path, count: int, index: int) -> tuple[Path, Path]:
     return root / f"{FAILED}.{index}", root / f"{FAILURES}.{index}"
 
 
-def run(args: argparse.Namespace, prepare_args: list[str], job: TrainingJob | None) -> int:
+def run(args: argparse.Namespace, prepare_args: list[str]) -> int:
     out, fp = Path(args.dir), args.fingerprint
     index = None
     if args.shard_count > 1:
@@ -269,7 +256,8 @@ def run(args: argparse.Namespace, prepare_args: list[str], job: TrainingJob | No
         index = int(completion)
     if is_ready(out, fp):
         say(f"prepare: {out} is ready ({fp}), nothing to do")
-        return release(job, out, fp) if index is None else 0
+        return 0
+    # Exit 2 fails the Job at once (podFailurePolicy); the finalizer reads that and tells the training job.
     if why := unwritable(out):
         print_stderr(why)
         return 2
@@ -277,17 +265,13 @@ def run(args: argparse.Namespace, prepare_args: list[str], job: TrainingJob | No
     if index is None:
         (out / READY).unlink(missing_ok=True)
         failed, failures = out / FAILED, out / FAILURES
-        if job is not None:
-            job.preparing(f"`pretrain prepare` is writing {out}")
     else:
         cmd += ["--shard-count", str(args.shard_count), "--shard-index", str(index)]
         failed, failures = _share_markers(out, args.shard_count, index)
     rc, reason = run_prepare(cmd)
     if rc != 0:
         extra = {} if index is None else {"share": index, "shard_count": args.shard_count}
-        marker = record_failure(failed, failures, fp, rc, args.backoff_limit, reason, **extra)
-        if marker["final"] and job is not None:
-            job.failed(failure_line(marker))
+        record_failure(failed, failures, fp, rc, args.backoff_limit, reason, **extra)
         return rc
     failed.unlink(missing_ok=True)
     failures.unlink(missing_ok=True)
@@ -295,111 +279,145 @@ def run(args: argparse.Namespace, prepare_args: list[str], job: TrainingJob | No
         say(f"prepare: share {index} of {args.shard_count} is done")
         return 0
     write_ready(out, fp)
-    return release(job, out, fp)
+    return 0
 
 
 # ---- the finalizer -------------------------------------------------------------------------------------
 
 
-def share_failure(out: Path, fingerprint: str, count: int, job_uid: str = "") -> str:
-    """The line of the first share whose failure is final, or ''. With the shares' Job's uid, a marker an
-    earlier Job left (before a fix and a new Job) is not this one's."""
-    for i in range(count):
-        try:
-            marker = json.loads((out / "shares" / str(count) / f"{FAILED}.{i}").read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(marker, dict) or marker.get("final") is not True:
-            continue
-        if marker.get("fingerprint") == fingerprint and (
-            not job_uid or marker.get("job_uid") in ("", job_uid)
-        ):
-            return failure_line(marker)
-    return ""
+class SharesDone:
+    """What the finalizer of a sharded prepare waits for: every share finished for these inputs and settings
+    (app/data/wait.py's wait_for_data runs the wait, as it does the trainer's for the marker)."""
 
-
-def job_uid(api: Any, namespace: str, name: str) -> str:
-    """The uid of a batch Job, or '' when it cannot be read."""
-    from kubernetes import client
-
-    try:
-        return (
-            client.BatchV1Api(api).read_namespaced_job(name, namespace, _request_timeout=5.0).metadata.uid
-            or ""
+    def __init__(self, shares: Any, fingerprint: str) -> None:
+        self.shares, self.fingerprint = shares, fingerprint
+        self.pending: dict[int, str] = dict.fromkeys(range(shares.count), "not started")
+        self.complete_hint = (
+            "an input changed after the shares were planned (a file on the volume, a new revision of an "
+            "hf:// dataset), or a share's pod ended without its state; delete the prepare Jobs and run them again"
         )
-    except Exception:  # noqa: BLE001 - without it, every final marker counts
+
+    @property
+    def where(self) -> str:
+        if not self.pending:
+            return f"the {self.shares.count} shares in {self.shares.root}"
+        waiting = ", ".join(f"{i} ({why})" for i, why in self.pending.items())
+        return f"shares {waiting} of {self.shares.count}"
+
+    def ready(self) -> bool:
+        self.pending = self.shares.pending()
+        return not self.pending
+
+    def failure(self, job_uid: str) -> str:
+        """The line of the first share whose failure is final, or ''."""
+        root = self.shares.root
+        for i in range(self.shares.count):
+            if marker := read_failed_marker(root / f"{FAILED}.{i}", self.fingerprint, job_uid):
+                return failure_line(marker)
         return ""
+
+    def lacking(self) -> str:
+        return f"{self.where} are not finished for these inputs and settings"
+
+
+def _shares(out: Path, count: int, prepare_args: list[str]) -> Any:
+    """The finalizer's view of the shares, from the prepare arguments; UserError for bad ones (an unknown
+    flag, a missing input) or an unwritable volume."""
+    from app.command import Parser
+    from app.data import cli
+    from app.data.shares import Shares
+
+    if why := unwritable(out):
+        raise UserError(why.removeprefix("prepare: "))
+    parser = Parser(prog="pretrain prepare")
+    cli.add_arguments(parser)
+    cfg = cli.config_from_args(parser.parse_args([*prepare_args, "--shard-count", str(count), "--finalize"]))
+    return Shares(cfg)
 
 
 def finalize(args: argparse.Namespace, prepare_args: list[str], job: TrainingJob | None, api: Any) -> int:
-    from app.data import cli
-    from app.data.shares import Shares
-    from app.data.wait import JobReader
-
+    """Wait for the prepare (a one-pod prepare's marker, or every share), join the shares, release the job."""
     out, fp, count = Path(args.dir), args.fingerprint, args.shard_count
-    if is_ready(out, fp):
-        say(f"prepare: {out} is ready ({fp}), nothing to do")
+    if count > 1 and is_ready(out, fp):
+        say(f"prepare: {out} is ready ({fp}), nothing to join")
         return release(job, out, fp)
-    if why := unwritable(out):
-        print_stderr(why)
-        return 2
-    (out / READY).unlink(missing_ok=True)
-    if job is not None:
-        job.preparing(f"{count} prepare pods are writing {out}")
-    parser = argparse.ArgumentParser(prog="pretrain prepare")
-    cli.add_arguments(parser)
-    cfg = cli.config_from_args(parser.parse_args([*prepare_args, "--shard-count", str(count), "--finalize"]))
-    shares = Shares(cfg)
-    reader = JobReader(args.namespace, args.shares_job, api) if api is not None and args.shares_job else None
-    uid = job_uid(api, args.namespace, args.shares_job) if reader is not None else ""
-    last_log = -float("inf")
-    start = time.monotonic()
-    while True:
-        state = reader.state() if reader is not None else "unknown"
-        why = share_failure(out, fp, count, uid)
-        if not why and state.startswith("failed"):
-            why = f"the shares' job/{args.shares_job} {state}"
-        if why:
-            return give_up(out, fp, why, job)
-        pending = shares.pending()
-        if not pending:
-            break
-        if time.monotonic() - last_log >= LOG_EVERY_SECONDS:
-            waiting = ", ".join(f"{i} ({what})" for i, what in pending.items())
-            say(f"prepare: waiting for shares {waiting} of {count}, {time.monotonic() - start:.0f} s")
-            last_log = time.monotonic()
-        time.sleep(args.poll)
-    try:
-        shares.join(say)
-    except UserError as e:
-        return give_up(out, fp, str(e), job)
-    write_ready(out, fp)
+    target: Marker | SharesDone = Marker(out, fp)
+    if count > 1:
+        try:
+            shares = _shares(out, count, prepare_args)
+        except UserError as e:
+            return give_up(out, fp, str(e), job, count, code=e.exit_code)
+        target = SharesDone(shares, fp)
+    if job is not None and not target.ready():
+        what = f"{count} prepare pods are" if count > 1 else "`pretrain prepare` is"
+        job.preparing(f"{what} writing {out}")
+    settings = WaitSettings(
+        data_dir=out,
+        fingerprint=fp,
+        job=args.prepare_job,
+        namespace=args.namespace,
+        poll_seconds=args.poll,
+        timeout_seconds=0.0,  # the prepare Job's activeDeadlineSeconds is the limit
+        missing_grace_seconds=args.missing_grace,
+        log_every_seconds=LOG_EVERY_SECONDS,
+    )
+    reader = (
+        JobReader(args.namespace, args.prepare_job, api) if api is not None and args.prepare_job else None
+    )
+    outcome, line = wait_for_data(settings, reader, say=lambda m: say(f"prepare: {m}"), target=target)
+    if outcome != "ready":
+        return give_up(out, fp, line, job, count)
+    if count > 1:
+        try:
+            shares.join(say)
+        except UserError as e:
+            return give_up(out, fp, str(e), job, count)
+        write_ready(out, fp)
+        # a final failure of an earlier finalizer of these arguments is over
+        (out / FAILED).unlink(missing_ok=True)
     return release(job, out, fp)
 
 
-def give_up(out: Path, fingerprint: str, line: str, job: TrainingJob | None) -> int:
-    """A final failure of the sharded prepare: a final _FAILED marker, the job told, exit 4."""
-    marker = {
-        "fingerprint": fingerprint,
-        "exit_code": EXIT_DATA_NOT_READY,
-        "failures": 1,
-        "backoff_limit": 0,
-        "final": True,
-        "pod": socket.gethostname(),
-        "reason": line,
-    }
-    atomic_write_json(out / FAILED, marker, durable=False)
+def give_up(
+    out: Path,
+    fingerprint: str,
+    line: str,
+    job: TrainingJob | None,
+    count: int,
+    code: int = EXIT_DATA_NOT_READY,
+) -> int:
+    """Every final failure of the finalizer: one line, and on the job the PrepareFailed Event and the
+    condition DataReady=False. Sharded, also a final DIR/_FAILED for the trainer's wait step (which watches
+    this Job) where the volume takes it; a one-pod prepare's marker is its own pod's."""
     print_stderr(f"prepare: {line}")
+    if count > 1:
+        marker = {
+            "fingerprint": fingerprint,
+            "exit_code": code,
+            "failures": 1,
+            "backoff_limit": 0,
+            "final": True,
+            "pod": socket.gethostname(),
+            "reason": line,
+            "job_uid": os.environ.get("PRETRAIN_JOB_UID", ""),
+        }
+        # on an unwritable volume the Event, the condition and this Job's failure say it
+        with contextlib.suppress(OSError):
+            atomic_write_json(out / FAILED, marker, durable=False)
     if job is not None:
         job.failed(line)
-    return EXIT_DATA_NOT_READY
+    return code
 
 
 # ---- the command ---------------------------------------------------------------------------------------
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("step", choices=("run", "finalize"), help="run: a prepare pod; finalize: join the shares")
+    p.add_argument(
+        "step",
+        choices=("run", "finalize"),
+        help="run: a prepare pod; finalize: wait for it (join the shares) and release the job",
+    )
     p.add_argument("--dir", required=True, help="the prepare output dir, e.g. /data/fineweb-edu-10bt")
     p.add_argument(
         "--fingerprint", required=True, help="the prepare arguments' fingerprint (_READY holds it)"
@@ -411,7 +429,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--job",
         default="",
         metavar="KIND/NAME",
-        help="the suspended training job to release (PyTorchJob/NAME or TrainJob/NAME)",
+        help="finalize: the suspended training job to release (PyTorchJob/NAME or TrainJob/NAME)",
     )
     p.add_argument("--queue", default="", help="its Kueue LocalQueue: releasing adds the queue label instead")
     p.add_argument("--namespace", default="", help="the jobs' namespace (default $POD_NAMESPACE)")
@@ -419,11 +437,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--shard-count",
         type=int,
         default=1,
-        help="N > 1: a sharded prepare (run: share $JOB_COMPLETION_INDEX)",
+        help="N > 1: a sharded prepare (run: share $JOB_COMPLETION_INDEX; finalize: join the N shares)",
     )
-    p.add_argument("--shares-job", default="", help="finalize: the shares' Indexed Job, read through the API")
     p.add_argument(
-        "--poll", type=float, default=10.0, help="finalize: seconds between looks at the shares (default 10)"
+        "--prepare-job",
+        default="",
+        metavar="NAME",
+        help="finalize: the prepare's Job (the shares' Indexed Job), whose status is read through the API",
+    )
+    p.add_argument("--poll", type=float, default=10.0, help="finalize: seconds between looks (default 10)")
+    p.add_argument(
+        "--missing-grace",
+        type=float,
+        default=120.0,
+        help="finalize: give up when the prepare Job is missing, or complete without the data, this long "
+        "(default 120 s)",
     )
 
 
@@ -438,21 +466,33 @@ def main(argv: list[str] | None = None) -> int:
         parser = Parser(prog="python -m app.data.prepare_job", description=DESCRIPTION)
         add_arguments(parser)
         args = parser.parse_args(own)
-        if args.shard_count < 1 or args.backoff_limit < 0 or not args.poll > 0:
-            raise UserError("--shard-count must be >= 1, --backoff-limit >= 0 and --poll > 0")
+        numbers = (args.poll, args.missing_grace)
+        if args.shard_count < 1 or args.backoff_limit < 0 or not all(math.isfinite(x) for x in numbers):
+            raise UserError(
+                "--shard-count must be >= 1, --backoff-limit >= 0, --poll and --missing-grace finite"
+            )
+        if not args.poll > 0 or args.missing_grace < 0:
+            raise UserError("--poll must be > 0 and --missing-grace >= 0")
         args.namespace = args.namespace or os.environ.get("POD_NAMESPACE", "default")
-        api = api_client() if args.job or args.shares_job else None
+        if args.step == "run":
+            if args.job or args.prepare_job:
+                raise UserError(
+                    "run: --job and --prepare-job are the finalize step's (the run step holds no API token); "
+                    "use the chart of this image, which renders a finalizer Job"
+                )
+            return run(args, prepare_args)
+        from app.budget.kube import api_client
+
+        api = api_client() if args.job or args.prepare_job else None
         job = None
         if args.job:
             if api is None:
                 raise UserError(
-                    f"--job {args.job}: no Kubernetes API here (no service-account token, no $KUBECONFIG) to "
+                    f"--job {args.job}: no Kubernetes API here (no service-account token, no kubeconfig) to "
                     "release the job when the data is ready"
                 )
             job = TrainingJob(args.job, args.namespace, args.queue, api)
-        if args.step == "finalize":
-            return finalize(args, prepare_args, job, api)
-        return run(args, prepare_args, job)
+        return finalize(args, prepare_args, job, api)
 
     return guarded(go, prefix="prepare")
 

@@ -26,8 +26,7 @@ from typing import Any
 from app.errors import EXIT_DATA_NOT_READY, UserError, print_stderr
 from app.files import atomic_write_json
 
-TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
-LOG_EVERY_SECONDS = 300.0
+READY, FAILED = "_READY", "_FAILED"  # the markers of a prepare (app/data/prepare_job.py writes them)
 log = logging.getLogger("pretrain.wait")
 
 
@@ -41,11 +40,12 @@ class WaitSettings:
     timeout_seconds: float = 21600.0  # 0 = no limit
     missing_grace_seconds: float = 120.0
     stop_file: Path | None = None
+    log_every_seconds: float = 300.0
 
 
 class JobReader:
     """The prepare Job's state through the Kubernetes API: "failed: <why>", "complete", "missing",
-    "running", or "unknown" (the API cannot be asked; logged once)."""
+    "running", or "unknown" (the API cannot be asked; logged once). `uid`: the Job's, once read."""
 
     def __init__(self, namespace: str, name: str, api_client: Any):
         from kubernetes import client
@@ -53,6 +53,7 @@ class JobReader:
         self.batch = client.BatchV1Api(api_client)
         self.namespace, self.name = namespace, name
         self.broken = ""
+        self.uid = ""
 
     def state(self) -> str:
         if self.broken:
@@ -64,10 +65,9 @@ class JobReader:
             if status == 404:
                 return "missing"
             self.broken = f"HTTP {status}" if status else type(e).__name__
-            log.warning(
-                f"wait-for-data: cannot read job/{self.name} ({self.broken}); watching the data volume only"
-            )
+            log.warning(f"cannot read job/{self.name} ({self.broken}); watching the data volume only")
             return "unknown"
+        self.uid = (job.metadata and job.metadata.uid) or ""
         for c in (job.status and job.status.conditions) or []:
             if c.status == "True" and c.type == "Failed":
                 return f"failed: {c.reason or 'Failed'}: {c.message or 'no message'}"
@@ -76,21 +76,59 @@ class JobReader:
         return "running"
 
 
-def read_failed_marker(data_dir: Path, fingerprint: str) -> dict | None:
-    """DIR/_FAILED of this fingerprint when it is final (the prepare Job will not try again)."""
+def read_failed_marker(path: Path, fingerprint: str, job_uid: str = "") -> dict | None:
+    """The _FAILED marker at `path` when it is this fingerprint's and final (its Job will not try again).
+    With the uid of the Job that writes it, a marker an earlier Job left (before a fix and a new Job) is not
+    this one's."""
     try:
-        data = json.loads((Path(data_dir) / "_FAILED").read_text())
+        data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
-    final = isinstance(data, dict) and data.get("fingerprint") == fingerprint and data.get("final") is True
-    return data if final else None
+    if not isinstance(data, dict) or data.get("fingerprint") != fingerprint or data.get("final") is not True:
+        return None
+    if job_uid and data.get("job_uid") not in (None, "", job_uid):
+        return None
+    return data
+
+
+def failure_line(marker: dict) -> str:
+    """A final _FAILED marker as one line: who failed, how, where, and its last stderr line."""
+    who = f"share {marker['share']} of {marker['shard_count']}" if "share" in marker else "`pretrain prepare`"
+    return (
+        f"{who} failed for good: exit {marker.get('exit_code')} in pod {marker.get('pod', '?')} (failure "
+        f"{marker.get('failures', '?')}, backoffLimit {marker.get('backoff_limit', '?')}): "
+        f"{marker.get('reason') or 'no message'}"
+    )
 
 
 def is_ready(data_dir: Path, fingerprint: str) -> bool:
     try:
-        return (Path(data_dir) / "_READY").read_text().strip() == fingerprint
+        return (Path(data_dir) / READY).read_text().strip() == fingerprint
     except OSError:
         return False
+
+
+class Marker:
+    """What a wait waits for (the trainer's wait step, and the release of a one-pod prepare): DIR/_READY
+    holding the fingerprint; a final DIR/_FAILED of the same fingerprint ends the wait. Another wait (the
+    finalizer's, for the shares of a sharded prepare) has the same four members."""
+
+    def __init__(self, data_dir: Path, fingerprint: str) -> None:
+        self.data_dir, self.fingerprint = Path(data_dir), fingerprint
+        self.where = f"{data_dir}/{READY} ({fingerprint})"
+        # why a Job that completed can leave it not ready
+        self.complete_hint = "the data volume here is not the one the prepare Job wrote (storage.data), or the marker was removed"
+
+    def ready(self) -> bool:
+        return is_ready(self.data_dir, self.fingerprint)
+
+    def failure(self, job_uid: str) -> str:
+        """The line of a final failure of the Job `job_uid` ('' = of any Job), or ''."""
+        marker = read_failed_marker(self.data_dir / FAILED, self.fingerprint, job_uid)
+        return failure_line(marker) if marker else ""
+
+    def lacking(self) -> str:
+        return f"{self.where} is not there"
 
 
 def wait_for_data(
@@ -99,64 +137,62 @@ def wait_for_data(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     say: Callable[[str], None] = print,
+    target: Marker | None = None,
 ) -> tuple[str, str]:
-    """("ready" | "stop" | "gave-up", one line)."""
+    """("ready" | "stop" | "gave-up", one line): wait for `target` (default: the marker of s.data_dir and
+    s.fingerprint), giving up when its Job cannot deliver it: failed for good (its final marker, or its
+    Failed condition), missing, or complete without it, these two for s.missing_grace_seconds."""
+    target = target or Marker(s.data_dir, s.fingerprint)
     start = clock()
     since: dict[str, float] = {}  # when the Job entered its current state (missing, complete, ...)
     last_log = -float("inf")
-    where = f"{s.data_dir}/_READY ({s.fingerprint})"
     source = f" from job/{s.job}" if s.job else ""
+    logs = f"; see `kubectl logs job/{s.job}`" if s.job else ""
     while True:
         now = clock()
         waited = now - start
-        if is_ready(s.data_dir, s.fingerprint):
-            return "ready", f"{s.data_dir} is ready ({s.fingerprint}), after {waited:.0f} s"
+        if target.ready():
+            return "ready", f"{target.where} is ready, after {waited:.0f} s"
         if s.stop_file is not None and s.stop_file.exists():
             return "stop", f"stop file {s.stop_file} present: starting the trainer so that it stops"
-        if failed := read_failed_marker(s.data_dir, s.fingerprint):
-            return "gave-up", (
-                f"the prepare Job failed for good: `pretrain prepare` exited {failed.get('exit_code')} in pod "
-                f"{failed.get('pod', '?')} (failure {failed.get('failures', '?')}, backoffLimit "
-                f"{failed.get('backoff_limit', '?')}); see `kubectl logs job/{s.job or '<prepare job>'}`"
-            )
+        # the state first: reading the Job learns its uid, which tells its markers from an earlier Job's
         state = job.state() if job else "unknown"
+        if failed := target.failure(job.uid if job else ""):
+            return "gave-up", f"{failed}{logs}"
         if state.startswith("failed"):
-            return "gave-up", f"prepare job/{s.job} {state}; see `kubectl logs job/{s.job}`"
+            return "gave-up", f"prepare job/{s.job} {state}{logs}"
         since = {state: since.get(state, now)}
         grace_over = now - since[state] >= s.missing_grace_seconds
         if state == "missing" and grace_over:
             return "gave-up", (
-                f"prepare job/{s.job} does not exist and {where} is not there: it was deleted, or never "
+                f"prepare job/{s.job} does not exist and {target.lacking()}: it was deleted, or never "
                 f"created (kubectl users: apply its 60-job-*.yaml too); re-create it or prepare the data first"
             )
         if state == "complete" and grace_over:
-            return "gave-up", (
-                f"prepare job/{s.job} completed but {where} is not there: the data volume of the trainer "
-                f"is not the one the prepare Job wrote (storage.data), or the marker was removed"
-            )
+            return "gave-up", f"prepare job/{s.job} completed but {target.lacking()}: {target.complete_hint}"
         if s.timeout_seconds and waited >= s.timeout_seconds:
             return "gave-up", (
-                f"no {where}{source} after {waited:.0f} s (prepare.wait.timeoutSeconds="
+                f"no {target.where}{source} after {waited:.0f} s (prepare.wait.timeoutSeconds="
                 f"{s.timeout_seconds:.0f}); a longer prepare: raise it, or prepare first (job.enabled=false)"
             )
-        if now - last_log >= LOG_EVERY_SECONDS or waited < s.poll_seconds:
-            say(f"wait-for-data: waiting for {where}{source}, {waited:.0f} s (job state: {state})")
+        if now - last_log >= s.log_every_seconds or waited < s.poll_seconds:
+            say(f"waiting for {target.where}{source}, {waited:.0f} s (job state: {state})")
             last_log = now
         sleep(s.poll_seconds)
 
 
-def _kube_client():
-    """The in-cluster API client, or None outside a pod with a service-account token."""
-    if not os.environ.get("KUBERNETES_SERVICE_HOST") or not TOKEN.exists():
-        return None
-    from kubernetes import client, config
+def _kube_client() -> Any | None:
+    """The API client where this pod has a token (the chart mounts it only with prepare.wait.useKubernetesApi),
+    else None: the wait then watches the data volume only, as it does when the credentials do not load."""
+    from app.budget.kube import api_client, has_token
 
-    try:
-        config.load_incluster_config()
-    except Exception as e:  # the client raises several types for a broken service account
-        log.warning("wait-for-data: no Kubernetes credentials (%s); watching the data volume only", e)
+    if not has_token():
         return None
-    return client.ApiClient()
+    try:
+        return api_client()
+    except UserError as e:
+        log.warning("wait-for-data: %s; watching the data volume only", e)
+        return None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -256,7 +292,7 @@ def _wait(args: argparse.Namespace) -> int:
         stop_file=Path(args.stop_file) if args.stop_file else None,
     )
     reader = JobReader(namespace, args.job, api) if api is not None and args.job else None
-    outcome, line = wait_for_data(settings, reader, say=lambda m: print(m, flush=True))
+    outcome, line = wait_for_data(settings, reader, say=lambda m: print(f"wait-for-data: {m}", flush=True))
     if outcome != "gave-up":
         print(f"wait-for-data: {line}", flush=True)
         return 0

@@ -183,8 +183,8 @@ pretrain.prepareNonce. <= 58 characters: an Indexed Job's pods are named <job>-<
 {{- printf "%s-prepare-%s" (include "pretrain.fullname" . | trunc 41 | trimSuffix "-") $hash -}}
 {{- end }}
 
-{{/* The finalizer Job of a sharded prepare (prepare.parallelism > 1): joins the shares, writes _READY and
-releases the training job. */}}
+{{/* The finalizer Job (pretrain.prepareFinalizer): waits for the prepare (with prepare.parallelism > 1 joins
+the shares and writes _READY) and releases the training job. */}}
 {{- define "pretrain.finalizerJobName" -}}
 {{- $hash := printf "%s%s" (include "pretrain.prepareTemplate" (dict "ctx" . "role" "finalizer")) (include "pretrain.prepareNonce" .) | sha256sum | trunc 8 -}}
 {{- printf "%s-finalize-%s" (include "pretrain.fullname" . | trunc 44 | trimSuffix "-") $hash -}}
@@ -397,7 +397,7 @@ trainer. */}}
 {{- if and $v.prepare.enabled (include "pretrain.training" .) (gt (int $v.prepare.parallelism) 1) (not $d.existingClaim) (not (has "ReadWriteMany" $d.accessModes)) -}}
 {{- fail (printf "prepare.parallelism=%d runs that many prepare pods, on different nodes, but storage.data.accessModes=%v cannot be mounted by more than one node: they would hang on Multi-Attach. Use [ReadWriteMany] for storage.data (with a StorageClass that supports it), or prepare.parallelism=1" (int $v.prepare.parallelism) $d.accessModes) -}}
 {{- end -}}
-{{- if and (not $v.serviceAccount.create) (not $v.serviceAccount.name) $v.rbac.create (or (include "pretrain.rbacNeeded" .) (include "pretrain.prepareRbacNeeded" .)) -}}
+{{- if and (not $v.serviceAccount.create) (not $v.serviceAccount.name) $v.rbac.create (or (include "pretrain.rbacNeeded" .) (include "pretrain.prepareFinalizer" .)) -}}
 {{- fail "serviceAccount.create=false without serviceAccount.name: the watcher's and the prepare's Roles would be bound to the namespace's `default` ServiceAccount, which every other pod there uses. Set serviceAccount.name to an existing ServiceAccount, or rbac.create=false (and grant it yourself)" -}}
 {{- end -}}
 {{- if and $v.bench.enabled $v.serve.enabled -}}
@@ -422,8 +422,10 @@ trainer. */}}
 {{- end -}}
 {{- end }}
 
-{{/* Does the prepare side use the API: releasing the training job, or (sharded) reading the shares' Job. */}}
-{{- define "pretrain.prepareRbacNeeded" -}}
+{{/* Is there a finalizer Job: to release the training job (the prepare pods, which parse downloads, hold
+no API token), or to join the shares of a sharded prepare. It alone of the prepare side uses the API (and
+reads the prepare Job): its Role exists with it. */}}
+{{- define "pretrain.prepareFinalizer" -}}
 {{- if and .Values.prepare.enabled (include "pretrain.training" .) -}}
 {{- if or .Values.job.enabled (gt (int .Values.prepare.parallelism) 1) }}true{{ end -}}
 {{- end -}}

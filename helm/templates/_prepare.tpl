@@ -3,21 +3,22 @@ Pod template of the prepare Jobs, called with (dict "ctx" $ "role" "prepare"|"fi
 the Job (pretrain.prepareJobName), so an upgrade that changes it creates a new Job rather than failing on the
 immutable spec.template of the old one; the new Job finds the marker of unchanged arguments and exits at once.
 
-The pod runs `python -m app.data.prepare_job` (app/data/prepare_job.py): a marker DIR/_READY holding the
-fingerprint of the prepare arguments means this exact output exists; else `pretrain prepare` (which resumes a
-half-done output), then on success the marker, written atomically. The training job is created suspended;
-the prepare pod (with prepare.parallelism N > 1: the finalizer, after joining the N shares) releases it, with
-a token of its own ServiceAccount mounted in that container alone. A failure writes DIR/_FAILED for the
-trainer's wait step, marked final when the Job will not try again (exit 2, or more failures than
-backoffLimit; SIGTERM/SIGINT are not counted, as the podFailurePolicy ignores disruptions), and a final one
-leaves the job suspended with a PrepareFailed Event and the condition DataReady=False.
+The pod runs `python -m app.data.prepare_job` (app/data/prepare_job.py). The prepare pods (`run`): a marker
+DIR/_READY holding the fingerprint of the prepare arguments means this exact output exists; else `pretrain
+prepare` (which resumes a half-done output), then on success the marker, written atomically. A failure
+writes DIR/_FAILED for the finalizer and the trainer's wait step, marked final when the Job will not try
+again (exit 2, or more failures than backoffLimit; SIGTERM/SIGINT are not counted, as the podFailurePolicy
+ignores disruptions). They parse downloaded files and hold no API token. The training job is created
+suspended; the finalizer (`finalize`, a small pod that parses no download: with prepare.parallelism N > 1 it
+joins the N shares) waits for the marker and releases it, with a token of its own ServiceAccount mounted in
+that container alone; a final failure leaves the job suspended with a PrepareFailed Event and the condition
+DataReady=False.
 */}}
 {{- define "pretrain.prepareTemplate" -}}
 {{- $ := .ctx -}}
 {{- $v := $.Values -}}
 {{- $finalizer := eq .role "finalizer" -}}
 {{- $shares := int $v.prepare.parallelism -}}
-{{- $api := or $finalizer (and (eq $shares 1) $v.job.enabled) -}}
 metadata:
   labels:
     {{- include "pretrain.selectorLabels" $ | nindent 4 }}
@@ -41,7 +42,7 @@ metadata:
 spec:
   restartPolicy: Never
   serviceAccountName: {{ include "pretrain.prepareServiceAccountName" $ }}
-  # The token is mounted (kube-api-access below) only where the pod releases the training job.
+  # The token is mounted (kube-api-access below) only in the finalizer, which releases the training job.
   automountServiceAccountToken: false
   enableServiceLinks: false
   {{- with $v.imagePullSecrets }}
@@ -60,9 +61,21 @@ spec:
   tolerations:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- with $v.prepare.affinity }}
+  {{- $d := $v.storage.data }}
+  {{- if $v.prepare.affinity }}
   affinity:
-    {{- toYaml . | nindent 4 }}
+    {{- toYaml $v.prepare.affinity | nindent 4 }}
+  {{- else if and (eq $shares 1) (include "pretrain.prepareFinalizer" $) (not $d.existingClaim) (not (has "ReadWriteMany" $d.accessModes)) }}
+  # A ReadWriteOnce data volume is mounted by one node: the prepare pod and its finalizer run on one node
+  # (the first of them anywhere), else the second hangs on Multi-Attach and they would wait for each other.
+  affinity:
+    podAffinity:
+      requiredDuringSchedulingIgnoredDuringExecution:
+        - topologyKey: kubernetes.io/hostname
+          labelSelector:
+            matchLabels:
+              {{- include "pretrain.selectorLabels" $ | nindent 14 }}
+              app.kubernetes.io/component: prepare
   {{- end }}
   {{- if include "pretrain.volumePermissions" $ }}
   initContainers:
@@ -81,7 +94,7 @@ spec:
         - {{ include "pretrain.prepareFingerprint" $ | quote }}
         - --backoff-limit
         - {{ $v.prepare.backoffLimit | int | quote }}
-        {{- if and $api $v.job.enabled }}
+        {{- if and $finalizer $v.job.enabled }}
         - --job
         - {{ printf "%s/%s" (include "pretrain.trainJob" $ | empty | ternary "PyTorchJob" "TrainJob") (include "pretrain.fullname" $) | quote }}
         {{- with $v.job.kueueQueueName }}
@@ -94,7 +107,7 @@ spec:
         - {{ $shares | quote }}
         {{- end }}
         {{- if $finalizer }}
-        - --shares-job
+        - --prepare-job
         - {{ include "pretrain.prepareJobName" $ | quote }}
         {{- end }}
         - --
@@ -127,7 +140,7 @@ spec:
       volumeMounts:
         - name: data
           mountPath: /data
-        {{- if $api }}
+        {{- if $finalizer }}
         - name: kube-api-access
           mountPath: /var/run/secrets/kubernetes.io/serviceaccount
           readOnly: true
@@ -136,7 +149,7 @@ spec:
     - name: data
       persistentVolumeClaim:
         claimName: {{ include "pretrain.dataClaim" $ }}
-    {{- if $api }}
+    {{- if $finalizer }}
     {{- include "pretrain.kubeApiVolume" $ | nindent 4 }}
     {{- end }}
 {{- end }}
