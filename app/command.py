@@ -8,6 +8,7 @@ naming the path, the uid and the fix, exit 2.
 from __future__ import annotations
 
 import argparse
+import decimal
 import sys
 from collections.abc import Callable
 
@@ -20,6 +21,32 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:
         raise UserError(f"{self.prog}: {message} (see --help)")
+
+
+# k, M, G and B (billion, as in "10B tokens"), T: decimal
+COUNT_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9, "t": 10**12}
+MAX_COUNT = 10**18
+
+
+def count(text: str) -> int:
+    """A count flag's value (argparse type), read alike by every command: a whole number >= 0, with an
+    optional decimal suffix k, M, G or B (billion), T: 50M = 50,000,000, 10B = 10^10, 1.5k = 1500. A B after
+    another suffix is the unit byte: 256MB = 256M. Refused: fractions, negatives, inf, nan, over 10^18."""
+    t = text.strip().replace("_", "").lower()
+    if len(t) > 2 and t[-1] == "b" and t[-2] in "kmgt":
+        t = t[:-1]
+    scale = COUNT_SUFFIXES.get(t[-1:], 1)
+    if scale != 1:
+        t = t[:-1]
+    try:
+        value = decimal.Decimal(t) * scale
+    except decimal.InvalidOperation:
+        value = decimal.Decimal("nan")
+    if not (value.is_finite() and 0 <= value <= MAX_COUNT and value == value.to_integral_value()):
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number up to 10^18 like 50000000, 50M or 10B (suffixes k, M, G or B, T), got {text!r}"
+        )
+    return int(value)
 
 
 def guarded(run: Callable[[], int | None], prefix: str = "error") -> int:

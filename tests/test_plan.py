@@ -180,7 +180,9 @@ def test_the_prepares_cpu_time_is_counted_apart_from_the_gpu_budget(capsys):
     for bad, needle in (
         (["--cpu-price-per-hour", "-1"], "--cpu-price-per-hour must be a number >= 0, got -1.0"),
         (["--prepare-cores", "0"], "--prepare-cores must be >= 1, got 0"),
-        (["--prepare-tokens", "lots"], "--prepare-tokens: expected a token count like 10000000000 or 10B"),
+        (["--prepare-tokens", "lots"], "--prepare-tokens: expected a whole number up to 10^18 like 50000000"),
+        (["--prepare-tokens", "inf"], "got 'inf'"),
+        (["--prepare-tokens", "1e400"], "got '1e400'"),
     ):
         assert P.main([*args, *bad]) == 2
         err = capsys.readouterr().err

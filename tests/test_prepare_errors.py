@@ -145,7 +145,12 @@ def cases(p: dict[str, Path], out: Path) -> list[tuple[str, list[str], str]]:
             ["--input", str(p["good"]), *tok, "--val-fraction", "0.7"],
             "--val-fraction must be in",
         ),
-        ("bad number", ["--input", str(p["good"]), *tok, "--shard-tokens", "lots"], "expected a number"),
+        (
+            "bad number",
+            ["--input", str(p["good"]), *tok, "--shard-tokens", "lots"],
+            "expected a whole number",
+        ),
+        ("infinite number", ["--input", str(p["good"]), *tok, "--shard-tokens", "inf"], "got 'inf'"),
         (
             "vocab with char",
             ["--input", str(p["good"]), "--tokenizer", "char", "--vocab-size", "300"],
@@ -307,12 +312,24 @@ def test_error_line_is_exactly_one_line(bad: dict[str, Path], tmp_path: Path) ->
 
 @pytest.mark.parametrize(
     ("text", "tokens"),
-    [("256MB", 256 * 10**6), ("256M", 256 * 10**6), ("256mb", 256 * 10**6), ("268435456", 268435456)],
+    [
+        ("256MB", 256 * 10**6),
+        ("256M", 256 * 10**6),
+        ("256mb", 256 * 10**6),
+        ("268435456", 268435456),
+        ("10B", 10 * 10**9),
+        ("10GB", 10 * 10**9),
+        ("1.5k", 1500),
+        ("50_000_000", 50 * 10**6),
+    ],
 )
 def test_sizes_take_a_decimal_suffix_with_or_without_b(text: str, tokens: int) -> None:
+    """One reading of a count for every command: `pretrain prepare --shard-tokens 10B` and `pretrain plan
+    --prepare-tokens 10B` both mean 10^10 (B: billion; after another suffix, the unit byte)."""
     import argparse
 
     from app.data.cli import add_arguments
+    from app.tools import plan
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -320,3 +337,25 @@ def test_sizes_take_a_decimal_suffix_with_or_without_b(text: str, tokens: int) -
         ["--input", "x", "--out", "o", "--shard-tokens", text, "--tokenizer-sample-bytes", text]
     )
     assert args.shard_tokens == args.tokenizer_sample_bytes == tokens
+    planner = argparse.ArgumentParser()
+    plan.add_arguments(planner)
+    assert planner.parse_args(["--prepare-tokens", text]).prepare_tokens == tokens
+
+
+@pytest.mark.parametrize("text", ["inf", "nan", "1e400", "-5", "0.5", "1bb", ""])
+def test_a_count_that_is_not_a_whole_number_is_refused_in_one_line(text: str) -> None:
+    from app.command import Parser
+    from app.data.cli import add_arguments
+    from app.errors import UserError
+    from app.tools import plan
+
+    prepare_parser, plan_parser = Parser(prog="pretrain prepare"), Parser(prog="pretrain plan")
+    add_arguments(prepare_parser)
+    plan.add_arguments(plan_parser)
+    for parser, argv in (
+        (prepare_parser, ["--input", "x", "--out", "o", "--shard-tokens", text]),
+        (plan_parser, ["--prepare-tokens", text]),
+    ):
+        with pytest.raises(UserError, match="expected a whole number up to 10\\^18") as refused:
+            parser.parse_args(argv)
+        assert f"got {text!r}" in str(refused.value) and "\n" not in str(refused.value)

@@ -7,37 +7,24 @@ import argparse
 import os
 import sys
 
+from app.command import count
 from app.config_docs import field_help, flag_help
 from app.errors import UserError
 
 DESCRIPTION = "Turn raw text (local files or a HF Hub dataset) into token shards for `pretrain train`."
-_SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-
-
-def _count(text: str) -> int:
-    """An integer with an optional k/M/G/T suffix (decimal): 50M = 50,000,000."""
-    number = text.strip().replace("_", "").lower().removesuffix("b")  # 256MB = 256M
-    scale = _SUFFIX.get(number[-1:], 1)
-    if scale != 1:
-        number = number[:-1]
-    try:
-        return int(float(number) * scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number like 50000000 or 50M, got {text!r}") from None
-
 
 # flag, PrepareConfig field, type, default, metavar (None: from the flag); each flag's help is its
 # field's comment (app/config_docs.py), and config_from_args maps the flags onto the fields
 VALUE_FLAGS = [
     ("--text-column", "text_column", str, "text", None),
     ("--tokenizer", "tokenizer", str, "bpe", "bpe|char|PATH|hf://OWNER/NAME"),
-    ("--vocab-size", "vocab_size", _count, None, None),
-    ("--tokenizer-sample-bytes", "sample_bytes", _count, 256 * 10**6, "N"),
+    ("--vocab-size", "vocab_size", count, None, None),
+    ("--tokenizer-sample-bytes", "sample_bytes", count, 256 * 10**6, "N"),
     ("--char-alphabet", "char_alphabet", str, "", "CHARS"),
     ("--val-fraction", "val_fraction", float, 0.01, None),
-    ("--shard-tokens", "shard_tokens", _count, 50 * 10**6, None),
+    ("--shard-tokens", "shard_tokens", count, 50 * 10**6, None),
     ("--workers", "workers", int, 0, None),
-    ("--doc-chars", "doc_chars", _count, 4000, None),
+    ("--doc-chars", "doc_chars", count, 4000, None),
     ("--revision", "revision", str, None, None),
     ("--cache-dir", "cache_dir", str, None, None),
     ("--log-every", "log_every", float, 30.0, None),

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from app.budget import pricing
+from app.command import count
 from app.errors import UserError
 
 E, A, B, ALPHA, BETA = 1.69, 406.4, 410.7, 0.34, 0.28
@@ -237,18 +238,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"{cores} (default {DEFAULT_PREPARE_CORES})",
     )
     corpus = "tokens `pretrain prepare` makes (the corpus, e.g. 10B for FineWeb-Edu's sample)"
-    add("--prepare-tokens", type=_tokens, metavar="N", help=f"{corpus}; default: the run's tokens, read once")
-
-
-def _tokens(text: str) -> float:
-    """A count with an optional K/M/B/T suffix: 10B = 1e10."""
-    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(text.strip()[-1:].lower(), 1.0)
-    try:
-        return float(text.strip()[:-1] if scale != 1.0 else text) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a token count like 10000000000 or 10B, got {text!r}"
-        ) from None
+    add("--prepare-tokens", type=count, metavar="N", help=f"{corpus}; default: the run's tokens, read once")
 
 
 def _si(x: float) -> str:
