@@ -258,6 +258,16 @@ def test_unfinished_or_stale_shares_are_refused_in_one_line(tmp_path, tokenizer)
     assert proc.returncode == 2 and "--shard-count 3 needs --shard-index I (0..2)" in proc.stderr
     proc = run("--shard-index", "3")
     assert proc.returncode == 2 and "--shard-index must be in 0..2" in proc.stderr
+    cmd = _share_cmd(inp, out, str(tokenizer), 3)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env={**_env(), "JOB_COMPLETION_INDEX": "5"}, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "--shard-index" not in proc.stderr, proc.stderr  # not given: not named
+    assert "$JOB_COMPLETION_INDEX is 5, not a share of --shard-count 3 (0..2)" in proc.stderr
+    # a given tokenizer that is not there is refused before the share's counting pass reads its input
+    proc = run("--shard-index", "1", "--tokenizer", str(tmp_path / "nope.json"))
+    assert proc.returncode == 2 and "nope.json" in proc.stderr and proc.stderr.count("\n") == 1
+    assert not (out / "shares" / "3" / "counts" / "1.json").exists(), "counted before the tokenizer was found"
     proc = run("--finalize", "--shard-index", "1")
     assert proc.returncode == 2 and "leave out --shard-index" in proc.stderr
     # an input changed after share 0 was made: it no longer counts as finished for these inputs

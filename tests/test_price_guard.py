@@ -287,10 +287,7 @@ def test_launch_above_the_ceiling_posts_a_price_above_max_event(tmp_path, monkey
             }
         )
     )
-    from kubernetes.config import kube_config
-
-    # the client reads $KUBECONFIG once, at import
-    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))  # read when the client is loaded (app.budget.kube)
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     run = tmp_path / "run"
     try:

@@ -207,3 +207,38 @@ def test_the_key_check_is_bearer_and_exact(monkeypatch):
         assert refused(scope(header), keys) == "missing_api_key", header
     for wrong in (b"k-on", b"k-one2", b"K-ONE", b"k-one,k-two", b"\xff\xfe"):
         assert refused(scope(b"Bearer " + wrong), keys) == "invalid_api_key", wrong
+
+
+def test_a_websocket_needs_a_key_too():
+    """No websocket route exists, but the gate does not wave websockets through: without a key the
+    connection is closed before the app sees it (the server answers 403); with one, and for the
+    lifespan, the app runs."""
+    import asyncio
+    import hashlib
+
+    from app.tools.serve_api import gate
+
+    seen: list[str] = []
+
+    async def app(scope, receive, send) -> None:
+        seen.append(scope["type"])
+
+    gated = gate(app, None, None, keys=(hashlib.sha256(KEYS[0].encode()).digest(),))
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        return {"type": "websocket.connect"}
+
+    def call(scope_type: str, headers: list) -> None:
+        scope = {"type": scope_type, "path": "/v1/ws", "headers": headers}
+        asyncio.run(gated(scope, receive, send))
+
+    call("websocket", [])
+    call("websocket", [(b"authorization", f"Bearer {WRONG}".encode())])
+    assert sent == [{"type": "websocket.close", "code": 1008}] * 2 and seen == []
+    call("websocket", [(b"authorization", f"Bearer {KEYS[0]}".encode())])
+    call("lifespan", [])
+    assert seen == ["websocket", "lifespan"]

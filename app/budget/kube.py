@@ -225,9 +225,8 @@ class KubeActions:
                 if old.get("status") == status
                 else now,
             }
-            if (
-                self.kind == "PyTorchJob"
-            ):  # its JobCondition has one more time; a TrainJob's metav1.Condition not
+            # a PyTorchJob's JobCondition has one more time; a TrainJob's metav1.Condition not
+            if self.kind == "PyTorchJob":
                 ours["lastUpdateTime"] = now
             body = {
                 "metadata": {"resourceVersion": job["metadata"]["resourceVersion"]},

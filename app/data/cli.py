@@ -93,6 +93,11 @@ def config_from_args(args: argparse.Namespace):
                 "$JOB_COMPLETION_INDEX (an Indexed Job's pods have it), or --finalize"
             )
         index = int(completion)
+        if index >= args.shard_count:
+            raise UserError(
+                f"$JOB_COMPLETION_INDEX is {index}, not a share of --shard-count {args.shard_count} "
+                f"(0..{args.shard_count - 1}): give the Indexed Job as many completions as shares"
+            )
     renamed = {
         "inputs": list(args.input),
         "out_dir": args.out,

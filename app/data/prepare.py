@@ -281,9 +281,8 @@ def _run(
             f"the saved tokenizer of {out} is gone or damaged and training gave a different one; starting over"
         )
         state = None
-    work = plan_resume(
-        state or PrepareState({}, ""), files, cfg, out, dtype, log, base
-    )  # None: nothing to keep
+    # no state: nothing to keep
+    work = plan_resume(state or PrepareState({}, ""), files, cfg, out, dtype, log, base)
     n_kept = sum(len(v) for v in work.kept.values())
 
     def finish(shards: dict, records: list[FileRecord], new_tokens: int) -> PrepareResult:

@@ -286,11 +286,22 @@ def prepare_share(cfg: PrepareConfig, log: Log = print) -> PrepareResult:
         share.claim_settings()
         parts = share.parts(index)
         size = sum(p.size for p in parts)
-        log(
-            f"share {index} of {count}: {len(parts)} part(s) of {len(share.files)} input file(s), {size / 1e6:.1f} MB"
+        # jsonl and txt files are not split: an empty share is one that no file or row group starts in
+        empty = (
+            ""
+            if parts
+            else " (no input file or row group starts in its range: pre-split large jsonl/txt files)"
         )
+        log(
+            f"share {index} of {count}: {len(parts)} part(s) of {len(share.files)} input file(s), "
+            f"{size / 1e6:.1f} MB{empty}"
+        )
+        # A given tokenizer (PATH, hf://) is loaded before the counting pass, which reads the whole share: a
+        # typo costs seconds, not that pass. One to train waits: share 0 trains it while the others count.
+        tok = None if cfg.tokenizer in ("bpe", "char") else share.tokenizer()
         own = share.count(index, parts)
-        tok = share.tokenizer()
+        if tok is None:
+            tok = share.tokenizer()
         first = sum(share.count(j) for j in range(index))
         log(f"share {index} of {count}: documents {first:,} to {first + own:,} of the whole input")
         stream = DocumentStream(parts, _fetcher(parts, cfg), _read_options(cfg))

@@ -294,8 +294,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"pass {budget} or --preset NAME (time and cost of a preset)")
     gpus = args.gpus or 1  # 0 was refused above
     plan = make_plan(args.budget_usd, args.gpu, gpus, args.price_per_gpu_hour, args.mfu, args.peak_tflops)
-    lines = format_plan(plan, preset_params())
-    lines[lines.index("") : lines.index("")] = prepare_lines(plan.tokens, args)  # before the GPU table
+    plan_lines = format_plan(plan, preset_params())
+    # the prepare's line closes the plan, before the table across GPU types (after the first blank line)
+    table = plan_lines.index("") if "" in plan_lines else len(plan_lines)
+    lines = [*plan_lines[:table], *prepare_lines(plan.tokens, args), *plan_lines[table:]]
     print("\n".join(lines))
     return 0
 

@@ -246,6 +246,10 @@ def gate(app, metrics, state, keys: tuple[bytes, ...] = ()):
     from starlette.requests import ClientDisconnect
 
     async def gated(scope, receive, send) -> None:
+        # No websocket route exists; one added later needs a key like every other path (a close before
+        # the accept is the server's 403). Lifespan passes.
+        if scope["type"] == "websocket" and keys and refused(scope, keys):
+            return await send({"type": "websocket.close", "code": 1008})
         if scope["type"] != "http":
             return await app(scope, receive, send)
         if keys and scope["path"] not in OPEN_PATHS and (reason := refused(scope, keys)):
