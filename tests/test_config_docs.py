@@ -147,7 +147,7 @@ def test_prepare_flags_and_chart_values_take_their_help_from_prepare_config():
     text = (h.CHART / "values.yaml").read_text()
     given = {"prepare.textColumn": "body", "prepare.tokenizer": "bpe", "prepare.valFraction": 0.05}
     given |= {"prepare.vocabSize": 4096, "prepare.workers": 3}
-    job = h.one(h.render(given), "Job")["spec"]["template"]["spec"]["containers"][0]["args"]
+    job = h.prepare_job(h.render(given))["spec"]["template"]["spec"]["containers"][0]["args"]
     for value_name, value in given.items():
         flag = "--" + re.sub(r"([A-Z])", r"-\1", value_name.removeprefix("prepare.")).lower()
         assert job[job.index(flag) + 1] == str(value), flag
