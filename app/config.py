@@ -142,6 +142,8 @@ class DataConfig:
     vocab_size: int = 2048  # embedded BPE vocabulary size
     cache_dir: str = ""  # embedded data cache; "" = $PRETRAIN_CACHE or ~/.cache/pretrain
     val_fraction: float = 0.02  # embedded only: share of documents held out for validation
+    # training windows start at a document boundary (its <|endoftext|>, as the record's BOS); docs/recipes.md
+    align_to_documents: bool = False
 
 
 @dataclass

@@ -111,3 +111,59 @@ def test_a_micro_batch_crosses_to_the_device_as_one_contiguous_int32_block(data_
     assert x.dtype == y.dtype == torch.int64
     assert torch.equal(x, expected[0]) and torch.equal(y, expected[1])
     assert x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()  # one copy, split after it
+
+
+# ---------------------------------------------------------------- data.align_to_documents
+
+
+@pytest.fixture
+def documents_dir(tmp_path):
+    """One shard of 200 tokens: position p holds p + 1, except the boundary token 0 after each document
+    (at 5, 40, 41, 100 and 190), so a window's first value tells where it starts."""
+    tokens = np.arange(1, 201, dtype=np.uint16)
+    tokens[[5, 40, 41, 100, 190]] = 0
+    write_shard(tmp_path / "train_000000.bin", tokens)
+    write_shard(tmp_path / "val_000000.bin", np.arange(1, 101, dtype=np.uint16))
+    Manifest(
+        tokenizer={"kind": "bpe", "vocab_size": 4096, "eot_id": 0},
+        dtype="uint16",
+        shard_tokens=1000,
+        train=[ShardInfo("train_000000.bin", 200, 5, 200)],
+        val=[ShardInfo("val_000000.bin", 100, 1, 100)],
+    ).save(tmp_path)
+    return tmp_path
+
+
+def test_aligned_windows_start_at_the_first_boundary_of_their_cell(documents_dir):
+    plain = TokenWindows(documents_dir, "train", seq_len=16)
+    aligned = TokenWindows(documents_dir, "train", seq_len=16, align_to_documents=True)
+    assert (
+        aligned.count == plain.count == (200 - 1) // 16
+    )  # the same windows to index: same epochs, same position
+    tokens = plain.arrays[0]
+    starts = []
+    for i in range(aligned.count):
+        win = aligned.window(i)
+        assert len(win) == 17
+        starts += [s for s in range(200 - 16) if (tokens[s : s + 17] == win).all()]
+    # cells [0,16) [16,32) [32,48) ... [176,192): boundaries at 5, 40 (not 41: the first), 100;
+    # 190 is in the last cell, but a window from there would run past the shard: that cell keeps its start
+    assert starts == [5, 16, 40, 48, 64, 80, 100, 112, 128, 144, 160, 176]
+    for i in (0, 2, 6):
+        assert aligned.window(i)[0] == 0  # the boundary token opens the window, as the record's BOS
+
+
+def test_aligned_loader_resumes_from_one_integer(documents_dir):
+    straight = TrainLoader(documents_dir, 16, 2, 0, 1, seed=5, align_to_documents=True)
+    batches = [straight.next() for _ in range(8)]  # past one epoch (12 windows)
+    half = TrainLoader(documents_dir, 16, 2, 0, 1, seed=5, align_to_documents=True)
+    for _ in range(3):
+        half.next()
+    resumed = TrainLoader(documents_dir, 16, 2, 0, 1, seed=5, align_to_documents=True)
+    resumed.load_state_dict(half.state_dict())
+    for x, y in batches[3:]:
+        rx, ry = resumed.next()
+        assert (rx == x).all() and (ry == y).all()
+    plain = TrainLoader(documents_dir, 16, 2, 0, 1, seed=5)
+    assert (plain.indices(0) == straight.indices(0)).all()  # the same windows, in the same order
+    assert not all((plain.next()[0] == x).all() for x, _ in batches[:6])  # an epoch: the aligned ones differ

@@ -253,7 +253,10 @@ def test_a_step_0_checkpoint_of_an_older_version_resumes_exactly(tmp_path, strai
     from app.trainer.model import build_model
     from app.trainer.optim import build_optimizer
 
-    cfg = load_config(None, None, [a for a in COMMON[1::2] if "=" in a] + ["model.vocab_size=2048"])
+    # an older version's run: AdamW (the recipe then), whose step count the stale save shifted
+    cfg = load_config(
+        None, None, [a for a in COMMON[1::2] if "=" in a] + ["model.vocab_size=2048", "optim.name=adamw"]
+    )
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
     opt = build_optimizer(model, cfg.optim, torch.device("cpu"))

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from app.config import LoopConfig, ModelConfig, config_from_dict, load_config
+from app.config import Config, LoopConfig, ModelConfig, OptimConfig, config_from_dict, load_config
 from app.errors import ConfigError
 from app.trainer.model import build_model, count_parameters
 from app.trainer.optim import build_optimizer, param_groups, set_muon_momentum
@@ -79,13 +79,13 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 def test_a_config_without_the_keys_builds_the_model_of_before():
     """A checkpoint's saved config from before the switches reads as every switch off."""
-    cfg = load_config("tiny").to_dict()
+    cfg = Config().to_dict()  # the config defaults: every switch off (the tiny preset turns them on)
     for key in SWITCHES.keys() - {"tie_embeddings"}:
         del cfg["model"][key]
     for key in OPTIM:
         cfg["optim"].pop(key, None)
     old = config_from_dict(cfg)
-    assert old.model == load_config("tiny").model and old.optim == load_config("tiny").optim
+    assert old.model == Config().model and old.optim == Config().optim
     old.model.vocab_size = 2048
     names = [n for n, _ in build_model(old.model, "meta").named_parameters()]
     assert not any(k in n for n in names for k in ("value", "scale", "skip", "mix"))
@@ -173,7 +173,7 @@ def test_skips_pair_mirror_blocks_and_feed_the_embedding():
     assert model.skip_weights.grad.abs().min() > 0
     assert all(b.x0_scale.grad.abs() > 0 for b in model.blocks)
     with pytest.raises(ConfigError, match="model.unet_skips needs blocks to pair"):
-        load_config("tiny", overrides=["model.unet_skips=true", "model.n_layer=1"])
+        load_config("tiny", overrides=["model.unet_skips=true", "model.n_layer=1", "model.value_embeds=0"])
 
 
 def test_new_parameters_go_to_their_optimizer_groups():
@@ -216,7 +216,7 @@ def test_muon_momentum_warms_up_and_follows_the_lr_decay_only_for_muon():
     assert [at(i) for i in (0, 5, 150, 300, 499, 749, 999)] == pytest.approx(
         [0.85, 0.852, 0.91, 0.97, 0.97, 0.935, 0.9], abs=1e-3
     )
-    plain = load_config("tiny").optim
+    plain = OptimConfig()  # the config defaults (the tiny preset warms the momentum up)
     assert muon_momentum_at(0, 1.0, plain) == muon_momentum_at(999, 1.0, plain) == 0.95  # off
     cfg = load_config("tiny", overrides=[f"optim.{k}={v}" for k, v in OPTIM.items()])
     model = build_model(small())

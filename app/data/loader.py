@@ -1,10 +1,19 @@
 """Memory-mapped loader of fixed-length windows drawn deterministically from (seed, sample index).
 
-The token stream of each shard is cut into non-overlapping windows of seq_len + 1 tokens (inputs and
-shifted targets). Every epoch visits all windows once in an order fixed by (seed, epoch). Global
-sample k of the run is window perm_epoch[k mod W] with epoch = k div W; rank r of a world of size R
-takes samples k = (micro_step * R + r) * B + j. Ranks never overlap within an epoch, and the whole
-position is one integer (`micro_steps` done), which a checkpoint stores.
+The token stream of each shard is cut into cells of seq_len tokens; window i reads seq_len + 1 tokens
+(inputs and shifted targets) from the start of cell i. Every epoch visits all windows once in an order
+fixed by (seed, epoch). Global sample k of the run is window perm_epoch[k mod W] with epoch = k div W;
+rank r of a world of size R takes samples k = (micro_step * R + r) * B + j. Ranks never overlap within
+an epoch, and the whole position is one integer (`micro_steps` done), which a checkpoint stores.
+
+With data.align_to_documents a window starts at the first document boundary inside its cell instead:
+at the `<|endoftext|>` token that ends the previous document, which then plays the role of the
+record's BOS token (the first input of every sequence, the document's first token its first target).
+A cell inside one long document keeps its start. The window index, the number of windows and the
+position stay as they are, so exact resume and the epoch arithmetic do not change; the cost is that
+the tokens between a cell's start and its first boundary (a document's tail) are skipped when the
+window before ended earlier, and the next document's first tokens are read twice when it ended later
+(docs/recipes.md, "Document-aligned windows").
 """
 
 from __future__ import annotations
@@ -40,10 +49,14 @@ class LoaderState:
 class TokenWindows:
     """All windows of one split, addressable by a global window index."""
 
-    def __init__(self, data_dir: Path, split: str, seq_len: int, vocab_size: int = 0) -> None:
+    def __init__(
+        self, data_dir: Path, split: str, seq_len: int, vocab_size: int = 0, align_to_documents: bool = False
+    ) -> None:
         self.data_dir = Path(data_dir)
         self.manifest = Manifest.load(self.data_dir)
         self.seq_len, self.split, self.vocab_size = seq_len, split, vocab_size
+        # the boundary token every tokenizer puts after each document (app/data/tokenizer.py)
+        self.boundary = int(self.manifest.tokenizer["eot_id"]) if align_to_documents else None
         shards = self.manifest.split(split)
         if not shards:
             raise UserError(f"{data_dir} has no '{split}' shards; re-run `pretrain prepare`")
@@ -64,8 +77,16 @@ class TokenWindows:
 
     def window(self, index: int) -> np.ndarray:
         shard = int(np.searchsorted(self.offsets, index, side="right") - 1)
+        tokens = self.arrays[shard]
         start = (index - int(self.offsets[shard])) * self.seq_len
-        return self.arrays[shard][start : start + self.seq_len + 1]
+        if self.boundary is not None:
+            # the first boundary in the cell, as long as a whole window still fits in the shard after it
+            last_start = tokens.size - self.seq_len - 1
+            cell = tokens[start : min(start + self.seq_len, last_start + 1)]
+            hits = np.flatnonzero(cell == self.boundary)
+            if hits.size:
+                start += int(hits[0])
+        return tokens[start : start + self.seq_len + 1]
 
     def rows(self, indices: np.ndarray) -> torch.Tensor:
         """The windows as one contiguous (B, T+1) int32 tensor: the ids a device copy moves in one piece
@@ -99,8 +120,9 @@ class TrainLoader:
         world_size: int,
         seed: int,
         vocab_size: int = 0,
+        align_to_documents: bool = False,
     ) -> None:
-        self.windows = TokenWindows(data_dir, "train", seq_len, vocab_size)
+        self.windows = TokenWindows(data_dir, "train", seq_len, vocab_size, align_to_documents)
         self.B, self.rank, self.world, self.seed = micro_batch_size, rank, world_size, seed
         self.state = LoaderState(0, world_size, micro_batch_size)
         self._perm_epoch = -1

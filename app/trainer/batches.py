@@ -66,6 +66,7 @@ class TrainBatches:
             world_size=self.env.world_size,
             seed=cfg.train.seed,
             vocab_size=cfg.model.vocab_size,
+            align_to_documents=cfg.data.align_to_documents,
         )
 
     def state_dict(self) -> dict:
