@@ -137,12 +137,13 @@ def test_the_checkpoint_size_estimate_is_what_a_save_writes(tmp_path):
     from app.trainer.checkpoint.writer import CheckpointWriter
     from app.trainer.memory import checkpoint_bytes
     from app.trainer.model import build_model
+    from app.trainer.optim import build_optimizer
 
     cfg = load_config(
         overrides=["model.vocab_size=512", "model.n_layer=2", "model.d_model=64", "model.n_head=4"]
     )
     model = build_model(cfg.model)
-    opt = torch.optim.AdamW(model.parameters())
+    opt = build_optimizer(model, cfg.optim, torch.device("cpu"))  # the preset's: Muon keeps one moment
     x = torch.zeros(1, 4, dtype=torch.long)
     model(x, x).loss.backward()
     opt.step()
@@ -187,3 +188,45 @@ def test_the_prepares_cpu_time_is_counted_apart_from_the_gpu_budget(capsys):
         assert P.main([*args, *bad]) == 2
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+# ---------------------------------------------------------------- the final loss a recipe is predicted at
+
+
+def test_plan_preset_states_the_fit_its_constants_and_its_error(capsys):
+    parser = argparse.ArgumentParser()
+    P.add_arguments(parser)
+    for preset, fit in (("tiny-speedrun", P.EMBEDDED_TINY), ("gpt2-124m", P.CHINCHILLA)):
+        assert P.run(parser.parse_args(["--preset", preset])) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if "predicted final loss" in x)
+        assert fit.name in line and fit.formula() in line and fit.error in line
+
+
+def test_a_recipe_predicts_as_the_classic_one_on_more_tokens():
+    from app.config import load_config
+
+    classic = load_config("gpt2-124m")
+    record = load_config("gpt2-124m-speedrun")
+    before = P.predict_final_loss(classic, 1e9)
+    after = P.predict_final_loss(record, 1e9)
+    assert before.multiplier == 1 and before.fit is after.fit is P.CHINCHILLA
+    assert after.multiplier == P.MULTIPLIER_RECORD
+    # the value tables and the untied head are not counted as N: the record's model is GPT-2 small's size
+    assert after.params == pytest.approx(before.params, rel=0.01)
+    assert after.loss == pytest.approx(P.CHINCHILLA.loss(after.params, P.MULTIPLIER_RECORD * 1e9))
+    assert after.loss < before.loss
+    # tiny's shape on the embedded corpus takes the fit measured there; AdamW on it is the classic recipe
+    tiny = P.predict_final_loss(load_config("tiny", overrides=["optim.name=adamw"]))
+    assert tiny.fit is P.EMBEDDED_TINY and tiny.multiplier == 1
+    assert tiny.tokens == 800 * 16 * 128  # the preset's planned steps x tokens per step
+
+
+def test_the_quality_benchmark_fit_recovers_a_power_law():
+    """bench_quality --fit's least squares (the constants of EMBEDDED_TINY), on a known L(D)."""
+    from benchmarks.bench_quality import equivalent_tokens, fit_power_law
+
+    points = [(tokens, 2.5 + 40.0 / tokens**0.35) for tokens in (204_800, 409_600, 819_200, 1_638_400)]
+    e, b, beta = fit_power_law(points)
+    assert (e, b, beta) == pytest.approx((2.5, 40.0, 0.35), rel=1e-6)
+    assert equivalent_tokens(2.5 + 40.0 / 1e6**0.35, e, b, beta) == pytest.approx(1e6, rel=1e-6)
+    assert equivalent_tokens(2.4, e, b, beta) == float("inf")  # below the floor: never

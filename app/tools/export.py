@@ -62,10 +62,12 @@ def run(args: argparse.Namespace) -> int:
     m = json.loads((out / "manifest.json").read_text())
     spend = m["spend"]["total_usd"]
     val, at = m["val_loss"]["latest"], m["val_loss"]["latest_step"]  # evals up to the exported step only
+    predicted = m["val_loss"]["predicted"]  # pretrain plan's prediction for this recipe and these tokens
     tokens = f", {m['tokens']:,} tokens" if isinstance(m["tokens"], int) else ""
     print(
         f"exported {args.run_dir} -> {out}: checkpoint step {m['step']}{tokens}"
         + (f", val loss {val:.4f} (eval at step {at})" if val is not None else ", no eval logged")
+        + (f", predicted {predicted['val_loss']:.4f}" if predicted else "")
         + (f", ${spend:.4f} spent" if spend is not None else "")
     )
     for name in m["files"]:
@@ -241,6 +243,30 @@ def spend_summary(run_dir: Path, meta: dict) -> dict[str, Any]:
     return {"total_usd": spent, "cap_usd": None, "source": None, "from": src}
 
 
+def predicted_loss(config: dict, tokens: int | None) -> dict[str, Any] | None:
+    """What `pretrain plan` predicts for this run's recipe after the tokens it trained, to read beside the
+    achieved val loss (docs/recipes.md, "Predicting the final loss"); None without a config or tokens."""
+    from app.config import config_from_dict
+    from app.errors import ConfigError
+    from app.tools.plan import predict_final_loss
+
+    if not config or not isinstance(tokens, int) or tokens <= 0:
+        return None
+    try:
+        p = predict_final_loss(config_from_dict(config), tokens)
+    except (ConfigError, ValueError):  # a config this version cannot read: no prediction, the rest exports
+        return None
+    return {
+        "val_loss": p.loss,
+        "fit": p.fit.name,
+        "parameters": p.params,
+        "tokens": p.tokens,
+        "multiplier": p.multiplier,
+        "recipe": p.recipe,
+        "error": p.fit.error,
+    }
+
+
 def copy_evals(run_dir: Path, out: Path) -> dict[str, dict]:
     """Copy RUN_DIR/eval/*.json (written by `pretrain eval`); return a summary per file."""
     summary: dict[str, dict] = {}
@@ -335,6 +361,7 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
             "best": best_eval.get("val_loss", meta.get("best_val_loss")),
             "best_step": best_eval.get("step"),
             "best_bpb": best_eval.get("val_bpb"),
+            "predicted": predicted_loss(config, meta.get("tokens", trainer_state.get("tokens"))),
         },
         "stop": {k: stop.get(k) for k in ("cause", "reason", "exit_code")} if stop else None,
         "checkpoint": {
