@@ -36,7 +36,10 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     """--preset, --config, --set: how a run's config is chosen (`pretrain train`, `pretrain bench`)."""
     p.add_argument("--preset", help=f"config preset: {', '.join(preset_names())} (default: tiny)")
     p.add_argument(
-        "--config", metavar="FILE.yaml", help="YAML file of config keys (applied after the preset)"
+        "--config",
+        metavar="FILE.yaml",
+        help="YAML file of config keys (applied after the preset), or a checkpoint's meta.json: the whole "
+        "config its run was trained with (resume a run of an older recipe with it)",
     )
     p.add_argument(
         "--set",

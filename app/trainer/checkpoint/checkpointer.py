@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from app.config import Config, config_from_dict
+from app.errors import UserError
 from app.trainer.checkpoint.state import TrainerState, load_into, set_rng_state
 from app.trainer.checkpoint.store import (
     CheckpointInfo,
@@ -32,6 +33,27 @@ from app.trainer.checkpoint.writer import CheckpointWriter, SaveResult
 from app.trainer.distributed import DistEnv
 from app.trainer.parallelize import unwrap
 from app.trainer.schedule import DecayPlan, resume_change
+
+# Model keys under which the same weights compute another function, with or without another shape (a
+# shape change alone is caught by store.check_compatible). Not here: what only the init reads (zero_init,
+# init_std), the context (seq_len, rope_base) and the looped model's training objective.
+ARCHITECTURE_KEYS = (
+    "mlp",
+    "qk_norm",
+    "attn_scale",
+    "parameter_free_norms",
+    "embed_norm",
+    "logit_softcap",
+    "value_embeds",
+    "x0_skip",
+    "unet_skips",
+    "tie_embeddings",
+    "n_layer",
+    "d_model",
+    "n_head",
+    "n_kv_head",
+    "d_ff",
+)
 
 # What the loop gives a save besides the weights and the optimizer: the trainer's state and the
 # meta.json fields that change during a run (tokens, val loss, spend).
@@ -103,6 +125,8 @@ class Checkpointer:
             # older versions saved step 0: nothing learned, and an optimizer state that shifts AdamW's steps
             self.warn(f"ignoring {info.path}: a step-0 checkpoint holds nothing a fresh start does not")
             return None
+        if info is not None:
+            check_same_architecture(info, self.cfg)
         self.resume_from = info
         return info
 
@@ -250,3 +274,24 @@ class Checkpointer:
         if not self.env.is_rank0:
             return []
         return summary(self.run_dir, self.cfg.checkpoint.verify, self.warn)
+
+
+def check_same_architecture(info: CheckpointInfo, cfg: Config) -> None:
+    """Refuse in one line to resume weights into another architecture (e.g. a preset whose recipe changed
+    since the run started), naming the checkpoint's own config as the fix. Every rank reads the same
+    meta.json, so every rank refuses alike, before the model is built."""
+    saved = info.meta.get("config")
+    if not saved:
+        return
+    old = config_from_dict(saved).model
+    changed = [key for key in ARCHITECTURE_KEYS if getattr(old, key) != getattr(cfg.model, key)]
+    if not changed:
+        return
+    key = changed[0]
+    was = getattr(old, key)
+    now = getattr(cfg.model, key)
+    raise UserError(
+        f"checkpoint {info.path} was trained with model.{key}={was}, this run has {now}: its weights would "
+        f"run in another model; resume with the config it was trained with (--config {info.path}/meta.json), "
+        f"or --set model.{key}={was}"
+    )
