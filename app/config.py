@@ -461,13 +461,13 @@ def load_config(
     file_data: dict[str, Any] = {}
     if config_file:
         file_data = load_yaml(Path(config_file), "config file")
-    if is_checkpoint_meta(file_data):
+    # a checkpoint's meta.json: the whole config its run trained with, not today's preset of that name
+    if isinstance(file_data.get("config"), dict) and "step" in file_data:
         if preset:
             raise ConfigError(
                 f"--config {config_file} is a checkpoint's meta.json, whole: leave out --preset"
             )
-        cfg = config_from_dict(file_data["config"])  # the run's own recipe, not today's preset of that name
-        return _apply_overrides(cfg, overrides, extra)
+        return _apply_overrides(config_from_dict(file_data["config"]), overrides, extra)
     file_preset = file_data.pop("preset", None)
     name = preset or file_preset or DEFAULT_PRESET
     path = PRESET_DIR / f"{name}.yaml"
@@ -482,11 +482,6 @@ def load_config(
     if file_data:
         merge_into(cfg, file_data, f"config file {config_file}")
     return _apply_overrides(cfg, overrides, extra)
-
-
-def is_checkpoint_meta(data: dict[str, Any]) -> bool:
-    """A checkpoint's meta.json given as --config: it holds the whole config its run was trained with."""
-    return isinstance(data.get("config"), dict) and "step" in data
 
 
 def _apply_overrides(cfg: Config, overrides: list[str] | None, extra: dict[str, Any] | None) -> Config:

@@ -29,6 +29,8 @@ TRAIN = [
     str(STEPS),
     *FAST,
     *sets("train.eval_every=10", "checkpoint.every_steps=10", "optim.lr=3e-3", "schedule.warmup_steps=5"),
+    # a tied head (tiny's is untied since #33): the export writes each tied tensor once
+    *sets("model.tie_embeddings=true"),
     "--budget-cap-usd",
     "100",
     "--price-per-gpu-hour",
