@@ -227,7 +227,11 @@ def _bench(tmp_path: Path, *extra: str, runner=pretrain) -> dict:
 def test_bench_reports_throughput_mfu_memory_and_breakdown(tmp_path):
     r = _bench(tmp_path, "--set", "metrics.peak_tflops=0.5")
     assert r["preset"] == "tiny" and r["world_size"] == 1 and r["device"] == "cpu" and not r["compile"]
-    assert r["tokens_per_step"] == 32 * 128 and r["tokens_per_second"] > 0
+    tiny = load_config("tiny")
+    assert (
+        r["tokens_per_step"] == tiny.train.micro_batch_size * tiny.model.seq_len
+        and r["tokens_per_second"] > 0
+    )
     assert r["tokens_per_second"] == pytest.approx(r["tokens_per_step"] / r["step_seconds"])
     assert r["mfu"] == pytest.approx(r["achieved_tflops_per_device"] / 0.5)
     assert set(r["breakdown_share"]) == {"data", "forward_backward", "optimizer"}
@@ -273,7 +277,10 @@ def test_bench_under_torchrun_measures_two_ranks_and_their_communication(tmp_pat
         )
 
     r = _bench(tmp_path, runner=run_bench)
-    assert r["world_size"] == 2 and r["tokens_per_step"] == 2 * 32 * 128
+    tiny = load_config("tiny")
+    assert (
+        r["world_size"] == 2 and r["tokens_per_step"] == 2 * tiny.train.micro_batch_size * tiny.model.seq_len
+    )
     assert set(r["breakdown_share"]) == {"data", "forward_backward", "communication", "optimizer"}
     from app.trainer.stopping import auto_every
 
