@@ -464,9 +464,7 @@ def load_config(
     # a checkpoint's meta.json: the whole config its run trained with, not today's preset of that name
     if isinstance(file_data.get("config"), dict) and "step" in file_data:
         if preset:
-            raise ConfigError(
-                f"--config {config_file} is a checkpoint's meta.json, whole: leave out --preset"
-            )
+            raise ConfigError(f"--config {config_file} is a checkpoint's whole config: leave out --preset")
         return _apply_overrides(config_from_dict(file_data["config"]), overrides, extra)
     file_preset = file_data.pop("preset", None)
     name = preset or file_preset or DEFAULT_PRESET

@@ -38,6 +38,28 @@ FAST = [
     "metrics.progress=false",
 ]
 
+# tiny's recipe before issue #33 (AdamW, cosine, tied head, none of the model switches): the tests whose
+# thresholds were set on it (a loss that must fall by a given step, a divergence at a given LR, an exact
+# layer count) pin it, so a change of the default recipe does not move what they check
+CLASSIC = [
+    *("--set", "optim.name=adamw"),
+    *("--set", "optim.matrix_lr=0"),
+    *("--set", "optim.embedding_lr=0"),
+    *("--set", "optim.head_lr=0"),
+    *("--set", "model.tie_embeddings=true"),
+    *("--set", "model.mlp=swiglu"),
+    *("--set", "model.qk_norm=false"),
+    *("--set", "model.embed_norm=false"),
+    *("--set", "model.zero_init=false"),
+    *("--set", "model.logit_softcap=0"),
+    *("--set", "model.value_embeds=0"),
+    *("--set", "model.x0_skip=false"),
+    *("--set", "model.unet_skips=false"),
+    *("--set", "schedule.name=cosine"),
+    *("--set", "schedule.warmup_steps=30"),
+    *("--set", "data.align_to_documents=false"),
+]
+
 
 def cli_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)

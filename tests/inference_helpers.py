@@ -9,13 +9,14 @@ import shutil
 import socket
 from pathlib import Path
 
-from tests.conftest import CACHE, FAST, pretrain
+from tests.conftest import CACHE, CLASSIC, FAST, pretrain
 
 STEPS = 120
 ARGS = [
     "--max-steps",
     str(STEPS),
     *FAST,
+    *CLASSIC,  # the val losses below were set on AdamW
     "--set",
     "train.eval_every=60",
     "--set",
@@ -32,6 +33,7 @@ WORSE = [
     "--max-steps",
     str(STEPS + 4),
     *FAST,
+    *CLASSIC,
     "--set",
     "train.eval_every=4",
     "--set",

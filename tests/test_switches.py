@@ -227,12 +227,14 @@ def test_muon_momentum_warms_up_and_follows_the_lr_decay_only_for_muon():
 
 
 def test_muon_momentum_anneals_with_a_plan_that_ends_inside_the_warmup():
-    """tiny's 30 warm-up steps and a max_hours plan agreed at step 11 that ends at step 25: the LR decays
+    """30 warm-up steps (tiny's before #33) and a max_hours plan agreed at step 11 that ends at step 25: the LR decays
     from step 11 to min_lr at step 24, and the momentum follows it down to muon_momentum_end (it stayed at
     muon_momentum, because the step never reached the configured warm-up)."""
     from app.trainer.schedule import DecayPlan, annealed_at, lr_at
 
-    cfg = load_config("tiny", overrides=["optim.muon_momentum=0.97", "optim.muon_momentum_end=0.9"])
+    overrides = ["schedule.name=cosine", "schedule.warmup_steps=30", "optim.muon_momentum_warmup_steps=0"]
+    overrides += ["optim.muon_momentum=0.97", "optim.muon_momentum_end=0.9"]
+    cfg = load_config("tiny", overrides=overrides)
     s, o = cfg.schedule, cfg.optim
     plan = DecayPlan(start_step=11, steps=14, cause="max_hours", start_lr=lr_at(11, s, o, 400))
     momenta = [muon_momentum_at(i, annealed_at(i, s, o, 400, plan), o) for i in range(26)]
