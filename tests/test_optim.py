@@ -17,7 +17,7 @@ from app.trainer.checkpoint.writer import CheckpointWriter
 from app.trainer.model import build_model
 from app.trainer.optim import build_optimizer, fit_state, param_groups, set_lr
 from app.trainer.schedule import lr_at
-from tests.conftest import FAST, REPO, cli_env, losses_by_step, pretrain, torchrun
+from tests.conftest import CLASSIC, FAST, REPO, cli_env, losses_by_step, pretrain, torchrun
 from tests.test_resume import assert_same_run
 
 CPU = torch.device("cpu")
@@ -340,8 +340,9 @@ def test_exact_resume_with_muon(tmp_path):
 @pytest.mark.slow  # over 8 s: `make test-slow` (CI runs it); keeps `make test` near 10 min
 def test_an_adamw_checkpoint_resumes_under_muon(tmp_path):
     run = tmp_path / "run"
-    assert pretrain("train", "--out", str(run), "--max-steps", "3", *FAST).returncode == 0
-    proc = pretrain("train", "--out", str(run), "--max-steps", "5", *FAST, *MUON)
+    # the first run on the AdamW recipe (SwiGLU: 7 matrices a block), then Muon
+    assert pretrain("train", "--out", str(run), "--max-steps", "3", *FAST, *CLASSIC).returncode == 0
+    proc = pretrain("train", "--out", str(run), "--max-steps", "5", *FAST, *CLASSIC, *MUON)
     assert proc.returncode == 0, proc.stderr
     assert "trained with AdamW; 14 matrices move to Muon" in proc.stdout
     assert max(losses_by_step(run)) == 5

@@ -17,8 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, REPO, cli_env, pretrain
+from tests.conftest import CLASSIC, REPO, cli_env, pretrain
+from tests.conftest import FAST as SMALL
 from tests.test_resume import assert_same_run
+
+# the volume sizes below are set on the AdamW recipe's checkpoint of the small model
+FAST = [*SMALL, *CLASSIC]
 
 STEPS = 30
 EVERY = ["--set", "checkpoint.every_steps=10"]
