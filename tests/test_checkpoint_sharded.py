@@ -303,10 +303,11 @@ def test_sample_consolidates_a_2_rank_checkpoint_like_a_1_process_load(tmp_path)
     from safetensors.torch import load_file
 
     from app.tools.sample import load_for_inference
-    from tests.conftest import FAST, pretrain, torchrun
+    from tests.conftest import CLASSIC, FAST, pretrain, torchrun
 
     run = tmp_path / "run"
-    proc = torchrun("--out", str(run), *FAST, "--max-steps", "2", "--set", "train.parallel=fsdp")
+    # the AdamW recipe: every tensor has rows to shard (the switches add 0-dim scalars, kept whole)
+    proc = torchrun("--out", str(run), *FAST, *CLASSIC, "--max-steps", "2", "--set", "train.parallel=fsdp")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     info = ckpt.resolve_latest(run, warn=pytest.fail)
     assert info.meta["world_size"] == 2 and set(chunk_counts(info).values()) == {2}  # really sharded

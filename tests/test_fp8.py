@@ -13,7 +13,11 @@ from app.config import ModelConfig
 from app.errors import ConfigError
 from app.trainer.checkpoint import store as ckpt
 from app.trainer.model import build_model
-from tests.conftest import FAST, losses_by_step, pretrain, spawn_train, torchrun, wait_for_step
+from tests.conftest import CLASSIC, losses_by_step, pretrain, spawn_train, torchrun, wait_for_step
+from tests.conftest import FAST as SMALL
+
+# the layer counts below are a SwiGLU model's (7 linears a block)
+FAST = [*SMALL, *CLASSIC]
 
 float8 = pytest.importorskip("torchao.float8", reason="train.fp8 needs torchao (pip install torchao)")
 

@@ -24,7 +24,17 @@ from app.errors import ConfigError
 from app.trainer.model import build_model, count_parameters
 from app.trainer.optim import build_optimizer, param_groups, set_muon_momentum
 from app.trainer.schedule import muon_momentum_at
-from tests.conftest import FAST, REPO, cli_env, losses_by_step, pretrain, torchrun, train_rows, wait_for_step
+from tests.conftest import (
+    CLASSIC,
+    FAST,
+    REPO,
+    cli_env,
+    losses_by_step,
+    pretrain,
+    torchrun,
+    train_rows,
+    wait_for_step,
+)
 from tests.test_resume import assert_same_run, weights
 
 # Every model switch on (value_embeds at its most for 2 blocks); the untied head is what zero_init zeroes.
@@ -461,7 +471,8 @@ def test_every_switch_checkpoint_samples_serves_and_exports(tmp_path):
 @pytest.mark.slow  # a short run, then sampled as an older version wrote it
 def test_a_checkpoint_from_before_the_switches_still_samples(tmp_path):
     run = tmp_path / "run"
-    ok(pretrain("train", "--out", str(run), *FAST, "--max-steps", "2"))
+    # the recipe before the switches existed (AdamW, SwiGLU, none of them on)
+    ok(pretrain("train", "--out", str(run), *FAST, *CLASSIC, "--max-steps", "2"))
     meta_path = next((run / "checkpoints").glob("step_*")) / "meta.json"
     meta = json.loads(meta_path.read_text())
     for key in SWITCHES.keys() - {"tie_embeddings"}:
@@ -471,7 +482,7 @@ def test_a_checkpoint_from_before_the_switches_still_samples(tmp_path):
     meta_path.write_text(json.dumps(meta))
     proc = ok(pretrain("sample", "--checkpoint", str(run), "--prompt", "ROMEO", "--max-new-tokens", "8"))
     assert proc.stdout.startswith("ROMEO")
-    resumed = ok(pretrain("train", "--out", str(run), *FAST, "--max-steps", "3"))
+    resumed = ok(pretrain("train", "--out", str(run), *FAST, *CLASSIC, "--max-steps", "3"))
     assert "resumed from" in resumed.stdout and train_rows(run)[-1]["step"] == 3
 
 
