@@ -81,6 +81,13 @@ def normalize(name: str) -> str:
     return next((row for pattern, row in NAMES if re.search(pattern, key)), key)
 
 
+def key_of(name: str) -> str:
+    """The GPUS key of a name (a CUDA device's, e.g. 'NVIDIA H100 NVL', or a user's), or '' for a GPU the
+    table does not know."""
+    key = normalize(name)
+    return key if key in GPUS else ""
+
+
 def known(name: str) -> GPU | None:
     """The row of a GPU type as a user or a CUDA device names it, or None."""
     return GPUS.get(normalize(name))

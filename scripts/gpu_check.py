@@ -135,7 +135,7 @@ def device_info() -> dict:
         info["torchao"] = None
     if not torch.cuda.is_available():
         return {**info, "device": "cpu"}
-    from app.trainer.metrics import detect_gpu_type
+    from app.gpus import key_of
 
     name = torch.cuda.get_device_name(0)
     driver = subprocess.run(
@@ -145,7 +145,7 @@ def device_info() -> dict:
         **info,
         "cuda_available": True,
         "device": name,
-        "gpu_type": detect_gpu_type(name),
+        "gpu_type": key_of(name),
         "capability": list(torch.cuda.get_device_capability(0)),
         "memory_bytes": torch.cuda.mem_get_info(0)[1],
         "driver": driver.stdout.strip() if driver.returncode == 0 else None,

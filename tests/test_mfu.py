@@ -215,9 +215,10 @@ def test_a_layout_kept_from_a_checkpoint_keeps_the_configured_device_memory():
 )
 def test_cuda_device_names_get_their_own_peak(name, key, peak):
     """An H100 NVL is not an SXM (835, not 989 TFLOP/s), an H800 or H20 is no unknown GPU."""
-    from app.trainer.metrics import detect_gpu_type, peak_flops
+    from app.gpus import key_of
+    from app.trainer.metrics import peak_flops
 
-    assert detect_gpu_type(name) == key
+    assert key_of(name) == key
     assert peak_flops(key) == peak * 1e12
 
 

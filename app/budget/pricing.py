@@ -15,7 +15,7 @@ import yaml
 
 from app.budget.config import BudgetConfig, is_amount
 from app.errors import UserError
-from app.gpus import GPUS, known, normalize, priced
+from app.gpus import GPUS, key_of, known, normalize, priced
 
 
 def detect_cuda_gpu_type() -> str:
@@ -29,8 +29,7 @@ def detect_cuda_gpu_type() -> str:
         name = torch.cuda.get_device_name(0)
     except Exception:
         return ""
-    key = normalize(name)
-    return key if key in GPUS else ""
+    return key_of(name)
 
 
 def resolve_gpus(cfg: BudgetConfig, world_size: int) -> int:

@@ -8,15 +8,8 @@ import time
 from pathlib import Path
 
 from app.config import ModelConfig
-from app.gpus import GPUS, known, normalize
+from app.gpus import key_of, known
 from app.trainer.supervision import readouts_and_blocks_run
-
-
-def detect_gpu_type(device_name: str) -> str:
-    """A CUDA device name (e.g. 'NVIDIA H100 80GB HBM3', 'NVIDIA H100 NVL') -> its app/gpus.py key, or ''
-    (then MFU is not reported unless --gpu-type or metrics.peak_tflops gives the peak)."""
-    key = normalize(device_name)
-    return key if key in GPUS else ""
 
 
 def peak_flops(gpu_type: str, override_tflops: float = 0.0) -> float:
@@ -30,7 +23,7 @@ def device_peak(gpu_type: str, override_tflops: float, device) -> tuple[str, flo
     if not peak_flops(gpu_type, override_tflops) and device.type == "cuda":
         import torch
 
-        gpu_type = detect_gpu_type(torch.cuda.get_device_name(device)) or gpu_type
+        gpu_type = key_of(torch.cuda.get_device_name(device)) or gpu_type
     return gpu_type, peak_flops(gpu_type, override_tflops)
 
 
