@@ -465,7 +465,7 @@ def load_config(
     if isinstance(file_data.get("config"), dict) and "step" in file_data:
         if preset:
             raise ConfigError(f"--config {config_file} is a checkpoint's whole config: leave out --preset")
-        return _apply_overrides(config_from_dict(file_data["config"]), overrides, extra)
+        return apply_overrides(config_from_dict(file_data["config"]), overrides, extra)
     file_preset = file_data.pop("preset", None)
     name = preset or file_preset or DEFAULT_PRESET
     path = PRESET_DIR / f"{name}.yaml"
@@ -479,10 +479,10 @@ def load_config(
     merge_into(cfg, load_yaml(path, "preset"), f"preset {name}")
     if file_data:
         merge_into(cfg, file_data, f"config file {config_file}")
-    return _apply_overrides(cfg, overrides, extra)
+    return apply_overrides(cfg, overrides, extra)
 
 
-def _apply_overrides(cfg: Config, overrides: list[str] | None, extra: dict[str, Any] | None) -> Config:
+def apply_overrides(cfg: Config, overrides: list[str] | None, extra: dict[str, Any] | None) -> Config:
     """--set items, then the dedicated flags' keys; then validate."""
     for item in overrides or []:
         if "=" not in item:

@@ -65,7 +65,8 @@ CHOICES = {
 }
 
 
-def _get(cfg: Config, key: str):
+def get_key(cfg: Config, key: str):
+    """The value of a dotted key ("optim.lr") in a config."""
     obj = cfg
     for part in key.split("."):
         obj = getattr(obj, part)
@@ -92,7 +93,7 @@ def validate(cfg: Config) -> None:
     kube = _switch(cfg.budget.kube)
     cfg.budget.kube = {"true": "on", "false": "off"}.get(kube, kube)
     for key in POSITIVE:
-        _check(_get(cfg, key) > 0, f"{key} must be > 0, got {_get(cfg, key)}")
+        _check(get_key(cfg, key) > 0, f"{key} must be > 0, got {get_key(cfg, key)}")
     for key, value in _numbers(cfg):
         _check(0 <= value < 2**53, f"{key} must be >= 0 and below 2**53, got {value}")
     if train.micro_batch_size == "auto":
@@ -107,7 +108,7 @@ def validate(cfg: Config) -> None:
             f"train.micro_batch_size must be > 0 or auto, got {train.micro_batch_size}",
         )
     for key, choices in CHOICES.items():
-        _one_of(_get(cfg, key), key, choices)
+        _one_of(get_key(cfg, key), key, choices)
     if model.looped:
         loop = model.loop
         _check(loop.recurrence >= 1, f"model.loop.recurrence must be >= 1, got {loop.recurrence}")

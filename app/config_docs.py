@@ -77,6 +77,7 @@ def flag_help(text: str, default: Any = None) -> str:
 def markdown() -> str:
     """docs/config.md: every config key with its default and help, section by section."""
     from app.config import Config
+    from app.config_checks import get_key
 
     lines = [
         "# Config reference",
@@ -100,9 +101,7 @@ def markdown() -> str:
         for field in dataclasses.fields(cls):
             if dataclasses.is_dataclass(hints[field.name]):
                 continue
-            value = defaults
-            for part in f"{prefix}{field.name}".split("."):
-                value = getattr(value, part)
+            value = get_key(defaults, f"{prefix}{field.name}")
             shown = f"`{value!r}`" if not isinstance(value, str) else f'`"{value}"`'
             text = helps[field.name].replace("|", "\\|")
             lines.append(f"| `{prefix}{field.name}` | {shown} | {text} |")

@@ -33,8 +33,7 @@ from pathlib import Path
 
 import torch
 
-from app.config import Config, config_from_dict, load_config, merge_into
-from app.config_checks import validate
+from app.config import Config, apply_overrides, config_from_dict, load_config
 from app.data.loader import Prefetcher, TokenWindows, TrainLoader, fit_vocab, resolve_data_dir
 from app.data.manifest import Manifest
 from app.train import train_step
@@ -72,16 +71,7 @@ SPEEDRUN = "tiny-speedrun"
 
 def tiny_before_33(overrides: list[str]) -> Config:
     """The baseline's config with `key=value` overrides (values as strings, as --set takes them)."""
-    cfg = config_from_dict(TINY_BEFORE_33)
-    for item in overrides:
-        key, value = item.split("=", 1)
-        *parents, last = key.split(".")
-        nested: dict = {last: value}
-        for part in reversed(parents):
-            nested = {part: nested}
-        merge_into(cfg, nested, "the baseline's overrides")
-    validate(cfg)
-    return cfg
+    return apply_overrides(config_from_dict(TINY_BEFORE_33), overrides, None)
 
 
 @dataclass

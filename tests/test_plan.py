@@ -14,9 +14,9 @@ def test_compute_optimal_spends_the_compute_and_minimises_the_loss():
     for flops in (1e17, 1e19, 1e21, 1e23):
         n, d = P.compute_optimal(flops)
         assert 6 * n * d == pytest.approx(flops, rel=1e-9)
-        best = P.chinchilla_loss(n, d)
+        best = P.CHINCHILLA.loss(n, d)
         for f in (0.5, 0.8, 1.25, 2.0):  # any other split of the same compute is worse
-            assert P.chinchilla_loss(n * f, d / f) > best
+            assert P.CHINCHILLA.loss(n * f, d / f) > best
 
 
 @pytest.mark.parametrize("budget", [1, 35, 1000, 100_000])

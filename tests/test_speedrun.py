@@ -1,9 +1,10 @@
-"""The speedrun presets (issue #33): every choice visible in --print-config, the quality benchmark's
-measurement machinery on a real (short) run, and checkpoints of the recipe before #33 still usable."""
+"""The speedrun presets (issue #33): every choice visible in --print-config, and checkpoints of the recipe
+before #33 still usable (sample, serve, eval, export, the refusal, resume with their own config)."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import urllib.request
@@ -102,3 +103,34 @@ def test_a_run_of_the_recipe_before_33_samples_serves_evaluates_exports_and_resu
         **saved,
         "train": {**saved["train"], "max_steps": 4},
     }
+
+
+def test_tiny_and_tiny_speedrun_are_one_recipe_at_two_lengths():
+    """The README and the loss prediction's multiplier count on tiny being tiny-speedrun's recipe, longer:
+    the presets are separate files, so a change to one recipe must be made to both."""
+    lengths = ["train.max_steps=800", "train.eval_every=200", "checkpoint.every_steps=400"]
+    tiny = load_config("tiny").to_dict()
+    speedrun = load_config("tiny-speedrun", overrides=lengths).to_dict()
+    tiny.pop("preset")
+    speedrun.pop("preset")
+    assert tiny == speedrun
+
+
+def test_the_tests_pin_of_the_recipe_before_33_is_that_recipe():
+    """tests/conftest.py CLASSIC, over the tiny preset, trains the model, data order, optimizer and
+    schedule of tiny before #33 (the benchmark's TINY_BEFORE_33): a switch added to tiny but not to CLASSIC
+    would quietly change what the pinned tests check."""
+    from app.config import config_from_dict
+    from tests.conftest import CLASSIC
+
+    before = config_from_dict(copy.deepcopy(TINY_BEFORE_33))
+    pinned = load_config("tiny", overrides=CLASSIC[1::2])
+    # the benchmark's dict reads as a config written before vocabulary padding (vocab_multiple 1); BPE 2048
+    # is a multiple of 128, so both models have the same rows
+    padding = {"vocab_size": 2048, "vocab_multiple": 1}
+    assert dataclasses.replace(pinned.model, **padding) == dataclasses.replace(before.model, **padding)
+    assert pinned.data == before.data
+    assert pinned.schedule.name == before.schedule.name
+    assert pinned.schedule.warmup_steps == before.schedule.warmup_steps
+    for key in ("name", "lr", "min_lr", "matrix_lr", "embedding_lr", "head_lr", "scalar_lr"):
+        assert getattr(pinned.optim, key) == getattr(before.optim, key), key

@@ -96,6 +96,8 @@ def test_a_config_without_the_keys_builds_the_model_of_before():
         cfg["optim"].pop(key, None)
     old = config_from_dict(cfg)
     assert old.model == Config().model and old.optim == Config().optim
+    # and the defaults they read as are the switches off
+    assert all(getattr(old.model, key) != on for key, on in SWITCHES.items() if key != "tie_embeddings")
     old.model.vocab_size = 2048
     names = [n for n, _ in build_model(old.model, "meta").named_parameters()]
     assert not any(k in n for n in names for k in ("value", "scale", "skip", "mix"))

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from app.budget import BudgetExhausted, check_not_exhausted, open_watcher, start_watching
-from app.budget.config import CHOICES, BudgetConfig, check_budget_config, flag_for
+from app.budget.config import CHOICES, FLAG_NAMES, BudgetConfig, check_budget_config, flag_for
 from app.budget.files import read_status
 from app.budget.ledger import load_ledger
 from app.budget.metrics import BudgetMetrics
@@ -67,7 +67,6 @@ WATCH_FIELDS = (
     "metrics_port",
     "idle_allowance_seconds",
 )
-RENAMED_FLAGS = {"--cap-usd": "--budget-cap-usd"}  # old spelling: still read, with a note
 
 
 class RenamedFlag(argparse.Action):
@@ -98,8 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             choices=CHOICES.get(dest),
             help=flag_help(helps[dest], default),
         )
-    for old, new in RENAMED_FLAGS.items():
-        dest = next(field for field in WATCH_FIELDS if flag_for(field) == new)
+    # a value renamed in FLAG_NAMES is still read by its field's plain spelling (--cap-usd), with a note
+    for dest, new in FLAG_NAMES.items():
+        old = "--" + dest.replace("_", "-")
         parser.add_argument(
             old, dest=dest, type=types[dest], action=RenamedFlag, new=new, help=argparse.SUPPRESS
         )

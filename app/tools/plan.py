@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from app.budget import pricing
 from app.command import count
 from app.errors import UserError
+from app.gpus import normalize, priced
 
 E, A, B, ALPHA, BETA = 1.69, 406.4, 410.7, 0.34, 0.28
 DEFAULT_MFU = 0.4
@@ -24,10 +25,6 @@ MAX_BUDGET_USD = 1e12
 # of that range is an extrapolation worth printing; beyond it the formula's figures mean nothing.
 FIT_FLOPS = (6e18, 6e23)
 FIT_SLACK = 1e3
-
-
-def chinchilla_loss(n_params: float, n_tokens: float) -> float:
-    return E + A / n_params**ALPHA + B / n_tokens**BETA
 
 
 def compute_optimal(flops: float) -> tuple[float, float]:
@@ -58,7 +55,7 @@ class Plan:
 
 def _rates(gpu: str, price: float | None, peak: float | None) -> tuple[str, float, float]:
     """(GPU type, USD per GPU-hour, peak TFLOP/s): the overrides, else the built-in tables (0: unknown)."""
-    key = pricing.normalize(gpu)
+    key = normalize(gpu)
     return key, pricing.price_per_gpu_hour(key, price or 0.0), peak or pricing.peak_tflops(key)
 
 
@@ -90,7 +87,7 @@ def make_plan(budget_usd: float, gpu: str, gpus: int, price=None, mfu=DEFAULT_MF
             f"{FIT_FLOPS[1]:.0e}); plan a budget inside that range (or check --mfu and --peak-tflops)"
         )
     n, d = compute_optimal(flops)
-    return Plan(budget_usd, key, gpus, price, peak, mfu, hours, flops, n, d, chinchilla_loss(n, d))
+    return Plan(budget_usd, key, gpus, price, peak, mfu, hours, flops, n, d, CHINCHILLA.loss(n, d))
 
 
 # ---------------------------------------------------------------- presets
@@ -391,7 +388,7 @@ def format_plan(plan: Plan, presets: dict[str, float]) -> list[str]:
         f"  tokens D        {_si(plan.tokens)} ({plan.tokens_per_param:.0f} tokens/param)",
         f"  predicted loss  {plan.loss:.3f} nats/token (Chinchilla fit: E + A/N^0.34 + B/D^0.28)",
         f"  nearest preset  {name} ({_si(n_preset)} params): {_si(d_preset)} tokens, "
-        f"predicted loss {chinchilla_loss(n_preset, d_preset):.3f}",
+        f"predicted loss {CHINCHILLA.loss(n_preset, d_preset):.3f}",
         f"  checkpoints     {12 * plan.params / 1e9:.2f} GB each (fp32 weights + AdamW state: 12 bytes/param); "
         f"volume at least {5 * 12 * plan.params / 1e9:.2f} GB (checkpoint.keep_last=3 + best + 1 being written)",
         "",
@@ -400,7 +397,7 @@ def format_plan(plan: Plan, presets: dict[str, float]) -> list[str]:
         f"  {'gpu':<10} {'$/GPU-h':>8} {'TFLOP/s':>8} {'hours':>9} {'FLOPs':>9} {'params':>7} "
         f"{'tokens':>7} {'loss':>6}",
     ]
-    for key in pricing.priced():
+    for key in priced():
         p = make_plan(plan.budget_usd, key, plan.gpus, mfu=plan.mfu)
         lines.append(
             f"  {key:<10} {p.price_per_gpu_hour:>8.2f} {p.peak_tflops:>8g} {p.hours:>9,.1f} {p.flops:>9.2e} "

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from app.budget.config import flag_for
 from app.config import Config, load_config, preset_names, vocab_for_estimates
+from app.config_checks import get_key
 from app.config_docs import field_help, flag_help, help_for
 from app.errors import UserError
 
@@ -75,8 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
     run_help = field_help(RunArgs)
     p.add_argument("--out", metavar="RUN_DIR", help=flag_help(run_help["out"]))
+    defaults = Config()
     for key, (flag, metavar) in CONFIG_FLAGS.items():
-        kind = type(help_default(key))
+        kind = type(get_key(defaults, key))
         p.add_argument(flag, type=kind, metavar=metavar, help=flag_help(help_for(key)) + f" ({key})")
     p.add_argument("--resume", metavar="auto|never|PATH", default="auto", help=flag_help(run_help["resume"]))
     p.add_argument("--stop-file", metavar="PATH", help=flag_help(run_help["stop_file"]))
@@ -87,14 +89,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print the resolved config and parameter counts, then exit",
     )
-
-
-def help_default(key: str):
-    """The default of a dotted config key (its type is the flag's)."""
-    value = Config()
-    for part in key.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def config_from_args(args: argparse.Namespace) -> Config:

@@ -15,10 +15,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.budget.pricing import normalize
 from app.config import Config
 from app.errors import RestartSmaller, UserError
 from app.files import atomic_write_json
+from app.gpus import normalize
 from app.trainer.memory import GB, GPU_MEMORY_GB, HEADROOM, choose, estimates
 
 

@@ -34,8 +34,9 @@ from app.trainer.distributed import DistEnv
 from app.trainer.parallelize import unwrap
 from app.trainer.schedule import DecayPlan, resume_change
 
-# Model keys under which the same weights compute another function, with or without another shape (a
-# shape change alone is caught by store.check_compatible). Not here: what only the init reads (zero_init,
+# Model keys under which the same weights compute another function, with or without another shape: the
+# shape keys are here too, so that the refusal names the key (store.check_compatible still catches a
+# changed vocabulary and checkpoints without a config). Not here: what only the init reads (zero_init,
 # init_std), the context (seq_len, rope_base) and the looped model's training objective.
 ARCHITECTURE_KEYS = (
     "mlp",
@@ -132,8 +133,9 @@ class Checkpointer:
 
     def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
         """Restore `model` and `optimizer` in place from the checkpoint `find` chose and return its trainer
-        state (a fresh one when there is none); later saves write these two objects. No communication:
-        every rank reads only the boxes it holds, whatever world size and mode wrote them."""
+        state (a fresh one when there is none); later saves write these two objects. Collective: it builds
+        the writer's process group; the weights are read without communication, every rank only the boxes
+        it holds, whatever world size and mode wrote them."""
         self.model = model
         self.optimizer = optimizer
         info = self.resume_from
