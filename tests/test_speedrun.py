@@ -134,3 +134,18 @@ def test_the_tests_pin_of_the_recipe_before_33_is_that_recipe():
     assert pinned.schedule.warmup_steps == before.schedule.warmup_steps
     for key in ("name", "lr", "min_lr", "matrix_lr", "embedding_lr", "head_lr", "scalar_lr"):
         assert getattr(pinned.optim, key) == getattr(before.optim, key), key
+
+
+def test_a_resume_is_refused_only_into_another_model(tmp_path):
+    """The architecture check compares the model the weights were built as: d_ff 0 (derived, 4 x d_model
+    for ReLU²) and the same width written out are one model; another MLP is not."""
+    from app.errors import UserError
+    from app.trainer.checkpoint.checkpointer import check_same_architecture
+    from app.trainer.checkpoint.store import CheckpointInfo
+
+    tiny = load_config("tiny")
+    info = CheckpointInfo(tmp_path / "step_000010", 10, {"config": tiny.to_dict()})
+    explicit = load_config("tiny", overrides=[f"model.d_ff={4 * tiny.model.d_model}", "model.n_kv_head=2"])
+    check_same_architecture(info, explicit)
+    with pytest.raises(UserError, match=r"was trained with model\.mlp=relu2, this run has swiglu"):
+        check_same_architecture(info, load_config("tiny", overrides=["model.mlp=swiglu"]))

@@ -55,6 +55,8 @@ ARCHITECTURE_KEYS = (
     "n_kv_head",
     "d_ff",
 )
+# keys whose 0 means "derived from the others": compared as the value the model is built with
+DERIVED = {"n_kv_head": "kv_heads", "d_ff": "ffn_dim"}
 
 # What the loop gives a save besides the weights and the optimizer: the trainer's state and the
 # meta.json fields that change during a run (tokens, val loss, spend).
@@ -286,7 +288,11 @@ def check_same_architecture(info: CheckpointInfo, cfg: Config) -> None:
     if not saved:
         return
     old = config_from_dict(saved).model
-    changed = [key for key in ARCHITECTURE_KEYS if getattr(old, key) != getattr(cfg.model, key)]
+    changed = [
+        key
+        for key in ARCHITECTURE_KEYS
+        if getattr(old, DERIVED.get(key, key)) != getattr(cfg.model, DERIVED.get(key, key))
+    ]
     if not changed:
         return
     key = changed[0]
