@@ -326,8 +326,10 @@ def worse_run() -> Path:
 
 @pytest.fixture(scope="module")
 def busy_server(worse_run):
-    """The run whose latest checkpoint is worse than its best, served with room for one waiting request."""
-    url, proc = start_server("--checkpoint", str(worse_run), "--max-queue", "1")
+    """The run whose latest checkpoint is worse than its best, served one request at a time with room for
+    one waiting request: while a request decodes, the queue stays full, so a burst's 503s do not depend on
+    how the decoding thread and the server's event loop are scheduled."""
+    url, proc = start_server("--checkpoint", str(worse_run), "--max-queue", "1", "--max-batch", "1")
     yield url, proc
     stop_server(proc)
 
