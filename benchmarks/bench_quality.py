@@ -508,6 +508,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seeds", type=int, default=None, help="seeds per recipe (default 3; --ablation: 2)")
     parser.add_argument(
+        "--seed",
+        type=int,
+        action="append",
+        metavar="N",
+        help="this seed instead of --seeds (repeatable): a long measurement split over processes, one seed "
+        "each, pairs the same runs",
+    )
+    parser.add_argument(
         "--scale", type=float, default=None, help="multiply every run's steps (default 1; --ablation: 0.5)"
     )
     parser.add_argument(
@@ -531,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         recipes += [
             Recipe(name, None if preset == "before" else preset, sets) for name, preset, *sets in args.recipe
         ]
-    seeds = SEEDS[: args.seeds or (2 if args.ablation else 3)]
+    seeds = tuple(args.seed) if args.seed else SEEDS[: args.seeds or (2 if args.ablation else 3)]
     scale = args.scale or (0.5 if args.ablation else 1.0)
     fit = args.fit and not args.ablation and not args.recipe
     for line in measure(recipes, seeds, scale, bool(args.ablation) and not args.recipe, fit):
