@@ -155,3 +155,19 @@ def test_prepare_flags_and_chart_values_take_their_help_from_prepare_config():
         own_help = helps[field_of[flag]]
         assert starts_with_help(param, own_help), value_name
         assert f"(`{flag}`" in param, value_name  # and names the flag it becomes
+
+
+def test_prepare_without_options_prepares_with_prepare_configs_defaults(tmp_path):
+    """A flag left out means its field's default: the command line and a PrepareConfig built in code (the
+    corpus, the sharded Job's finalizer) tokenize alike. Once --tokenizer-sample-bytes said 256M and the
+    field 256 MiB."""
+    from app.data.cli import add_arguments as prepare_arguments
+    from app.data.cli import config_from_args
+    from app.data.settings import PrepareConfig
+
+    args = parser_of(prepare_arguments).parse_args(["--input", "corpus.txt", "--out", str(tmp_path)])
+    from_flags = config_from_args(args)
+    in_code = PrepareConfig(inputs=["corpus.txt"], out_dir=tmp_path)
+    for field in dataclasses.fields(PrepareConfig):
+        got, want = getattr(from_flags, field.name), getattr(in_code, field.name)
+        assert str(got) == str(want), f"{field.name}: the flag's default {got!r}, the field's {want!r}"

@@ -4,6 +4,7 @@ subcommand and calls `run`; `python -m app.data.cli` runs it standalone."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -13,24 +14,28 @@ from app.errors import UserError
 
 DESCRIPTION = "Turn raw text (local files or a HF Hub dataset) into token shards for `pretrain train`."
 
-# flag, PrepareConfig field, type, default, metavar (None: from the flag); each flag's help is its
-# field's comment (app/config_docs.py), and config_from_args maps the flags onto the fields
+# flag, PrepareConfig field, type, metavar (None: from the flag); each flag's default is its field's
+# default and its help is the field's comment (app/config_docs.py), and config_from_args maps the flags
+# onto the fields
 VALUE_FLAGS = [
-    ("--text-column", "text_column", str, "text", None),
-    ("--tokenizer", "tokenizer", str, "bpe", "bpe|char|PATH|hf://OWNER/NAME"),
-    ("--vocab-size", "vocab_size", count, None, None),
-    ("--tokenizer-sample-bytes", "sample_bytes", count, 256 * 10**6, "N"),
-    ("--char-alphabet", "char_alphabet", str, "", "CHARS"),
-    ("--val-fraction", "val_fraction", float, 0.01, None),
-    ("--shard-tokens", "shard_tokens", count, 50 * 10**6, None),
-    ("--workers", "workers", int, 0, None),
-    ("--doc-chars", "doc_chars", count, 4000, None),
-    ("--revision", "revision", str, None, None),
-    ("--cache-dir", "cache_dir", str, None, None),
-    ("--log-every", "log_every", float, 30.0, None),
-    ("--shard-count", "shard_count", int, 1, "N"),
-    ("--shard-index", "shard_index", int, None, "I"),
+    ("--text-column", "text_column", str, None),
+    ("--tokenizer", "tokenizer", str, "bpe|char|PATH|hf://OWNER/NAME"),
+    ("--vocab-size", "vocab_size", count, None),
+    ("--tokenizer-sample-bytes", "sample_bytes", count, "N"),
+    ("--char-alphabet", "char_alphabet", str, "CHARS"),
+    ("--val-fraction", "val_fraction", float, None),
+    ("--shard-tokens", "shard_tokens", count, None),
+    ("--workers", "workers", int, None),
+    ("--doc-chars", "doc_chars", count, None),
+    ("--revision", "revision", str, None),
+    ("--cache-dir", "cache_dir", str, None),
+    ("--log-every", "log_every", float, None),
+    ("--shard-count", "shard_count", int, "N"),
+    ("--shard-index", "shard_index", int, "I"),
 ]
+# flags whose absence is itself a setting: None when not given, the field's default applies after the checks
+# (--vocab-size only with --tokenizer bpe; --shard-index from $JOB_COMPLETION_INDEX)
+UNSET_IS_NONE = {"vocab_size", "shard_index"}
 
 # flag, PrepareConfig field, choices (the first is the default)
 CHOICE_FLAGS = [
@@ -60,9 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=flag_help(helps["inputs"]),
     )
     p.add_argument("--out", required=True, metavar="DATA_DIR", help=flag_help(helps["out_dir"]))
-    for flag, name, kind, default, metavar in VALUE_FLAGS:
-        shown = default if default is not None else getattr(PrepareConfig, name, None)
-        text = flag_help(helps[name], _shown(shown))
+    defaults = {f.name: f.default for f in dataclasses.fields(PrepareConfig)}
+    for flag, name, kind, metavar in VALUE_FLAGS:
+        text = flag_help(helps[name], _shown(defaults[name]))
+        default = None if name in UNSET_IS_NONE else defaults[name]
         p.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
     for flag, name, choices in CHOICE_FLAGS:
         p.add_argument(flag, choices=choices, default=choices[0], help=flag_help(helps[name], choices[0]))
@@ -101,7 +107,7 @@ def config_from_args(args: argparse.Namespace):
     renamed = {
         "inputs": list(args.input),
         "out_dir": args.out,
-        "vocab_size": args.vocab_size if args.vocab_size is not None else 32768,
+        "vocab_size": args.vocab_size if args.vocab_size is not None else PrepareConfig.vocab_size,
         "sample_bytes": args.tokenizer_sample_bytes,
         "includes": list(args.include),
         "shard_index": index or 0,

@@ -30,7 +30,7 @@ class PrepareConfig:
     # tokenizer.json of a Hub model repo, e.g. hf://openai-community/gpt2)
     tokenizer: str = "bpe"
     vocab_size: int = 32768  # BPE vocabulary size to train
-    sample_bytes: int = 256 << 20  # train the tokenizer on the first N bytes of training documents
+    sample_bytes: int = 256 * 10**6  # train the tokenizer on the first N bytes of training documents
     # with --tokenizer char: a fixed alphabet (other characters map to one unknown id) instead of the
     # characters seen in the sample
     char_alphabet: str = ""
