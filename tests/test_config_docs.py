@@ -158,9 +158,8 @@ def test_prepare_flags_and_chart_values_take_their_help_from_prepare_config():
 
 
 def test_prepare_without_options_prepares_with_prepare_configs_defaults(tmp_path):
-    """A flag left out means its field's default: the command line and a PrepareConfig built in code (the
-    corpus, the sharded Job's finalizer) tokenize alike. Once --tokenizer-sample-bytes said 256M and the
-    field 256 MiB."""
+    """A flag left out means its field's default, so the flags and PrepareConfig hold one set of defaults.
+    Once --tokenizer-sample-bytes said 256M and the field 256 MiB."""
     from app.data.cli import add_arguments as prepare_arguments
     from app.data.cli import config_from_args
     from app.data.settings import PrepareConfig
