@@ -411,6 +411,7 @@ trainer. */}}
 {{- fail (printf "prepare.valFraction=%v must be between 0 and 1 (exclusive)" $v.prepare.valFraction) -}}
 {{- end -}}
 {{- include "pretrain.checkBatch" . -}}
+{{- include "pretrain.validateExport" . -}}
 {{- include "pretrain.upgradeGuard" . -}}
 {{- end }}
 
