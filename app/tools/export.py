@@ -5,7 +5,11 @@ manifest.json (config, versions, spend, results), metrics.csv and plots of the t
 the final weights, final.safetensors consolidated from the shards of any world size, the tokenizer and
 the run's `pretrain eval` results.
 
-Detail: docs/observability.md, "Run export" (every file and field, and how to reload the weights).
+`--format hf` writes the model instead as a folder Hugging Face transformers loads (app/tools/hf_export.py);
+the run-dir checks and the summaries of the run (val losses, spend) below serve both formats.
+
+Detail: docs/observability.md, "Run export" (every file and field, and how to reload the weights), and
+docs/serving.md for the transformers folder.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from app.budget.files import read_json_object
+from app.command import count
 from app.errors import UserError
 from app.files import check_writable_dir, sha256_file
 from app.tools.export_plots import write_plots
@@ -33,6 +38,9 @@ from app.trainer.checkpoint import store as ckpt
 MANIFEST_VERSION = 1
 CSV_COLUMNS = ("step", "name", "value")
 PLOTS = ("loss-curve.png", "gradnorm-curve.png", "throughput.png")
+FORMATS = ("report", "hf")
+HF_DTYPES = ("float32", "bfloat16")  # --dtype of --format hf
+DEFAULT_SHARD_BYTES = 5 * 10**9  # --max-shard-size: transformers' default, "5GB"
 
 # Environment variables that describe where a run was exported (a whitelist: never dump the environment).
 _ENV_EXACT = {
@@ -51,13 +59,41 @@ _ENV_PREFIXES = ("PET_",)  # the Kubeflow training operator's torchrun settings 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     run_dir = "a run directory (checkpoints/, metrics.jsonl, budget/) written by `pretrain train`"
     p.add_argument("run_dir", metavar="RUN_DIR", help=run_dir)
-    output = "where to write manifest.json, metrics.csv, plots, final.safetensors and the run's eval/*.json "
-    output += "(from `pretrain eval`); it must be empty or new unless --force"
+    output = "where to write the export: the report's manifest.json, metrics.csv, plots, final.safetensors "
+    output += "and the run's eval/*.json (from `pretrain eval`), or the hf folder; it must be empty or new "
+    output += "unless --force"
     p.add_argument("--output", "-o", required=True, metavar="DIR", help=output)
     p.add_argument("--force", action="store_true", help="write into a non-empty --output, replacing files")
+    formats = "report (default): the files above; hf: a folder Hugging Face transformers, lm-eval and vLLM "
+    formats += "load (config.json, model.safetensors, tokenizer, model card README.md; docs/serving.md)"
+    p.add_argument("--format", choices=FORMATS, default="report", help=formats)
+    dtype = "--format hf: the weights' dtype, float32 (default: as trained) or bfloat16 (half the size)"
+    p.add_argument("--dtype", choices=HF_DTYPES, default=None, help=dtype)
+    license = "--format hf: the model card's license, a Hub license identifier such as apache-2.0 or mit "
+    license += "(never guessed: without it the card says that none was chosen)"
+    p.add_argument("--license", metavar="ID", default=None, help=license)
+    shard = "--format hf: weights larger than this are split into several files with an index "
+    shard += "(default 5GB, as transformers; suffixes k, M, G: 500MB)"
+    p.add_argument("--max-shard-size", type=count, metavar="BYTES", default=None, help=shard)
 
 
 def run(args: argparse.Namespace) -> int:
+    hf_only = {"--dtype": args.dtype, "--license": args.license, "--max-shard-size": args.max_shard_size}
+    if args.format == "hf":
+        from app.tools.hf_export import report
+
+        done = export_hf(
+            Path(args.run_dir),
+            Path(args.output),
+            force=args.force,
+            dtype=args.dtype or "float32",
+            license=args.license,
+            max_shard_size=DEFAULT_SHARD_BYTES if args.max_shard_size is None else args.max_shard_size,
+        )
+        print(report(Path(args.run_dir), done))
+        return 0
+    if given := [flag for flag, value in hf_only.items() if value is not None]:
+        raise UserError(f"{', '.join(given)} apply to --format hf only; add --format hf, or drop them")
     out = export(Path(args.run_dir), Path(args.output), force=args.force)
     m = json.loads((out / "manifest.json").read_text())
     spend = m["spend"]["total_usd"]
@@ -285,8 +321,11 @@ def copy_evals(run_dir: Path, out: Path) -> dict[str, dict]:
     return summary
 
 
-def export(run_dir: Path, out: Path, force: bool = False) -> Path:
-    """Write the export of `run_dir` into `out`; UserError (one line) on bad input."""
+def check_run(run_dir: Path, out: Path, force: bool, warn) -> tuple[ckpt.CheckpointInfo, list[dict]]:
+    """The latest checkpoint that verifies (sha256) and the log rows of the trajectory that led to it (all
+    steps, also those past the checkpoint), once `out` is known to be writable; UserError (one line) on bad
+    input: no run dir, a step dir, no metrics.jsonl, no usable checkpoint, a non-empty --output. `warn`
+    reports each checkpoint skipped as damaged."""
     if not run_dir.is_dir():
         msg = f"{run_dir} is not a directory; pass a run dir written by `pretrain train --out RUN_DIR`"
         raise UserError(msg)
@@ -299,7 +338,6 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
     if not logged and log_path.stat().st_size:
         msg = f"{log_path} holds no metrics records (JSON lines with a step); is it the log of a run?"
         raise UserError(msg)
-    warn = functools.cache(ckpt.warn_stderr)  # once per message: latest and best may skip the same checkpoint
     info = ckpt.resolve_latest(run_dir, "sha256", warn)
     if info is None:
         raise UserError(f"no usable checkpoint under {run_dir / ckpt.CKPT_DIR}; nothing to export")
@@ -309,6 +347,47 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
         msg = f"--output {out} is not empty; choose a new directory, or add --force to replace its files"
         raise UserError(msg)
     check_writable_dir(out, "--output")  # also: a file in the way, one line
+    return info, logged
+
+
+def val_losses(rows: list[dict], meta: dict) -> dict[str, Any]:
+    """The latest and the best val loss (and bits per byte) among the eval rows, with their steps."""
+    evals = [r for r in rows if r.get("kind") == "eval" and _number(r.get("val_loss")) is not None]
+    last_eval, best_eval = (evals[-1], min(evals, key=lambda r: r["val_loss"])) if evals else ({}, {})
+    return {
+        "latest": last_eval.get("val_loss"),
+        "latest_step": last_eval.get("step"),
+        "latest_bpb": last_eval.get("val_bpb"),
+        "best": best_eval.get("val_loss", meta.get("best_val_loss")),
+        "best_step": best_eval.get("step"),
+        "best_bpb": best_eval.get("val_bpb"),
+    }
+
+
+def export_hf(
+    run_dir: Path,
+    out: Path,
+    force: bool = False,
+    dtype: str = "float32",
+    license: str | None = None,
+    max_shard_size: int = DEFAULT_SHARD_BYTES,
+):
+    """`--format hf`: the run's latest checkpoint as a folder Hugging Face transformers loads
+    (app/tools/hf_export.py writes it), after the same checks as the report; UserError (one line) on bad
+    input. Returns what was written (hf_export.HFExport)."""
+    from app.tools.hf_export import check_options, write_folder
+
+    check_options(dtype, license, max_shard_size)
+    info, logged = check_run(run_dir, out, force, ckpt.warn_stderr)
+    rows = [r for r in logged if r["step"] <= info.step]  # the exported model's history
+    facts = {"val_loss": val_losses(rows, info.meta), "spend": spend_summary(run_dir, info.meta)}
+    return write_folder(run_dir, info, out, facts, dtype, license, max_shard_size)
+
+
+def export(run_dir: Path, out: Path, force: bool = False) -> Path:
+    """Write the export of `run_dir` into `out`; UserError (one line) on bad input."""
+    warn = functools.cache(ckpt.warn_stderr)  # once per message: latest and best may skip the same checkpoint
+    info, logged = check_run(run_dir, out, force, warn)
 
     # Rows past the exported step (after the last checkpoint, or of checkpoints that failed verification)
     # are not the exported model's history: the CSV, plots and val losses stop at its step.
@@ -329,8 +408,6 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
     benchmarks = copy_evals(run_dir, out)  # `pretrain eval` results
     files += list(benchmarks)
 
-    evals = [r for r in rows if r.get("kind") == "eval" and _number(r.get("val_loss")) is not None]
-    last_eval, best_eval = (evals[-1], min(evals, key=lambda r: r["val_loss"])) if evals else ({}, {})
     start, stop = (  # the last `start` and `stop` events
         next((r for r in reversed(rows) if r.get("kind") == "event" and r.get("event") == e), {})
         for e in ("start", "stop")
@@ -355,12 +432,7 @@ def export(run_dir: Path, out: Path, force: bool = False) -> Path:
         "last_logged_step": next((r["step"] for r in reversed(logged) if r.get("kind") == "train"), None),
         "parameters": start.get("parameters") or weights["parameters"],
         "val_loss": {
-            "latest": last_eval.get("val_loss"),
-            "latest_step": last_eval.get("step"),
-            "latest_bpb": last_eval.get("val_bpb"),
-            "best": best_eval.get("val_loss", meta.get("best_val_loss")),
-            "best_step": best_eval.get("step"),
-            "best_bpb": best_eval.get("val_bpb"),
+            **val_losses(rows, meta),
             "predicted": predicted_loss(config, meta.get("tokens", trainer_state.get("tokens"))),
         },
         "stop": {k: stop.get(k) for k in ("cause", "reason", "exit_code")} if stop else None,
