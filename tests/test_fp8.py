@@ -4,6 +4,8 @@ resumed for real on CPU: in one process and on 2 gloo ranks under FSDP2."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import signal
 
 import pytest
@@ -75,6 +77,64 @@ def test_emulate_swaps_the_eligible_linears_and_keeps_parameter_names():
     x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
     model(x, x).loss.backward()
     assert model.blocks[0].attn.wq.weight.grad is not None
+
+
+def test_relu2_keeps_w_down_out_of_float8_and_says_so():
+    """The ReLU² MLP (the speedrun presets'): every block linear but w_down runs in float8; the head and
+    w_down keep the run's precision (bf16 on a GPU)."""
+    from app.trainer.fp8 import convert_to_fp8
+
+    torch.manual_seed(0)
+    model = build_model(dataclasses.replace(CFG, mlp="relu2"))
+    lines = []
+    converted = convert_to_fp8(model, torch.device("cpu"), lines.append, mode="emulate")
+    kinds = {name: type(m).__name__ for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    in_float8 = {name for name, kind in kinds.items() if kind == "Float8Linear"}
+    matrices = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w_up")
+    assert in_float8 == {f"blocks.{b}.{m}" for b in range(CFG.n_layer) for m in matrices}
+    assert converted == 5 * CFG.n_layer
+    assert {kinds[f"blocks.{b}.mlp.w_down"] for b in range(CFG.n_layer)} == {"Linear"}
+    assert kinds["head"] == "Linear"
+    assert lines == [
+        f"fp8: {converted} of {len(kinds)} linear layers run in float8 (torchao, emulated); mlp.w_down stays "
+        "out of float8 (its input relu(x)^2 spans too wide a range for one scale)"
+    ]
+
+
+def _per_token_error(layer: torch.nn.Module, x: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = layer(x).double()
+    return (out - exact).norm(dim=1) / exact.norm(dim=1)
+
+
+def test_tensorwise_float8_loses_the_quiet_tokens_of_a_relu2_input_and_bf16_keeps_them():
+    """Why w_down stays out of float8 under ReLU²: a realistic input has tokens of very different
+    magnitudes (trained transformers grow a few tokens with activations many times the median's), and
+    squaring squares that spread. Tensorwise e4m3 scaling takes one scale from the largest value, so the
+    quietest tokens' relu(x)^2 falls under float8's smallest steps: their w_down outputs are lost, while
+    relu(x) of the same pre-activations (the spread not squared) keeps every token near float8's usual
+    3.5% error, and bf16 (what w_down keeps) within 0.5%."""
+    from app.trainer.fp8 import load_float8
+
+    float8 = load_float8()
+    torch.manual_seed(0)
+    d_ff, tokens = 256, 2048
+    w_down = build_model(dataclasses.replace(CFG, mlp="relu2", d_ff=d_ff)).blocks[0].mlp.w_down
+    in_float8 = torch.nn.Sequential(copy.deepcopy(w_down))
+    float8.convert_to_float8_training(in_float8, config=float8.Float8LinearConfig(emulate=True))
+    assert type(in_float8[0]).__name__ == "Float8Linear"
+    # per-token magnitudes spread log-normally: the largest token about 17x the median one
+    pre = torch.randn(tokens, d_ff) * torch.exp(torch.randn(tokens, 1))
+    worst = {}
+    for name, x in (("relu", torch.relu(pre)), ("relu2", torch.relu(pre).square())):
+        exact = x.double() @ w_down.weight.detach().double().T
+        worst[f"{name} float8"] = float(_per_token_error(in_float8, x, exact).max())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            worst[f"{name} bf16"] = float(_per_token_error(w_down, x, exact).max())
+    print(worst)
+    assert worst["relu float8"] < 0.1 and worst["relu bf16"] < 0.005  # float8's usual rounding, every token
+    assert worst["relu2 float8"] > 0.5  # a quiet token's output mostly gone
+    assert worst["relu2 bf16"] < 0.005  # what the ReLU² model's w_down runs in
 
 
 def test_residual_init_scaling_survives_the_fp8_swap():

@@ -132,6 +132,83 @@ def test_the_compiled_estimate_is_what_the_compiled_graphs_keep(autocast):
         assert math.isclose(measured, estimated, rel_tol=0.02), (compiled, measured, estimated)
 
 
+def _loss_bytes(cfg: ModelConfig, micro_batch: int, autocast: bool, compiled: bool) -> tuple[int, int]:
+    """(bytes the loss keeps after its forward, its backward's peak above that) for one micro-batch: the CPU
+    allocator's running total as torch's profiler records it with every allocation, which also sees the
+    buffers inductor's generated code allocates (MemTracker follows the dispatcher and misses them)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import profile
+
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    loss = torch.compile(model.loss, fullgraph=True, dynamic=False) if compiled else model.loss
+    h = torch.randn(micro_batch, cfg.seq_len, cfg.d_model, requires_grad=True)
+    targets = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len))
+    cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    with cast:
+        first = loss(h, targets)  # compiles
+    first.backward()
+    h.grad = None
+    model.zero_grad(set_to_none=True)
+    marker = 12345  # an allocation of a size nothing else has: where the backward starts
+    with profile(profile_memory=True) as prof:
+        with cast:
+            out = loss(h, targets)
+        torch.empty(marker, dtype=torch.uint8)
+        out.backward()
+    allocations = []
+
+    def walk(events):
+        for e in events:
+            if e.tag == _EventType.Allocation:
+                allocations.append(
+                    (e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.total_allocated)
+                )
+            walk(e.children)
+
+    walk(prof.profiler.kineto_results.experimental_event_tree())
+    allocations.sort()
+    start = allocations[0][2] - allocations[0][1]
+    at = next(i for i, (_, size, _) in enumerate(allocations) if size == marker)
+    backward_start = allocations[at][2] - marker
+    backward_peak = max(total for _, _, total in allocations[at + 1 :])
+    return backward_start - start, backward_peak - backward_start - marker
+
+
+@pytest.mark.parametrize(
+    "compiled,softcap,autocast",
+    [
+        (False, 0.0, True),
+        (True, 0.0, True),  # the GPU default; each compiled case compiles the loss twice (10-20 s on CPU)
+        pytest.param(True, 0.0, False, marks=pytest.mark.slow),
+        pytest.param(True, 15.0, True, marks=pytest.mark.slow),
+    ],
+    ids=["eager-bf16", "compiled-bf16", "compiled-fp32", "compiled-bf16-softcap"],
+)
+def test_the_logits_and_their_gradients_are_what_the_loss_allocates(compiled, softcap, autocast):
+    """The read-out's terms of the estimate (the logits kept, and their gradients at the start of
+    backward) against what the loss allocates on CPU, eager and compiled (train.compile, the GPU default):
+    compiled cross-entropy writes the logits' gradient into the saved logits' buffer (0 bytes more, not
+    eager's 8 per vocabulary entry), or with the soft-cap an fp32 intermediate and a padded gradient.
+    Per token, from two micro-batch sizes, so that what does not grow with the tokens (the weights' casts,
+    the head's gradient) cancels; within 0.1 byte per vocabulary entry (the d_model-wide terms)."""
+    cfg = ModelConfig(
+        vocab_size=4000, seq_len=64, n_layer=1, d_model=32, n_head=4, n_kv_head=2, logit_softcap=softcap
+    )
+    (kept_2, grads_2), (kept_4, grads_4) = (_loss_bytes(cfg, mb, autocast, compiled) for mb in (2, 4))
+    tokens = 2 * cfg.seq_len
+    kept, grads = (kept_4 - kept_2) / tokens, (grads_4 - grads_2) / tokens
+    block_output = 4 * cfg.d_model  # the loss's input, the last block's output: the caller holds it
+    estimated_kept = memory.readout_bytes(cfg, autocast, compiled) - block_output
+    estimated_grads = memory.logit_grad_bytes(cfg, autocast, compiled)
+    close = 0.1 * cfg.padded_vocab
+    print(
+        f"\nper token: kept {kept:.0f} (estimate {estimated_kept}), gradients {grads:.0f} ({estimated_grads})"
+    )
+    assert abs(kept - estimated_kept) < close, (kept, estimated_kept)
+    assert abs(grads - estimated_grads) < close, (grads, estimated_grads)
+
+
 def test_fsdp_shards_the_static_memory_and_not_the_activations():
     cfg = load_config("x1-50m").model
     P = count_parameters(cfg).total

@@ -257,6 +257,7 @@ ref = build_model(cfg)
 torch.manual_seed(0)
 sharded = shard_model(build_model(cfg), torch.device("cpu"))
 o_ref, o_sh = build_optimizer(ref, oc, torch.device("cpu")), build_optimizer(sharded, oc, torch.device("cpu"))
+o_ref._children["muon"].share = None  # the reference is one process's update, not DDP's shared one
 params = dict(ref.named_parameters())
 calls = []
 orthogonalise = optim.newton_schulz
@@ -322,6 +323,89 @@ def test_muon_under_fsdp2_equals_the_single_process_update_with_each_rank_orthog
     assert "rank 0 skipped step kept every parameter and buffer: True" in proc.stdout, proc.stdout
     assert "rank 0 orthogonalised 55 of 105" in proc.stdout, proc.stdout
     assert "rank 1 orthogonalised 50 of 105" in proc.stdout, proc.stdout
+
+
+# ---------------------------------------------------------------- DDP: each rank a share, results all-gathered
+
+DDP_WORKER = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from app.config import ModelConfig, OptimConfig
+from app.trainer import optim
+from app.trainer.distributed import init_distributed
+from app.trainer.model import build_model
+from app.trainer.optim import build_optimizer, step_unless
+
+env = init_distributed("cpu")
+# the FSDP test's shapes: tall (95, 32) matrices, and a shape (32, 95) whose 3 matrices do not split over 2
+cfg = ModelConfig(vocab_size=64, seq_len=16, n_layer=3, d_model=32, n_head=4, n_kv_head=2, d_ff=95,
+                  tie_embeddings=False)
+oc = OptimConfig(name="muon", matrix_lr=0.02, embedding_lr=0.01, head_lr=0.004, weight_decay=0.1)
+torch.manual_seed(0)
+model = DDP(build_model(cfg), gradient_as_bucket_view=True)  # as app/trainer/parallelize.py wraps it
+opt = build_optimizer(model.module, oc, torch.device("cpu"))
+group = next(g for g in opt.param_groups if g["optimizer"] == "muon")
+matrices = group["params"]
+copies = [torch.nn.Parameter(p.detach().clone()) for p in matrices]
+torch_muon = torch.optim.Muon(copies, lr=group["lr"], weight_decay=group["weight_decay"], momentum=0.95,
+                              nesterov=True, adjust_lr_fn=group["adjust_lr_fn"])
+stacks = []
+batched = optim.newton_schulz_batched
+optim.newton_schulz_batched = lambda stack, g: stacks.append(stack.shape[0]) or batched(stack, g)
+for step in range(5):
+    torch.manual_seed(1000 * env.rank + step)  # each rank its own batch: DDP averages the gradients
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    model(x, x).loss.backward()
+    bad_step = step == 3  # a non-finite gradient: the step is skipped on the device
+    if bad_step:
+        matrices[0].grad.view(-1)[0] = float("nan")
+    for p, c in zip(matrices, copies):
+        c.grad = p.grad.clone()
+    for g in (group, *torch_muon.param_groups):
+        g["momentum"] = 0.95 - 0.01 * step
+    step_unless(opt, torch.tensor(1.0 if bad_step else 0.0))
+    if not bad_step:
+        torch_muon.step()
+    opt.zero_grad(); torch_muon.zero_grad()
+same = all(torch.equal(p, c) for p, c in zip(matrices, copies))
+same &= all(torch.equal(opt.state[p]["momentum_buffer"], torch_muon.state[c]["momentum_buffer"])
+            for p, c in zip(matrices, copies))
+print(f"rank {env.rank} equals torch.optim.Muon: {same}", flush=True)
+mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+every = [torch.empty_like(mine) for _ in range(env.world_size)]
+dist.all_gather(every, mine)
+print(f"rank {env.rank} weights identical on every rank: {all(torch.equal(w, mine) for w in every)}", flush=True)
+dist.barrier()
+print(f"rank {env.rank} orthogonalised {sum(stacks)} of {5 * len(matrices)} in {len(stacks)} stacks", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_muon_under_ddp_shares_the_matrices_out_and_equals_torch_muon_on_every_rank(tmp_path):
+    """Two gloo ranks under DDP (each its own batch, gradients averaged): each rank orthogonalises its share
+    of each shape's matrices as one stack and the results are all-gathered; the matrices and momentum
+    buffers equal torch.optim.Muon's bit for bit on both ranks over five steps (a skipped non-finite one
+    among them), and every parameter is identical on every rank."""
+    import subprocess
+
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(DDP_WORKER))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+        cwd=REPO,
+        env=cli_env(PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} equals torch.optim.Muon: True" in proc.stdout, proc.stdout
+        assert f"rank {rank} weights identical on every rank: True" in proc.stdout, proc.stdout
+    # 21 matrices in 4 shapes: (32, 32) x 6, (16, 32) x 6 and (95, 32) x 6 go 3 to each rank, (32, 95) x 3
+    # goes 2 to rank 0 and 1 to rank 1; one stack per shape and step (none for a rank with no share)
+    assert "rank 0 orthogonalised 55 of 105 in 20 stacks" in proc.stdout, proc.stdout
+    assert "rank 1 orthogonalised 50 of 105 in 20 stacks" in proc.stdout, proc.stdout
 
 
 # ---------------------------------------------------------------- exact resume and mode changes, real CLI

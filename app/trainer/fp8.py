@@ -1,7 +1,11 @@
 """FP8 training with torchao's float8 linear layers: train.fp8=true on H100-class GPUs, train.fp8=emulate
 anywhere (torchao's emulation: the same scaling and float8 rounding, the matmul in software; what CI runs).
 docs/parallel.md ("FP8") says why torchao and not TransformerEngine. The output head stays in bf16 (logits
-are sensitive), as does any layer whose sizes are not multiples of 16 (an FP8 GEMM requirement).
+are sensitive), as does any layer whose sizes are not multiples of 16 (an FP8 GEMM requirement), and so
+does the ReLU² MLP's w_down: its input relu(x)² squares the spread of the activations' magnitudes, and
+tensorwise scaling sets one scale for the whole tensor from its largest value, so the quiet tokens' inputs
+fall below e4m3's smallest steps and their outputs are lost (tests/test_fp8.py measures it;
+docs/performance.md, "FP8: when it pays").
 """
 
 from __future__ import annotations
@@ -40,8 +44,10 @@ def check_fp8_device(device: torch.device) -> None:
         )
 
 
-def _fp8_ok(module: torch.nn.Module, fqn: str) -> bool:
+def _fp8_ok(module: torch.nn.Module, fqn: str, relu2: bool = False) -> bool:
     if fqn == "head" or fqn.endswith(".head"):
+        return False
+    if relu2 and fqn.endswith("mlp.w_down"):  # relu(x)^2 in: module docstring
         return False
     return (
         isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
@@ -74,11 +80,16 @@ def convert_to_fp8(
         check_fp8_device(device)
     float8 = load_float8()
     before = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    relu2 = getattr(getattr(model, "cfg", None), "mlp", "") == "relu2"
     config = float8.Float8LinearConfig(emulate=mode == "emulate", enable_fsdp_float8_all_gather=fsdp)
-    float8.convert_to_float8_training(model, config=config, module_filter_fn=_fp8_ok)
+    float8.convert_to_float8_training(
+        model, config=config, module_filter_fn=lambda m, fqn: _fp8_ok(m, fqn, relu2)
+    )
     converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
     emulated = ", emulated" if mode == "emulate" else ""
-    log(f"fp8: {converted} of {before} linear layers run in float8 (torchao{emulated})")
+    kept = "; mlp.w_down stays out of float8 (its input relu(x)^2 spans too wide a range for one scale)"
+    kept = kept if relu2 else ""
+    log(f"fp8: {converted} of {before} linear layers run in float8 (torchao{emulated}){kept}")
     return converted
 
 

@@ -21,17 +21,26 @@ themselves are not kept); compiled, the norm's input 4d and cast a*d and the log
 them (a*V_padded; log-softmax is recomputed in backward); and the int64 inputs and targets. Both were
 measured on CPU against what autograd saves (tests/test_memory.py: MemTracker for eager in fp32 and bf16
 autocast, the compiled graphs' saved tensors for compiled); on a GPU `pretrain bench` and `make gpu-check`
-compare the allocator's peak with it. The logits' gradients in backward (8V: d(log-softmax), d(logits))
-are counted for both: under compile they are an upper bound (not measurable on CPU).
+compare the allocator's peak with it.
+
+The logits' gradients, at the start of backward (logit_grad_bytes): eager, 8V (d(log-softmax) and
+d(logits), fp32). Compiled, the loss's backward is one pointwise kernel (softmax minus the one-hot, from
+the logits, max and log-sum-exp the forward saved) that writes d(logits) in the logits' dtype into the
+saved logits' own buffer, which nothing reads after it (inductor's in-place buffer reuse: `buf1 =
+reinterpret_tensor(mm, ...); del mm  # reuse` in its generated code): nothing beyond the a*V_padded the
+activations count. With the soft-cap the backward takes two kernels: an fp32 (N, V) intermediate and the
+padded gradient a*V_padded beside the saved logits (4V + a*V_padded), and the forward keeps no tanh.
+Measured on CPU from the allocator's running total, which sees inductor's buffers (tests/test_memory.py);
+the buffer plan is inductor's, not the device's, and `make gpu-check` compares the GPU allocator's peak.
 
 The model switches (docs/recipes.md) change these terms: ReLU squared keeps up and its square (2*a*f) and
 casts its input once; parameter-free norms keep no normalized copy before a gain (-4d per norm); QK-norm
 keeps q and k before the norm (4d + 4kv) and their inverse RMS; the x0 skip keeps each block's input
 before the mix (4d) and the embedding once; a block with a value embedding keeps v before the mix and the
-table's row in the value dtype; the soft-cap keeps its tanh (4V per read-out); an embedding norm keeps the
-raw embedding (4d). U-net skips keep nothing new: the early block's output is kept as the next input.
-Compiled, the switches' terms are eager's (an upper bound: only the default model's compiled terms are
-measured), ReLU squared keeping 2*a*f for 3*a*f.
+table's row in the value dtype; the soft-cap keeps its tanh (4V per read-out; compiled, nothing: see
+above); an embedding norm keeps the raw embedding (4d). U-net skips keep nothing new: the early block's
+output is kept as the next input. Compiled, the switches' block terms are eager's (an upper bound: only
+the default model's compiled block terms are measured), ReLU squared keeping 2*a*f for 3*a*f.
 
 With activation checkpointing each block keeps only its fp32 input (4d), and the inputs every block reads
 stay (the x0 skip's embedding, the value tables' rows 4kv each, the raw embedding under its norm). The
@@ -131,27 +140,46 @@ def _runs_of_block(m: ModelConfig, i: int) -> int:
     return 1 if i < lp.prelude else m.loop.recurrence if i < lp.prelude + lp.recurrent else readouts
 
 
+def readout_bytes(m: ModelConfig, autocast: bool, compiled: bool) -> int:
+    """What one read-out (final norm, head, cross-entropy) keeps for backward, per token: module docstring."""
+    d, a = m.d_model, 2 if autocast else 4
+    if compiled:
+        return 4 * d + a * d + a * m.padded_vocab + 12
+    gain = 0 if m.parameter_free_norms else 4 * d
+    softcap = 4 * m.vocab_size if m.logit_softcap else 0
+    return 4 * d + gain + (2 * d if autocast else 4 * d) + 4 * m.vocab_size + softcap
+
+
+def logit_grad_bytes(m: ModelConfig, autocast: bool, compiled: bool) -> int:
+    """The logits' gradients at the start of backward beyond what the read-out keeps, per token (module
+    docstring): eager 8V; compiled, written in place of the saved logits (0), or with the soft-cap an
+    fp32 intermediate and the padded gradient (4V + a*V_padded)."""
+    if not compiled:
+        return 8 * m.vocab_size
+    if not m.logit_softcap:
+        return 0
+    return 4 * m.vocab_size + (2 if autocast else 4) * m.padded_vocab
+
+
 def activation_bytes(
     m: ModelConfig, micro_batch: int, autocast: bool, checkpointing: bool, compiled: bool = False
 ) -> int:
     """Peak saved activations of one micro-batch (forward done, backward about to start)."""
-    d, kv, f, h, v = m.d_model, _kv(m), m.ffn_dim, m.n_head, m.vocab_size
+    d, kv, f, h = m.d_model, _kv(m), m.ffn_dim, m.n_head
     a = 2 if autocast else 4
     gain = 0 if m.parameter_free_norms else 4 * d  # the normalized copy a norm's gain keeps
     qk = 4 * d + 4 * kv + 4 * (h + m.kv_heads) if m.qk_norm else 0
     x0 = 4 * d if m.x0_skip else 0
-    softcap = 4 * v if m.logit_softcap else 0
     # per token of one block, then of one read-out (final norm, logits, loss): module docstring
     if compiled:
         mlp = (3 if m.mlp == "swiglu" else 2) * a * f
         per_block = 4 * d + 6 * a * d + 2 * a * kv + 4 * h + 8 + mlp + qk + x0
-        readout_one = 4 * d + a * d + a * m.padded_vocab + 12 + softcap
     else:
         attention = 4 * d + gain + (3 * 2 * d if autocast else 4 * d) + 3 * a * d + 2 * a * kv + 4 * h + qk
         casts = m.mlp_matrices - 1  # the MLP's matrices that read the normalized input
         mlp = 4 * d + gain + (casts * 2 * d if autocast else 4 * d) + (4 if m.mlp == "swiglu" else 2) * a * f
         per_block = attention + mlp + x0
-        readout_one = 4 * d + gain + (2 * d if autocast else 4 * d) + 4 * v + softcap
+    readout_one = readout_bytes(m, autocast, compiled)
     readouts, blocks_run = readouts_and_blocks_run(m)
     readout = readouts * readout_one
     # once per forward: the raw embedding under a norm, the embedding for the x0 skip, the table lookups;
@@ -164,12 +192,12 @@ def activation_bytes(
     ve_runs = sum(_runs_of_block(m, i) for i, t in enumerate(m.value_embed_tables) if t is not None)
     once += ve_runs * (a * kv + (2 * kv if autocast else 0))
     if checkpointing:
-        # module docstring; estimate() counts the logits' gradients (8V) as buffers, but they are freed
-        # before the recompute, which therefore needs only what exceeds them
+        # module docstring; estimate() counts the logits' gradients as buffers, but they are freed before
+        # the recompute, which therefore needs only what exceeds them
         inputs = (4 * d if m.embed_norm else 0) + (4 * d if m.x0_skip else 0) + 4 * kv * m.value_embeds
         value_mix = a * kv + (2 * kv if autocast else 0) if m.value_embeds else 0
         mlp_grads = (3 if m.mlp == "relu2" else 2) * a * f
-        recompute = per_block + value_mix + mlp_grads - 8 * v
+        recompute = per_block + value_mix + mlp_grads - logit_grad_bytes(m, autocast, compiled)
         live = blocks_run * 4 * d + inputs + max(readout, recompute)
     else:
         live = blocks_run * per_block + readout + once
@@ -218,7 +246,7 @@ def estimate(
     ps = param_split(m)
     P = ps.total
     act = activation_bytes(m, micro_batch, mixed, checkpointing, compiled)
-    logit_grads = micro_batch * m.seq_len * m.vocab_size * 4 * 2  # d(log-softmax), d(logits)
+    logit_grads = micro_batch * m.seq_len * logit_grad_bytes(m, mixed, compiled)
     muon = ps.matrices if optimizer == "muon" else 0  # block matrices
     opt_bytes = 8 * P - 4 * muon
     overhead = CUDA_OVERHEAD if cuda else 0

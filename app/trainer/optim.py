@@ -1,8 +1,9 @@
 """The optimizer: AdamW for every parameter (optim.name=adamw), or Muon for the hidden weight matrices and
 AdamW for the rest (optim.name=muon). Either way one torch Optimizer with four named parameter groups
-(GROUPS), each at its own peak LR, so checkpoints keep torch's standard state dict. Under FSDP2 each rank
-orthogonalises a share of the matrices whole and sends the others their rows (ShardedMuon); the update
-is bit-identical to the single-process one. Details: docs/recipes.md ("Optimizers and parameter groups").
+(GROUPS), each at its own peak LR, so checkpoints keep torch's standard state dict. Under DDP and FSDP2
+each rank orthogonalises a share of the matrices and the ranks exchange the results (ShardedMuon); the
+update is the single-process one. Details: docs/recipes.md ("Optimizers and parameter groups", "Muon
+under DDP and FSDP2").
 """
 
 from __future__ import annotations
@@ -58,6 +59,26 @@ def newton_schulz(update: torch.Tensor, group: dict) -> torch.Tensor:
     return _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
 
 
+def newton_schulz_batched(stack: torch.Tensor, group: dict) -> torch.Tensor:
+    """torch's _zeropower_via_newtonschulz over a stack of same-shape matrices (k, rows, cols) in bf16: the
+    same operations per matrix, one batched matmul for all k instead of k matmuls. On CPU each result
+    equals torch's per-matrix one bit for bit (tests/test_optim.py); a GPU's batched kernels may round the
+    last bf16 bit differently, which changes nothing between ranks (every rank applies the same results)."""
+    a, b, c = group["ns_coefficients"]
+    if group["ns_steps"] >= 100:
+        raise ValueError("Number of steps must be less than 100 for computational efficiency")
+    x = stack.bfloat16()
+    tall = stack.size(-2) > stack.size(-1)
+    if tall:
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=group["eps"])  # spectral norm at most 1
+    for _ in range(group["ns_steps"]):
+        gram = x @ x.mT
+        update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, update, x, beta=a)
+    return x.mT if tall else x
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's rows of an FSDP2 parameter (a DTensor), or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -75,7 +96,18 @@ class ShardedMuon(torch.optim.Muon if hasattr(torch.optim, "Muon") else torch.op
     """torch.optim.Muon's update (the lines of its _single_tensor_muon) for plain tensors and for FSDP2's
     DTensor shards, with a skip decided on the device (`found_inf`, as GradScaler sets it).
 
-    Newton-Schulz needs whole matrices, and under FSDP2 each rank holds some rows of each. The matrices of
+    Whole matrices (one process, or DDP: every rank holds every matrix and the same averaged gradient) are
+    orthogonalised batched by shape, one Newton-Schulz over the stack of a shape's matrices. Under DDP
+    (`share`, a process group, set by build_optimizer) the matrices of one shape are dealt out in
+    contiguous shares of ceil(count / world) matrices, each rank orthogonalises its share as one stack, and
+    one all-gather per shape (in bf16, started without waiting, so the next shape's Newton-Schulz overlaps
+    it) brings every rank every result: each matrix is orthogonalised once, not on every rank (nanochat's
+    DistMuon and the modded-nanogpt record do the same). The update is the one-process update, and every
+    rank applies the same bytes, so the ranks' weights stay identical (tests/test_optim.py, 2 gloo ranks
+    against torch.optim.Muon). A shape whose count does not divide by the world size leaves the last
+    ranks idle for its remainder.
+
+    Under FSDP2 each rank holds some rows of each matrix. The matrices of
     one shape are dealt out to the ranks in turns of world-size matrices; in a turn, one all-to-all brings
     each owner the rows of its matrix (in bf16, the precision Newton-Schulz runs in), the owner
     orthogonalises it, and a second all-to-all brings every rank its rows of each result. So each matrix is
@@ -88,6 +120,8 @@ class ShardedMuon(torch.optim.Muon if hasattr(torch.optim, "Muon") else torch.op
     tensors per group), and per matrix the gradient and the update are zeroed in place. With fused AdamW
     `found_inf` comes with every step, so those two in-place passes over each matrix are what the skip
     costs; nothing is allocated (tests/test_optim.py)."""
+
+    share = None  # DDP: the process group whole matrices are shared out over (None: one process's work)
 
     @torch.no_grad()
     def step(self, closure=None):  # the closure, if any, is MuonAdamW.step's to evaluate
@@ -123,11 +157,16 @@ class ShardedMuon(torch.optim.Muon if hasattr(torch.optim, "Muon") else torch.op
         """Each parameter's orthogonalised update, as this rank's rows of it."""
         out: list = [None] * len(params)
         turns: dict[tuple, list[int]] = {}  # sharded matrices by shape
-        for i, (p, update) in enumerate(zip(params, updates, strict=True)):
-            if hasattr(p, "device_mesh"):
-                turns.setdefault(tuple(p.shape), []).append(i)
-            else:
-                out[i] = newton_schulz(update, group)
+        whole: dict[tuple, list[int]] = {}  # whole matrices by shape
+        for i, p in enumerate(params):
+            (turns if hasattr(p, "device_mesh") else whole).setdefault(tuple(p.shape), []).append(i)
+        gathers = [
+            _orthogonalise_shape([updates[i] for i in members], group, self.share)
+            for members in whole.values()
+        ]
+        for members, results in zip(whole.values(), gathers, strict=True):
+            for i, result in zip(members, results(), strict=True):
+                out[i] = result
         for shape, members in turns.items():
             world = params[members[0]].device_mesh.size()
             for first in range(0, len(members), world):
@@ -142,6 +181,35 @@ def _adjust_lr(lr: float, adjust_lr_fn, shape) -> float:
     from torch.optim._muon import _adjust_lr as torch_adjust_lr
 
     return torch_adjust_lr(lr, adjust_lr_fn, shape)
+
+
+def _orthogonalise_shape(updates: list[torch.Tensor], group: dict, share):
+    """Whole matrices of one shape, orthogonalised as a stack: all of them here (`share` None), or this
+    rank's contiguous share of them and an all-gather of every rank's share, started here and waited for
+    by the returned function, which gives every matrix's result in order (bf16)."""
+    if share is None:
+        stack = newton_schulz_batched(torch.stack([u.bfloat16() for u in updates]), group)
+        return lambda: stack.unbind()
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(share), dist.get_rank(share)
+    per = -(-len(updates) // world)
+    mine = updates[rank * per : (rank + 1) * per]  # the last ranks may hold fewer, or none
+    rows, cols = updates[0].shape
+    send = updates[0].new_zeros((per, rows, cols), dtype=torch.bfloat16)
+    if mine:
+        send[: len(mine)] = newton_schulz_batched(torch.stack([u.bfloat16() for u in mine]), group)
+    gathered = send.new_empty((world * per, rows, cols))
+    # bf16 travels as its bytes: gloo has no bf16, and the bits are all the update reads
+    work = dist.all_gather_into_tensor(
+        gathered.view(-1).view(torch.uint8), send.view(-1).view(torch.uint8), group=share, async_op=True
+    )
+
+    def results() -> list[torch.Tensor]:
+        work.wait()
+        return list(gathered[: len(updates)].unbind())
+
+    return results
 
 
 def _orthogonalise_turn(p, updates: list[torch.Tensor], group: dict, shape: tuple) -> list[torch.Tensor]:
@@ -185,7 +253,7 @@ class MuonAdamW(torch.optim.Optimizer):
     They share this object's param group dicts and its state, so state_dict/load_state_dict (and
     torch.distributed.checkpoint's full state dicts) see one optimizer of the standard shape."""
 
-    def __init__(self, groups: list[dict], cfg: OptimConfig, fused: bool) -> None:
+    def __init__(self, groups: list[dict], cfg: OptimConfig, fused: bool, share=None) -> None:
         of = {kind: [g for g in groups if g["optimizer"] == kind] for kind in ("adamw", "muon")}
         self._children = {"adamw": _adamw(of["adamw"], cfg, fused)}
         if of["muon"]:
@@ -196,6 +264,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 nesterov=True,
                 adjust_lr_fn=cfg.muon_lr_adjust,
             )
+            self._children["muon"].share = share
         super().__init__(groups, defaults={})  # the same dicts, now defaulted by each child
         self._link()
 
@@ -226,13 +295,28 @@ def fused_adamw(cfg: OptimConfig, device: torch.device) -> bool:
     return device.type in ("cuda", "cpu") if cfg.fused == "auto" else cfg.fused == "true"
 
 
+def ddp_share(gpt: torch.nn.Module):
+    """The process group Muon shares its whole matrices over: the default group when this process is one
+    of several and holds whole parameters (DDP: the same matrices and averaged gradients on every rank),
+    else None (one process; or FSDP2, whose DTensor shards ShardedMuon exchanges by rows)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    if any(hasattr(p, "device_mesh") for p in gpt.parameters()):
+        return None
+    return dist.group.WORLD
+
+
 def build_optimizer(gpt: torch.nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    """The run's optimizer for the GPT (unwrapped from DDP). Collective under several ranks with Muon:
+    every rank must build it, as every rank steps it."""
     from app.trainer.fp8 import scale_after_step
 
     fused = fused_adamw(cfg, device)
     groups = param_groups(gpt, cfg)
     if cfg.name == "muon":  # torch.optim.Muon is there: features.require checked at start-up
-        optimizer = MuonAdamW(groups, cfg, fused)
+        optimizer = MuonAdamW(groups, cfg, fused, ddp_share(gpt))
     else:
         optimizer = _adamw(groups, cfg, fused)
     if hook := scale_after_step(gpt):  # FP8 under FSDP2: the next forward's float8 scales, after the update
