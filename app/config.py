@@ -55,10 +55,10 @@ class ModelConfig:
     n_kv_head: int = 0  # key/value heads (grouped-query attention); 0 = n_head (plain multi-head attention)
     # MLP hidden width; 0 = 8/3 * d_model rounded up to a multiple of 64 (SwiGLU), 4 * d_model (relu2)
     d_ff: int = 0
-    rope_base: float = 10000.0  # RoPE base frequency
+    rope_base: float = 10000.0  # RoPE base frequency; above 1 (its frequencies fall with the dimension)
     tie_embeddings: bool = True  # the output head shares the token embedding's weights
-    norm_eps: float = 1e-5  # RMSNorm epsilon
-    init_std: float = 0.02  # standard deviation of the normal initialisation of the weights
+    norm_eps: float = 1e-5  # RMSNorm epsilon, in (0, 1): it guards a division by zero
+    init_std: float = 0.02  # standard deviation of the normal initialisation of the weights; > 0
     # Switches from the open record (modded-nanogpt) and nanochat, all off by default: docs/recipes.md
 
     mlp: str = "swiglu"  # the MLP: swiglu | relu2 (ReLU squared, two matrices; d_ff 0 = 4 * d_model)
@@ -67,7 +67,9 @@ class ModelConfig:
     parameter_free_norms: bool = False  # RMSNorms without a learned gain
     embed_norm: bool = False  # RMS-normalize the token embedding (no gain) before the first block
     zero_init: bool = False  # start attn.wo, mlp.w_down and an untied head at zero
-    logit_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (the record: 15); 0 = off
+    # logits -> cap * tanh(logits / cap) (the record: 15); 0 = off; at least 1, under which the model cannot
+    # learn (no token could be more than e^(2 cap) times likelier than another)
+    logit_softcap: float = 0.0
     value_embeds: int = 0  # N token tables mixed into the attention values of the first and last N blocks
     x0_skip: bool = False  # each block mixes the (normalized) embedding into its input, learned weights
     unet_skips: bool = False  # late blocks add the output of their mirror early block, learned weights
@@ -167,6 +169,10 @@ class TrainConfig:
     dtype: str = "auto"  # compute dtype: auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
     compile: str = "auto"  # auto (on for CUDA, off for CPU) | true | false: torch.compile each block
     compile_mode: str = "default"  # torch.compile mode: default | max-autotune | max-autotune-no-cudagraphs
+    # residual stream and its elementwise work under autocast: auto (bf16 where compute is bf16) | fp32 | bf16
+    activation_dtype: str = "auto"
+    # q/k/v and SwiGLU's gate/up as one matmul each: auto (on when train.compile is) | true | false
+    fused_projections: str = "auto"
     prefetch: int = 2  # micro-batches read ahead on a side thread (pinned on CUDA); 0 = read in the loop
     collective_timeout_minutes: float = 30.0  # NCCL/gloo timeout; must exceed the longest save
     parallel: str = "ddp"  # ddp (replicas) | fsdp (sharded) | auto (FSDP when the DDP estimate does not fit)
@@ -191,9 +197,11 @@ class OptimConfig:
     min_lr: float = 1e-4  # the LR the schedule decays to
     beta1: float = 0.9  # AdamW's first-moment decay
     beta2: float = 0.95  # AdamW's second-moment decay
-    eps: float = 1e-8  # AdamW's epsilon
-    weight_decay: float = 0.1  # decoupled weight decay, not applied to norms and embeddings
-    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = off
+    eps: float = 1e-8  # AdamW's epsilon, in (0, 1)
+    # decoupled weight decay, not applied to norms and embeddings; times the peak LR under 1 (each step
+    # multiplies the decayed weights by 1 - lr x weight_decay)
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = off, else above optim.eps
     fused: str = "auto"  # fused AdamW kernels: auto (on CUDA) | true | false
     matrix_lr: float = 0.0  # peak LR of the 2-D weights inside the blocks (Muon or AdamW); 0 = lr
     embedding_lr: float = 0.0  # peak LR of the token embedding (and a tied head); 0 = lr
@@ -278,7 +286,9 @@ class DrillConfig:
 class Config:
     """A run's whole config: the preset it started from and one section per concern."""
 
-    preset: str = DEFAULT_PRESET  # the preset the config started from (--preset; app/presets/)
+    # the preset the config started from (app/presets/): chosen with --preset or a config file's `preset:`,
+    # not --set (its values are applied before --set)
+    preset: str = DEFAULT_PRESET
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -356,6 +366,8 @@ def _coerce(value: Any, typ: Any, key: str, where: str) -> Any:
             raise ConfigError(f"{key} in {where}: must be a finite number, got {value!r}")
         return number
     if typ is str:
+        if isinstance(value, dict | list):  # `--set key.sub=x` under a string key, or a YAML list
+            raise bad
         return "" if value is None else str(value)
     if typing.get_args(typ) == (int, str):  # a number or "auto"
         if str(value).lower() == "auto":
@@ -488,6 +500,12 @@ def apply_overrides(cfg: Config, overrides: list[str] | None, extra: dict[str, A
         if "=" not in item:
             raise ConfigError(f"--set expects key=value (e.g. --set model.n_layer=8), got '{item}'")
         key, raw = item.split("=", 1)
+        # a preset's values are applied before --set, so here its name would only relabel the run
+        if key.strip().split(".")[0] == "preset":
+            raise ConfigError(
+                f"--set {item.strip()} would only relabel the run, not apply the preset's values: "
+                f"choose the preset with --preset {raw.strip() or 'NAME'}"
+            )
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:

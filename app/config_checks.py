@@ -42,11 +42,16 @@ POSITIVE = [
     "train.log_every",
     "train.eval_batches",
     "model.norm_eps",
-    "model.rope_base",
     "budget.poll_seconds",
     "model.vocab_multiple",
     "train.mfu_floor_minutes",
 ]
+# A soft-cap c keeps every logit inside (-c, c): no token can be more than e^(2c) times likelier than any other,
+# so none's probability exceeds 1 / (1 + (V - 1) e^(-2c)) and the loss cannot fall under ln(1 + (V - 1) e^(-2c))
+# per token. Below c = 1 that floor is above 1.65 nats for every vocabulary of 32 tokens or more (a small
+# character-level model of Shakespeare reaches about 1.5) and, for GPT-2's 50257 tokens, 8.8 of ln V = 10.8:
+# nothing useful can be learned (at 1e-30 the loss stays at ln V). The record and nanochat use 15.
+LOGIT_SOFTCAP_MIN = 1.0
 CHOICES = {
     "optim.name": ("adamw", "muon"),
     "model.mlp": ("swiglu", "relu2"),
@@ -58,6 +63,8 @@ CHOICES = {
     "train.compile": ("auto", "true", "false"),
     "train.fp8": ("false", "true", "emulate"),
     "train.compile_mode": ("default", "max-autotune", "max-autotune-no-cudagraphs"),
+    "train.activation_dtype": ("auto", "fp32", "bf16"),
+    "train.fused_projections": ("auto", "true", "false"),
     "optim.fused": ("auto", "true", "false"),
     "checkpoint.verify": ("sha256", "size"),
     "data.tokenizer": ("bpe", "char"),
@@ -88,6 +95,7 @@ def validate(cfg: Config) -> None:
     train = cfg.train
     optim = cfg.optim
     train.compile = _switch(train.compile)
+    train.fused_projections = _switch(str(train.fused_projections))
     train.fp8 = _switch(str(train.fp8))
     optim.fused = _switch(optim.fused)
     kube = _switch(cfg.budget.kube)
@@ -191,4 +199,64 @@ def validate(cfg: Config) -> None:
     _check(
         cfg.metrics.port < 65536,
         f"metrics.port must be a TCP port (1-65535) or 0 for off, got {cfg.metrics.port}",
+    )
+    _check_trainable(cfg)
+
+
+def _check_trainable(cfg: Config) -> None:
+    """Numbers that would be accepted and leave the model nothing to learn (tried with tiny's recipe at a small
+    size for 80 steps: the loss stays at or near ln V, or turns NaN), each bounded where no recipe goes. Odd values that still
+    train are left alone: a warm-up longer than the run (every short run has one, and a run may be
+    extended), an attention scale or an init_std far from the usual, a tiny positive LR, model.seq_len=1
+    (a bigram model)."""
+    model = cfg.model
+    optim = cfg.optim
+    cap = model.logit_softcap
+    _check(
+        cap == 0 or cap >= LOGIT_SOFTCAP_MIN,
+        f"model.logit_softcap={cap:g} is below {LOGIT_SOFTCAP_MIN:g}, where the model cannot learn: logits "
+        "within (-cap, cap) make no token more than e^(2 x cap) times likelier than another; use a cap >= "
+        f"{LOGIT_SOFTCAP_MIN:g} (the record uses 15), or 0 for none",
+    )
+    # all-zero weights: every matrix's gradient is zero too, so nothing ever moves
+    _check(model.init_std > 0, "model.init_std must be > 0 (0 makes every weight and gradient zero), got 0")
+    # RoPE's frequencies base^(-2i/d) fall with the dimension only for a base above 1: at 1 every pair of
+    # dimensions rotates alike, below it the order inverts, and under float32's range (1e-38) the tables are NaN
+    _check(
+        model.rope_base > 1,
+        f"model.rope_base={model.rope_base:g} must be > 1 (RoPE's frequencies fall with the dimension only "
+        "above 1; 10000 is usual)",
+    )
+    # an epsilon guards a division by a mean square that is about 1 (a normalised stream) or init_std^2; at 1
+    # or more it outweighs it, the norm stops normalising and from about 1e3 the loss stays at ln V
+    _check(
+        model.norm_eps < 1,
+        f"model.norm_eps={model.norm_eps:g} must be below 1 (it guards a division by zero; 1e-5 is usual)",
+    )
+    # AdamW divides by sqrt(v) + eps: 0 gives 0/0 for a weight with no gradient yet (an unused embedding row),
+    # and an eps of 1 or more outweighs every gradient, leaving updates of lr x gradient (SGD far too slow)
+    _check(
+        0 < optim.eps < 1,
+        f"optim.eps={optim.eps:g} must be in (0, 1): 0 turns an unused weight into NaN, 1 or more stalls "
+        "AdamW; 1e-8 is usual",
+    )
+    # the clipped gradient is no larger than grad_clip: at or under AdamW's eps every element's update is a
+    # sliver of the LR (at 1e-8 the loss stays near ln V; at 1e-6, with eps 1e-8, it trains)
+    _check(
+        optim.grad_clip == 0 or optim.grad_clip > optim.eps,
+        f"optim.grad_clip={optim.grad_clip:g} is not above optim.eps={optim.eps:g}: a gradient clipped that "
+        "small stalls AdamW; use 0 for no clipping, or a clip such as 1.0",
+    )
+    # decoupled weight decay multiplies the decayed weights (the matrices, an untied head) by
+    # 1 - lr x weight_decay each step, under Muon too
+    decayed = {"optim.matrix_lr" if optim.matrix_lr else "optim.lr": optim.matrix_lr or optim.lr}
+    if not model.tie_embeddings:
+        decayed["optim.head_lr" if optim.head_lr else "optim.lr"] = optim.head_lr or optim.lr
+    key, peak = max(decayed.items(), key=lambda item: item[1])
+    product = peak * optim.weight_decay
+    _check(
+        product < 1,
+        f"{key}={peak:g} x optim.weight_decay={optim.weight_decay:g} = {product:g}: weight decay multiplies the "
+        f"weights by 1 - {product:g} each step, erasing or flipping them; lower the LR (a typo?) or the weight "
+        "decay until their product is under 1",
     )

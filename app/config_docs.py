@@ -86,7 +86,8 @@ def markdown() -> str:
         "`app/config.py` and `app/budget/config.py` (`python -m app.config_docs > docs/config.md`; a test",
         "checks it is current). Set a key in a preset, in `--config FILE.yaml` or with",
         "`--set section.key=value`; `pretrain train --print-config` prints the resolved config. How the keys",
-        "resolve: README.md (Config).",
+        "resolve: README.md (Config). The preset itself is chosen with `--preset NAME` or a config file's",
+        "`preset:`, never `--set` (a preset's values are applied before `--set`).",
         "",
     ]
     defaults = Config()

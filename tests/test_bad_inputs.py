@@ -91,6 +91,35 @@ FAMILIES: dict[str, dict[str, Case]] = {
         "config-loop-negative": case(
             "model.loop.coda", "train", "--print-config", "--set", "model.loop.coda=-1"
         ),
+        # values that were accepted and left the model nothing to learn (the loss stays at or near ln V)
+        "config-softcap-1e-30": case(
+            "model.logit_softcap",
+            "train",
+            "--out",
+            "{tmp}/run",
+            "--max-steps",
+            "3",
+            "--set",
+            "model.logit_softcap=1e-30",
+        ),
+        "config-softcap-under-1": case(
+            "use a cap >= 1", "train", "--print-config", "--set", "model.logit_softcap=0.5"
+        ),
+        "config-init-std-0": case("model.init_std", "train", "--print-config", "--set", "model.init_std=0"),
+        "config-rope-base-1": case(
+            "model.rope_base", "train", "--print-config", "--set", "model.rope_base=1"
+        ),
+        "config-norm-eps-huge": case(
+            "model.norm_eps", "train", "--print-config", "--set", "model.norm_eps=1e6"
+        ),
+        "config-adam-eps-0": case("optim.eps", "train", "--print-config", "--set", "optim.eps=0"),
+        "config-adam-eps-huge": case("optim.eps", "train", "--print-config", "--set", "optim.eps=1e6"),
+        "config-grad-clip-tiny": case(
+            "optim.grad_clip", "train", "--print-config", "--set", "optim.grad_clip=1e-12"
+        ),
+        "config-weight-decay-huge": case(
+            "optim.weight_decay", "train", "--print-config", "--set", "optim.weight_decay=1000"
+        ),
         "sample-top-p-2": case("--top-p", "sample", "--checkpoint", "{tmp}", "--top-p", "2"),
         "bench-steps-0": case("--steps", "bench", "--steps", "0"),
     },
@@ -102,6 +131,45 @@ FAMILIES: dict[str, dict[str, Case]] = {
             "no metrics records", "export", "{tmp}/garbage-run", "--output", "{tmp}/out"
         ),
         "sample-checkpoint-a-file": case("{tmp}/a-file", "sample", "--checkpoint", "{tmp}/a-file"),
+        # a preset is its values, applied before --set: by --set its name only relabelled the default's
+        "config-preset-by-set": case("--preset x1-50m", "train", "--print-config", "--set", "preset=x1-50m"),
+        "config-unknown-preset-by-set": case(
+            "--preset nope", "train", "--out", "{tmp}/run", "--max-steps", "3", "--set", "preset=nope"
+        ),
+        # a directory as the stop file was read as a stop at step 0 (exit 0) and renamed NAME.handled
+        "stop-file-a-directory": case(
+            "--stop-file {tmp}/stopdir is a directory",
+            "train",
+            "--out",
+            "{tmp}/run",
+            "--max-steps",
+            "3",
+            "--stop-file",
+            "{tmp}/stopdir",
+        ),
+        "default-stop-file-a-directory": case(
+            "the default stop file {tmp}/used/stop.json is a directory",
+            "train",
+            "--out",
+            "{tmp}/used",
+            "--max-steps",
+            "3",
+        ),
+        "watch-stop-file-a-directory": case(
+            "the stop file {tmp}/stopdir is a directory",
+            "watch",
+            "--dry-run-budget",
+            "--run-dir",
+            "{tmp}/run",
+            "--budget-cap-usd",
+            "10",
+            "--gpu-type",
+            "h100-sxm",
+            "--gpus",
+            "1",
+            "--stop-file",
+            "{tmp}/stopdir",
+        ),
     },
     "output-exists": {
         "sample-consolidate": case(
@@ -120,6 +188,9 @@ def make_files(tmp: Path) -> None:
     (tmp / "garbage-run" / "metrics.jsonl").write_bytes(b"\x00\xff garbage\nnot json either\n[1, 2]\n")
     (tmp / "exists.safetensors").write_bytes(b"precious")
     (tmp / "exists.json").write_text("precious")
+    (tmp / "stopdir").mkdir()
+    (tmp / "stopdir" / "mine").write_text("precious")
+    (tmp / "used" / "stop.json").mkdir(parents=True)
 
 
 def run_case(tmp: Path, c: Case) -> subprocess.CompletedProcess:
@@ -148,6 +219,8 @@ def test_bad_input_is_one_line_and_exit_2(results, cid):
     assert CASES[cid].says.replace("{tmp}", str(tmp)) in lines[0], lines[0]
     assert (tmp / "exists.safetensors").read_bytes() == b"precious"  # an output that exists is never replaced
     assert (tmp / "exists.json").read_text() == "precious"
+    assert (tmp / "stopdir" / "mine").read_text() == "precious"  # a directory given as a stop file stays
+    assert sorted(p.name for p in (tmp / "used").iterdir()) == ["stop.json"]
     assert not (tmp / "run").exists() or cid.startswith("absurd-size:")  # nothing else is created
 
 

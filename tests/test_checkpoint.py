@@ -294,3 +294,136 @@ def test_a_newest_checkpoint_with_a_non_utf8_or_newer_meta_on_the_command_line(t
         assert (
             newer.is_dir() and not (newer.parent / "corrupt-step_000006").exists()
         )  # refused, not set aside
+
+
+def _find(run_dir) -> tuple[ckpt.CheckpointInfo | None, list[str]]:
+    """What a `--resume auto` start of `run_dir` resumes (the trainer's own Checkpointer), and its warnings."""
+    from app.config import Config
+    from app.trainer.checkpoint import Checkpointer
+    from app.trainer.distributed import DistEnv
+
+    warnings: list[str] = []
+    checkpointer = Checkpointer(
+        run_dir,
+        Config(),
+        DistEnv(),
+        resume="auto",
+        data={},
+        files=[],
+        expect_bytes=0,
+        log=lambda line: None,
+        warn=warnings.append,
+        on_commit=lambda result: None,
+        on_save=lambda state: None,
+    )
+    return checkpointer.find(), warnings
+
+
+def _truncate(step_dir) -> None:
+    weights = step_dir / "model-rank00000.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+
+
+@pytest.mark.parametrize("with_step_0", [False, True])
+def test_a_start_whose_every_checkpoint_is_damaged_is_refused_and_moves_nothing(tmp_path, model, with_step_0):
+    """A fresh start beside them would bury the run (two histories in one run dir), so it is refused in
+    one line naming each and the way to start over on purpose; a usable step-0 checkpoint (older versions
+    saved one) holds nothing learned and does not count as a usable one."""
+    if with_step_0:
+        _save(tmp_path, 0, model)
+    for step in (2, 4):
+        _truncate(_save(tmp_path, step, model).path)
+    with pytest.raises(UserError) as refused:
+        _find(tmp_path)
+    line = str(refused.value)
+    assert "every checkpoint in" in line and "is unusable" in line, line
+    assert "step_000004 (model-rank00000.safetensors has 100 bytes" in line and "step_000002 (" in line, line
+    assert "--resume never --overwrite" in line and "\n" not in line, line
+    names = sorted(p.name for p in ckpt.checkpoints_root(tmp_path).iterdir())
+    assert names == (["step_000000"] if with_step_0 else []) + ["step_000002", "step_000004"]
+
+
+def test_a_start_with_one_usable_checkpoint_falls_back_and_a_dir_without_one_starts_fresh(tmp_path, model):
+    """The rules around the refusal stay: a usable older checkpoint is resumed with a warning for each
+    damaged newer one (set aside); no checkpoint, a crash's temp dir or only a step-0 checkpoint is a
+    fresh start."""
+    assert _find(tmp_path) == (None, [])
+    partial = ckpt.checkpoints_root(tmp_path) / ".tmp-step_000003"
+    partial.mkdir(parents=True)
+    assert _find(tmp_path) == (None, [])  # a save a crash interrupted is not a checkpoint
+    _save(tmp_path, 0, model)
+    info, warnings = _find(tmp_path)
+    assert info is None and "step-0 checkpoint" in warnings[0]
+    _save(tmp_path, 1, model)
+    _truncate(_save(tmp_path, 2, model).path)
+    info, warnings = _find(tmp_path)
+    assert info.step == 1
+    assert "skipping checkpoint" in warnings[0] and "step_000002" in warnings[0]
+    assert (ckpt.checkpoints_root(tmp_path) / "corrupt-step_000002").is_dir()
+
+
+def test_a_run_whose_every_checkpoint_is_damaged_refuses_to_start_on_the_command_line(tmp_path):
+    """The issue's reproduction: every checkpoint of a finished run truncated. `pretrain train` there used
+    to set them aside and train again from step 0 (exit 0, a second history in metrics.jsonl); it now
+    exits 2 with one line and leaves the run as it was. `--resume never --overwrite` starts over on
+    purpose, keeping the damaged run aside."""
+    run = tmp_path / "run"
+    args = ["--out", str(run), *FAST, "--set", "checkpoint.every_steps=2"]
+    pretrain("train", "--max-steps", "4", *args, check=True)
+    steps = ckpt.list_checkpoints(run)
+    assert [p.name for p in steps] == ["step_000004", "step_000002"]
+    for step_dir in steps:
+        _truncate(step_dir)
+    log = (run / "metrics.jsonl").read_bytes()
+
+    refused = pretrain("train", "--max-steps", "6", *args)
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr
+    assert f"every checkpoint in {run / 'checkpoints'} is unusable" in lines[0], lines
+    assert "step_000004 (" in lines[0] and "step_000002 (" in lines[0] and "--overwrite" in lines[0], lines
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    assert (run / "metrics.jsonl").read_bytes() == log  # no second start, no second history
+
+    over = pretrain("train", "--max-steps", "2", *args, "--resume", "never", "--overwrite")
+    assert over.returncode == 0, over.stderr
+    (previous,) = run.glob("previous-*")
+    kept = previous / "checkpoints" / "step_000004" / "model-rank00000.safetensors"
+    assert kept.stat().st_size == 100  # the damaged run is kept aside as it was
+    assert (previous / "metrics.jsonl").read_bytes() == log
+    assert ckpt.resolve_latest(run).step == 2
+
+
+@pytest.mark.slow  # two 2-rank runs through the container launcher
+def test_two_ranks_take_the_same_refusal_when_only_one_of_them_finds_the_damage(tmp_path):
+    """The ranks share the sha256 checks: a flipped byte (same size) in the file rank 1 hashes is found by
+    rank 1 alone, in every checkpoint. Both ranks must still refuse (one line each, no hang, no rank
+    training alone); `python -m app.launch` exits with the workers' 2."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, cli_env
+
+    run = tmp_path / "run"
+    launch = [sys.executable, "-m", "app.launch", "--standalone", "--nproc-per-node=2", "-m", "app.train"]
+    args = ["--out", str(run), *FAST, "--set", "checkpoint.every_steps=2"]
+
+    def train(steps: str) -> subprocess.CompletedProcess:
+        cmd = [*launch, *args, "--max-steps", steps]
+        return subprocess.run(cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+
+    assert train("4").returncode == 0
+    for step_dir in ckpt.list_checkpoints(run):
+        assert sorted(ckpt.read_meta(step_dir)["files"]).index("model-rank00001.safetensors") % 2 == 1
+        weights = step_dir / "model-rank00001.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-1] ^= 0xFF
+        weights.write_bytes(bytes(data))
+    refused = train("6")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    lines = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 2, refused.stderr  # one per rank: the same decision, each with what it found
+    for line in lines:
+        assert f"every checkpoint in {run / 'checkpoints'} is unusable: step_000004 (" in line, line
+        assert "step_000002 (" in line and "--resume never --overwrite" in line, line
+    assert any("model-rank00001.safetensors fails its sha256 check" in line for line in lines), lines
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004"]

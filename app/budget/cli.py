@@ -196,6 +196,12 @@ def write_problems(run_dir: Path, ledger_path: Path, stop_file: Path, create: bo
     """Why the watcher could not write its files (one line each, with the uid and the fix), or []."""
     dirs = {ledger_path.parent: "the ledger's dir", state_path_for(run_dir).parent: "--run-dir's budget dir"}
     dirs.setdefault(stop_file.parent, "the stop file's dir")
+    # the stop is written by replacing the file: onto a directory that fails when the cap is reached
+    if stop_file.is_dir() or (stop_file.exists() and not stop_file.is_file()):
+        folder = stop_file.is_dir()
+        kind = "a directory" if folder else "not a regular file (a device, a FIFO or a socket)"
+        fix = f"name a file in it, e.g. --stop-file {stop_file / 'stop.json'}" if folder else "name a file"
+        return [f"the stop file {stop_file} is {kind}, which the watcher cannot write a stop to; {fix}"]
     problems = []
     for path, what in dirs.items():
         try:

@@ -22,14 +22,16 @@ class RunArgs:
     """Runtime choices that are not part of the model/training config (each comment is its flag's help)."""
 
     out: Path  # run directory: checkpoints/, metrics.jsonl, status.json, budget/ (default: runs/<preset>)
-    # auto: continue from the newest valid checkpoint in RUN_DIR (default); never: start fresh; PATH: a run
-    # dir or a checkpoints/step_NNNNNN dir
+    # auto: continue from the newest valid checkpoint in RUN_DIR (default; damaged ones are skipped, and a
+    # start whose every checkpoint is damaged is refused); never: start fresh; PATH: a run dir or a
+    # checkpoints/step_NNNNNN dir
     resume: str = "auto"
     # poll this JSON file each step; {"mode": "graceful"|"immediate"} stops the run (default:
-    # RUN_DIR/stop.json)
+    # RUN_DIR/stop.json); a file, existing or not, in a directory that exists (a directory is refused)
     stop_file: Path | None = None
     # with --resume never (or PATH from another run) in a RUN_DIR that holds checkpoints: move the old run
-    # (checkpoints, metrics.jsonl, budget) aside into RUN_DIR/previous-<time>/ instead of refusing
+    # (checkpoints, damaged ones included, metrics.jsonl, budget) aside into RUN_DIR/previous-<time>/
+    # instead of refusing
     overwrite: bool = False
 
 
@@ -50,7 +52,7 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override one config key, dotted, e.g. --set model.n_layer=8, --set optim.name=muon, "
         "--set train.compile=false, --set metrics.trackers=tensorboard,mlflow; repeatable; "
-        "--print-config lists every key, docs/config.md explains each",
+        "--print-config lists every key, docs/config.md explains each (the preset is chosen with --preset)",
     )
 
 

@@ -86,9 +86,22 @@ def read_stop_file(path: Path, not_before: float = 0.0, warn=print) -> StopDecis
 
 
 def check_stop_file(path: Path | None, run_dir: Path) -> None:
-    """--stop-file at start: its directory must exist and be writable by this user (the watcher writes the
-    file there, the trainer renames a handled one), or the stop would never arrive. UserError (exit 2).
-    The run dir itself is the trainer's to create."""
+    """--stop-file at start: it must name a file, existing or not, in a directory that exists and is
+    writable by this user (the watcher writes the file there, the trainer renames a handled one), or the
+    stop would never arrive. A directory or a device would be read as a stop at step 0 and renamed
+    NAME.handled; the default RUN_DIR/stop.json is checked for that too. UserError (exit 2). The run dir
+    itself is the trainer's to create."""
+    stop_file = Path(path) if path else Path(run_dir) / "stop.json"
+    if stop_file.is_dir() or (stop_file.exists() and not stop_file.is_file()):
+        folder = stop_file.is_dir()
+        kind = "a directory" if folder else "not a regular file (a device, a FIFO or a socket)"
+        fix = "move it away or pass --stop-file FILE"
+        if path:
+            fix = (
+                f"name a file in it, e.g. --stop-file {stop_file / 'stop.json'}" if folder else "name a file"
+            )
+        what = f"--stop-file {path}" if path else f"the default stop file {stop_file}"
+        raise UserError(f"{what} is {kind}, which the trainer would take for a stop request; {fix}")
     if path is None:
         return
     folder = Path(path).parent

@@ -19,6 +19,7 @@ from app.trainer.checkpoint.state import TrainerState, load_into, set_rng_state
 from app.trainer.checkpoint.store import (
     CheckpointInfo,
     Shared,
+    all_unusable,
     check_compatible,
     describe,
     load_model_shapes,
@@ -27,6 +28,7 @@ from app.trainer.checkpoint.store import (
     resolve,
     resolve_latest,
     set_aside_newer,
+    step_of,
     summary,
 )
 from app.trainer.checkpoint.writer import CheckpointWriter, SaveResult
@@ -110,16 +112,16 @@ class Checkpointer:
 
     def find(self) -> CheckpointInfo | None:
         """The checkpoint this start resumes, or None. `--resume auto`: the newest of the run dir that
-        verifies (rank 0 sets newer, unusable step dirs aside so they shadow nothing); `never`: None; else
-        a run dir or a step dir. The ranks share the sha256 checks, each hashing 1/world of the files, and
-        agree on the answer."""
+        verifies (rank 0 sets newer, unusable step dirs aside so they shadow nothing), refused when every
+        one is unusable (`_latest`); `never`: None; else a run dir or a step dir. The ranks share the
+        sha256 checks, each hashing 1/world of the files, and agree on the answer."""
         env = self.env
         if self.resume == "never":
             return None
         verify = self.cfg.checkpoint.verify
         shared = Shared(env.rank, env.world_size, env.all_true) if env.distributed else None
         if self.resume == "auto":
-            info = resolve_latest(self.run_dir, verify, self.warn, shared)
+            info = self._latest(verify, shared)
             if env.is_rank0:
                 set_aside_newer(self.run_dir, info.step if info else -1, warn=self.warn)
         else:
@@ -131,6 +133,26 @@ class Checkpointer:
         if info is not None:
             check_same_architecture(info, self.cfg)
         self.resume_from = info
+        return info
+
+    def _latest(self, verify: str, shared: Shared | None) -> CheckpointInfo | None:
+        """`--resume auto`: the newest checkpoint of the run dir that verifies, falling back past damaged
+        ones with a warning each. When none past step 0 does, yet some exist, the start is refused in one
+        line (a fresh start would bury that run; step 0 holds nothing learned, so a run dir with no
+        checkpoint, or only a step-0 one, still starts). Every rank decides from the same agreed checks."""
+        warnings: list[str] = []
+        skipped: list[tuple[Path, str]] = []
+        try:
+            info = resolve_latest(self.run_dir, verify, warnings.append, shared, skipped=skipped)
+        except UserError:  # a checkpoint of another format, refused in its own line: say what came before
+            for line in warnings:
+                self.warn(line)
+            raise
+        lost = [(path, why) for path, why in skipped if step_of(path) > 0]
+        if lost and (info is None or info.step == 0):
+            raise all_unusable(self.run_dir, lost)
+        for line in warnings:
+            self.warn(line)
         return info
 
     def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:

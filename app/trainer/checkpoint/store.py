@@ -211,15 +211,31 @@ def resolve_latest(
     warn=warn_stderr,
     shared: Shared | None = None,
     hash_only: Callable[[str], bool] | None = None,
+    skipped: list[tuple[Path, str]] | None = None,
 ) -> CheckpointInfo | None:
-    """Newest checkpoint that verifies; corrupt or partial ones are skipped with a warning. With
-    `shared`, collective: every rank gets the same answer."""
+    """Newest checkpoint that verifies; corrupt or partial ones are skipped with a warning (and listed in
+    `skipped` with the reason, newest first). With `shared`, collective: every rank gets the same answer."""
     for path in list_checkpoints(run_dir):
         info, why = _verified(path, mode, shared, hash_only)
         if info:
             return info
+        if skipped is not None:
+            skipped.append((path, why))
         warn(f"warning: skipping checkpoint {path}: {why}")
     return None
+
+
+def all_unusable(run_dir: Path, skipped: list[tuple[Path, str]]) -> UserError:
+    """The refusal of a start whose every checkpoint (`skipped`, newest first, with why) is unusable: a
+    fresh start would bury that run's history under a second one in the same run dir. Starting over is
+    the user's choice, made with --resume never --overwrite (which moves the old run aside, whole)."""
+    shown = ", ".join(f"{path.name} ({why})" for path, why in skipped[:3])
+    more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+    return UserError(
+        f"every checkpoint in {checkpoints_root(run_dir)} is unusable: {shown}{more}; a fresh start would bury "
+        "that run: restore them from a copy, or start over on purpose with --resume never --overwrite "
+        f"(moves the old run, these checkpoints included, into {run_dir}/previous-<time>/)"
+    )
 
 
 def resolve_best(
@@ -387,7 +403,7 @@ def summary(run_dir: Path, mode: str, warn=warn_stderr) -> list[str]:
     if isinstance(val, (int, float)) and isinstance(step, int):
         line += (
             f" evaluated at its own step; the last evaluation, at step {step}, gave val loss {val:.4f} "
-            "(the checkpoints follow it; README: Checkpoints)"
+            "(the checkpoints follow it; docs/training.md: Checkpoints)"
         )
     return [f"latest checkpoint: {describe(latest)}", f"best checkpoint:   {line}"]
 
