@@ -55,7 +55,7 @@ RUN python -m pip install --no-cache-dir --no-deps . \
  && python -c "import torch; from app.config import load_config, ModelConfig; from app.trainer.features import require; \
 every = ['optim.name=muon', 'train.compile_mode=max-autotune-no-cudagraphs', 'train.fp8=emulate']; \
 require(load_config(overrides=every), fsdp=True, compiled=True); print('torch', torch.__version__, 'has every feature'); \
-from app.trainer.model import build_model; from app.trainer.fp8 import convert_to_fp8; \
+from app.trainer.model.gpt import build_model; from app.trainer.parallel.fp8 import convert_to_fp8; \
 gpt = build_model(ModelConfig(vocab_size=64, seq_len=16, n_layer=1, d_model=32, n_head=2, d_ff=64)); \
 convert_to_fp8(gpt, torch.device('cpu'), mode='emulate'); x = torch.randint(0, 64, (2, 16)); gpt(x, x).loss.backward(); \
 import torchao; print('torchao', torchao.__version__, 'trains float8 layers')" \

@@ -40,7 +40,7 @@ BASE_IMAGE   ?= $(shell sed -n 's/^ARG BASE_IMAGE=//p' Dockerfile)
 DOCKER_BUILD_FLAGS ?=
 # The peer benchmark's own venv (benchmarks/bench_peer.py): LitGPT and its Lightning stack stay out of .venv.
 # The same torch as .venv (TORCH_SPEC, installed first and then pinned), then litgpt, then the project
-# with --no-deps plus what importing app.config / app.trainer.model / app.trainer.optim needs.
+# with --no-deps plus what importing app.config / app.trainer.model.gpt / app.trainer.optimization.optimizer needs.
 PEER_VENV    ?= .venv-peer
 PEER_PY      := $(PEER_VENV)/bin/python
 PEER_SPEC    ?= litgpt==0.5.13
@@ -108,7 +108,7 @@ $(PEER_STAMP): pyproject.toml
 	$(PEER_PY) -c "import torch; print('torch==' + torch.__version__)" 2>/dev/null > $(PEER_VENV)/constraints.txt
 	$(PEER_PY) -m pip install -q -c $(PEER_VENV)/constraints.txt "$(PEER_SPEC)" $(PEER_DEPS)
 	$(PEER_PY) -m pip install -q --no-deps -e .
-	$(PEER_PY) -c "import litgpt, app.config, app.trainer.model, app.trainer.optim"
+	$(PEER_PY) -c "import litgpt, app.config, app.trainer.model.gpt, app.trainer.optimization.optimizer"
 	touch $(PEER_STAMP)
 
 peer-env: $(PEER_STAMP)  ## .venv-peer: torch + litgpt + the project, for the peer benchmark (bench_peer) only

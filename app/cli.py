@@ -1,6 +1,6 @@
 """`pretrain`: one CLI for the whole job. Each subcommand's flags live beside the code they drive
 (`add_arguments` and `run` in the module named below); only the chosen one is imported, so
-`pretrain watch` starts without loading torch. EPILOG lists the exit codes.
+`pretrain watch` starts without loading torch. EPILOG lists the exit codes (app/errors.py's table).
 """
 
 from __future__ import annotations
@@ -10,23 +10,23 @@ import importlib
 import sys
 
 from app.command import Parser, guarded
+from app.errors import exit_codes_help
 
+# The examples, then every exit code from app/errors.py's table (the one description of them).
 EPILOG = """\
 examples:
   pretrain train                                   # tiny model, embedded Shakespeare, CPU
   pretrain train --preset x1-50m --set data.dataset=/data/fineweb --print-config
   pretrain sample --checkpoint runs/tiny --prompt "ROMEO."
   pretrain serve --checkpoint runs/tiny --port 8000
+  pretrain push runs/tiny-hf --repo my-org/tiny --dry-run
   pretrain eval --checkpoint runs/tiny --tasks hellaswag --include-path my_tasks/
   pretrain prepare --input corpus/ --out data/mine --vocab-size 8192
   pretrain plan --budget-usd 35 --gpu a100-80gb --gpus 1
   pretrain bench --preset x1-50m                   # tokens/s, MFU, memory on this machine
   pretrain watch --budget-cap-usd 1000 --gpu-type h100-sxm --gpus 8 --run-dir /ckpt/run
 
-exit codes: 0 done (planned end, budget stop, early stop); 2 bad input or config;
-            128+N preempted by signal N (retryable); 1 unexpected error;
-            4 wait-data gave up (no training data); 6 out of space on the checkpoint volume.
-"""
+""" + exit_codes_help()
 
 # name -> (module with add_arguments/run, one-line help), in the order `pretrain --help` lists them.
 COMMANDS = {
@@ -36,7 +36,8 @@ COMMANDS = {
     "wait-data": ("app.data.wait", "wait for the prepare Job's output; give up if it failed or is missing"),
     "plan": ("app.tools.plan", "what model, tokens and hours a budget buys (Chinchilla)"),
     "sample": ("app.tools.sample", "generate text from a checkpoint"),
-    "export": ("app.tools.export", "export a run: manifest, metrics CSV, plots, final weights, eval results"),
+    "export": ("app.tools.export", "export a run: its report, or a Hugging Face folder (--format hf)"),
+    "push": ("app.tools.push", "publish an exported folder on the Hugging Face Hub"),
     "serve": ("app.tools.serve", "serve a checkpoint over an OpenAI-compatible completions and chat API"),
     "eval": ("app.tools.eval", "evaluate a checkpoint on lm-eval tasks or a local CORE-style bundle"),
     "bench": ("app.tools.bench", "measure tokens/s, MFU, memory and step-time breakdown on synthetic tokens"),

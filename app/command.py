@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import decimal
+import os
 import sys
 from collections.abc import Callable
 
@@ -58,6 +59,11 @@ def guarded(run: Callable[[], int | None], prefix: str = "error") -> int:
         return e.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader went away (`pretrain plan | head`): nothing to report, and the interpreter's own flush
+        # of stdout at exit must not fail again; 141 is what a command killed by SIGPIPE returns
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except OSError as e:
         if e.errno not in NOT_WRITABLE or not e.filename:
             raise

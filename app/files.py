@@ -153,3 +153,20 @@ def check_writable_dir(path: Path | str, what: str = "--out", create: bool = Tru
             raise UserError(not_a_directory_message(path, what, blocker)) from None
         where = f" ({e.filename})" if e.filename and Path(e.filename) != path else ""
         raise UserError(unwritable_message(path, what, f"{e.strerror or e}{where}")) from None
+
+
+def stop_file_of(path: Path | str | None, run_dir: Path | str) -> Path:
+    """The stop file the watcher writes and the trainer polls: --stop-file `path`, else RUN_DIR/stop.json.
+    Both read it from here, so the two always agree on where a stop goes."""
+    return Path(path) if path else Path(run_dir) / "stop.json"
+
+
+def not_a_stop_file(stop_file: Path) -> str | None:
+    """What `stop_file` is when it cannot carry a stop ("a directory", or a device, FIFO or socket: the
+    trainer would read it as a stop request at once, the watcher could not write one onto it) and how to
+    name one instead; None if it can (a regular file, or none yet)."""
+    if stop_file.is_dir():
+        return f"a directory: name a file in it, e.g. --stop-file {stop_file / 'stop.json'}"
+    if stop_file.exists() and not stop_file.is_file():
+        return "not a regular file (a device, a FIFO or a socket): name a regular file"
+    return None

@@ -25,7 +25,7 @@ from torch.distributed.run import parse_args, parse_min_max_nnodes, run
 
 from app.errors import EXIT_OUT_OF_SPACE, EXIT_PEER_LOST, EXIT_SMALLER_BATCH
 from app.errors import print_stderr as _log
-from app.trainer.lease import proc_stat
+from app.trainer.stopping.lease import proc_stat
 
 LOOPBACK = "127.0.0.1"
 received: list = []

@@ -25,7 +25,7 @@ from app.errors import EXIT_DATA_NOT_READY, EXIT_RETRIES_SPENT
 from app.errors import print_stderr as _log
 from app.files import atomic_write_json, create_exclusive, read_lock_file
 from app.trainer.checkpoint.store import META, list_checkpoints, step_of
-from app.trainer.lease import Staleness, identity, move_aside
+from app.trainer.stopping.lease import Staleness, identity, move_aside
 
 # Asked to stop, not failures: SIGINT, SIGTERM, 142 (the run dir's lease held by another trainer too long).
 STOP_CODES = (130, 142, 143)

@@ -13,6 +13,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,36 +22,33 @@ from app.budget import BudgetExhausted, PriceAboveMax
 from app.config import Config
 from app.data.loader import fit_vocab, resolve_data_dir
 from app.data.manifest import Manifest
-from app.errors import UserError
-from app.trainer import distributed as peers
-from app.trainer import layout, rundir, stopping
-from app.trainer.args import DESCRIPTION, RunArgs, add_arguments, config_from_args, print_config
-from app.trainer.batches import TrainBatches
-from app.trainer.budget_link import BudgetLink
-from app.trainer.checkpoint import Checkpointer, TrainerState
-from app.trainer.distributed import DistEnv, init_distributed, shutdown_distributed
-from app.trainer.evaluate import Evaluator, Sampler
-from app.trainer.heartbeat import Heartbeat
-from app.trainer.lease import hold_run_dir, release
-from app.trainer.metrics import device_peak, flops_per_token
-from app.trainer.model import count_parameters
-from app.trainer.optim import build_optimizer, set_lr, set_muon_momentum, step_unless
-from app.trainer.parallelize import clip_grad_norm, grad_sync, unwrap
-from app.trainer.planned_end import PlannedEnd
-from app.trainer.report import Reporter
-from app.trainer.runtime import autocast_for, configure_device, pick_device
-from app.trainer.schedule import muon_momentum_at
-from app.trainer.spikes import SpikeDetector
-from app.trainer.steplog import StepLog
-from app.trainer.stop_causes import StopDecision
-from app.trainer.stopping import (
-    Agreement,
-    BadSteps,
-    EarlyStopping,
-    MfuFloor,
-    SignalFlag,
-    StopAgreement,
+from app.files import stop_file_of
+from app.trainer import rundir, startup
+from app.trainer.args import DESCRIPTION, RunArgs, add_arguments, config_from_args, plan_run, print_config
+from app.trainer.checkpoint import TrainerState
+from app.trainer.model.gpt import count_parameters
+from app.trainer.optimization.optimizer import build_optimizer, set_lr, set_muon_momentum, step_unless
+from app.trainer.parallel import layout
+from app.trainer.parallel.batches import TrainBatches
+from app.trainer.parallel.distributed import (
+    DistEnv,
+    at_step,
+    exit_if_peer_lost,
+    init_distributed,
+    shutdown_distributed,
 )
+from app.trainer.parallel.parallelize import clip_grad_norm, grad_sync, unwrap
+from app.trainer.parallel.runtime import autocast_for, configure_device, pick_device
+from app.trainer.reporting.metrics import flops_per_token
+from app.trainer.reporting.steplog import StepLog
+from app.trainer.stopping import agreement as stopping
+from app.trainer.stopping.agreement import Agreement, BadSteps, EarlyStopping, SignalFlag
+from app.trainer.stopping.budget_link import BudgetLink
+from app.trainer.stopping.causes import StopDecision
+from app.trainer.stopping.heartbeat import Heartbeat
+from app.trainer.stopping.lease import hold_run_dir, release
+from app.trainer.stopping.planned_end import DecayPlan
+from app.trainer.stopping.spikes import SpikeDetector
 
 
 def train_step(
@@ -89,129 +87,84 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
 
 
+@dataclass(frozen=True)
+class StepVerdict:
+    """What the divergence guard and the spike detector found in the newest step read from the step log."""
+
+    bad: bool = False  # its loss or gradient norm is not finite (the device skipped its update)
+    spike: bool = False  # its loss spiked (app/trainer/stopping/spikes.py)
+
+    @property
+    def skip(self) -> bool:
+        """train.skip_spike_updates: whether the step's update is skipped."""
+        return self.bad or self.spike
+
+
 class Trainer:
-    """One run: its state (`state`, saved in every checkpoint), the model and optimizer, and the
-    components that act on them, each built once in `setup`."""
+    """One run: its state (`state`, saved in every checkpoint), the model and optimizer, and the components
+    that act on them, each built once in `__init__`, so the trainer is whole before its loop starts. `run`
+    is the loop, `step` one optimizer step, `finish` the stop, `snapshot` what a save holds."""
 
-    def __init__(self, cfg: Config, budget: BudgetLink, heartbeat: Heartbeat) -> None:
-        self.cfg = cfg
-        self.budget = budget  # spend, the budget's LR decay, the trainer's own Kubernetes Events
-        self.heartbeat = heartbeat  # what the budget watcher reads of the run (app/trainer/heartbeat.py)
-        self.state = TrainerState()
-        # built by setup():
-        #   model, optimizer        what trains
-        #   data                    the micro-batches (app/trainer/batches.py)
-        #   autocast, steplog       the step's precision; the numbers each step leaves on the device
-        #   report                  console, metrics.jsonl, Prometheus, trackers
-        #   spikes                  the loss-spike detector
-        #   stopper                 the stop causes and the agreement of the ranks
-        #   checkpointer            resume, save when due, the stop's save
-        #   evaluator, sampler      val loss every train.eval_every, a sample every train.sample_every
-
-    def setup(self, *, run: RunArgs, env: DistEnv, device: torch.device, signals: SignalFlag) -> None:
-        """Build the components, each once, in the order their inputs exist. Collective."""
-        cfg = self.cfg
+    def __init__(
+        self,
+        cfg: Config,
+        budget: BudgetLink,
+        *,
+        run: RunArgs,
+        stop_file: Path,
+        env: DistEnv,
+        device: torch.device,
+        signals: SignalFlag,
+        closing: contextlib.ExitStack,
+    ) -> None:
+        """Build the components, each once, in the order their inputs exist. Collective. What holds
+        something open goes on `closing` as soon as it is built, so a start that fails half-way closes what
+        it built, and the end of a run closes the data, then the checkpoints, then the reporter."""
         train = cfg.train
         run_dir = Path(run.out)
+        self.cfg = cfg
+        self.budget = budget  # spend, the budget's LR decay, the watcher's heartbeat, Kubernetes Events
         configure_device(device)
-        _, peak = device_peak(cfg.metrics.gpu_type, cfg.metrics.peak_tflops, device)
-        if train.mfu_floor and not peak:
-            raise UserError(
-                f"train.mfu_floor needs the device's peak to measure MFU, and {device.type} "
-                "has none: set --gpu-type or metrics.peak_tflops, or drop train.mfu_floor"
-            )
-        self.report = Reporter(cfg, env, run_dir, peak)  # first: a busy port fails before the data
+        self.report = startup.reporter(cfg, env, run_dir, device)  # first: a busy port fails before the data
+        closing.callback(self.report.close)
         log = self.report.log
-        warn = self.report.warn
         data_dir = resolve_data_dir(cfg.data, log)
         manifest = Manifest.load(data_dir)
         fit_vocab(cfg.model, manifest, data_dir)
+        self.checkpointer = startup.checkpointer(cfg, env, run, data_dir, manifest, self.report, self.beat)
+        # a pending save is abandoned only after a crash: the last committed checkpoint stands
+        closing.callback(self.checkpointer.abandon)
+        auto = layout.for_run(cfg, env.world_size, device, self.checkpointer.find(), run_dir, log)
 
-        from app.trainer.memory import checkpoint_bytes, plan_for_training
-        from app.trainer.parallelize import build_parallel_model
-
-        self.checkpointer = Checkpointer(
-            run_dir,
-            cfg,
-            env,
-            resume=run.resume,
-            data={"dir": str(data_dir), "tokenizer_sha256": manifest.tokenizer.get("sha256")},
-            files=[data_dir / "tokenizer.json"],  # a checkpoint dir alone is enough to sample or export
-            expect_bytes=checkpoint_bytes(cfg),
-            log=log,
-            warn=warn,
-            on_commit=self.report.checkpoint,
-            on_save=self.beat,
-        )
-        resume_from = self.checkpointer.find()
-        auto_micro_batch = layout.for_run(cfg, env.world_size, device, resume_from, run_dir, log)
-
-        torch.manual_seed(train.seed)
-        parallel = plan_for_training(cfg, env.world_size, device)  # resolves train.parallel=auto
-        estimate = parallel.fsdp if parallel.mode == "fsdp" else parallel.ddp
-        log(f"parallel: {parallel.mode} ({parallel.reason}); estimate {estimate.describe()}")
-        self.model = build_parallel_model(cfg, env, device, parallel.mode, log)
-        counts = count_parameters(unwrap(self.model))
+        self.model, parallel = startup.parallel_model(cfg, env, device, log)
         self.optimizer = build_optimizer(unwrap(self.model), cfg.optim, device)
         self.data = TrainBatches(
-            cfg, env, data_dir, device, auto_micro_batch=auto_micro_batch, run_dir=run_dir, log=log, warn=warn
+            cfg, env, data_dir, device, auto_micro_batch=auto, run_dir=run_dir, log=log, warn=self.report.warn
         )
+        closing.callback(self.data.close)
         early = EarlyStopping(patience=train.early_stop_patience, min_delta=train.early_stop_min_delta)
         self.spikes = SpikeDetector(factor=train.spike_factor)
         bad_steps = BadSteps(max_bad=train.max_bad_steps)
-
         self.state = self.checkpointer.load(self.model, self.optimizer)
-        resumed_parts = [
-            (self.data, self.state.loader),
-            (early, self.state.early_stopping),
-            (self.spikes, self.state.spikes),
-            (bad_steps, self.state.bad_steps),
-        ]
-        for part, saved in resumed_parts:
-            if saved:
-                part.load_state_dict(saved)
-        self.data.start(self.state.step)  # reads ahead from the resumed position
+        startup.resume_parts(self.state, self.data, early, self.spikes, bad_steps)
 
         self.autocast = autocast_for(cfg, device)
         self.steplog = StepLog(env)
-        stop_file = run.stop_file or run_dir / "stop.json"
-        planned = PlannedEnd.of(cfg, self.data.tokens_per_step, self.state.budget_decay)
-        dropped = planned.drop_outdated(self.state.step, self.state.tokens, cfg.schedule, cfg.optim)
-        if dropped:  # resumed with another max_hours: the end is planned again
-            log(dropped)
-            self.state.budget_decay = None
-        self.stopper = StopAgreement(
-            stop_file=stop_file if env.is_rank0 else None,  # only the master pod's
-            planned=planned,
-            early=early,
-            signals=signals,
-            bad_steps=bad_steps,
-            mfu_floor=MfuFloor(train.mfu_floor, train.mfu_floor_minutes),
-            every=train.stop_check_every,
-            say=log,
-            warn=warn,
+        self.schedule = startup.schedule(cfg, self.state, self.data.tokens_per_step, log)
+        self.stopper = startup.stop_agreement(
+            cfg, env, stop_file, self.schedule.end, early, bad_steps, signals, self.report
         )
-        self.evaluator = Evaluator(
-            self.model,
-            cfg,
-            env,
-            device,
-            self.autocast,
-            data_dir=data_dir,
-            bytes_per_token=manifest.bytes_per_token("val"),
-            early=early,
-            report=self.report,
+        fsdp = parallel.mode == "fsdp"
+        self.evaluator, self.sampler = startup.evaluation(
+            cfg, env, device, self.model, self.autocast, data_dir, manifest, early, self.report, fsdp
         )
-        self.sampler = Sampler(
-            self.model,
-            data_dir,
-            device,
-            seed=train.seed,
-            every=train.sample_every,
-            fsdp=parallel.mode == "fsdp",  # every rank draws: FSDP gathers
-            log=log,
-        )
+        self.announce(env, device, data_dir, manifest)
 
+    def announce(self, env: DistEnv, device: torch.device, data_dir: Path, manifest: Manifest) -> None:
+        """What runs: the model's size, the data, the device and the batch; on the console and as the start
+        event."""
+        cfg = self.cfg
+        counts = count_parameters(unwrap(self.model))
         flops = flops_per_token(cfg.model)
         self.report.started(
             counts=counts,
@@ -220,17 +173,16 @@ class Trainer:
             checkpoint=self.checkpointer.resumed(),
         )
         tokens_per_step = self.data.tokens_per_step
-        log(
+        self.report.log(
             f"data {data_dir} (vocab {manifest.vocab_size}, "
             f"{sum(shard.tokens for shard in manifest.train):,} train tokens); device {device}, "
-            f"world size {env.world_size}, {tokens_per_step:,} tokens/step ({train.micro_batch_size} x "
+            f"world size {env.world_size}, {tokens_per_step:,} tokens/step ({cfg.train.micro_batch_size} x "
             f"{cfg.model.seq_len} x {env.world_size} ranks x {self.data.accum} accum), "
             f"{flops / 1e6:.1f} MFLOPs/token"
         )
         self.report.event(
-            "event",
+            "start",
             self.state.step,
-            event="start",
             preset=cfg.preset,
             parameters=counts.total,
             non_embedding=counts.non_embedding,
@@ -257,16 +209,15 @@ class Trainer:
             self.follow_plan(agreed.plan)
             self.checkpointer.maybe_save(state.step, self.snapshot, time_agreed=agreed.save_now)
 
-            if not self.step():
-                continue  # out of memory early under micro_batch_size=auto: the same step, smaller
+            self.step()
 
             if state.step % self.cfg.train.log_every == 0:
                 self.read_step_log()
-            last = self.stopper.ends_at(state.step, state.tokens)
+            last = self.schedule.end.ends_at(state.step, state.tokens)
             self.evaluator.maybe_evaluate(state, last=last)  # the last step's eval comes before its save
             self.sampler.maybe_sample(state.step)
             self.checkpointer.maybe_save(state.step, self.snapshot)
-            if self.heartbeat.due():
+            if self.budget.beat_due():
                 self.beat("running")
         return self.finish(agreed.decision)
 
@@ -275,34 +226,30 @@ class Trainer:
         ranks (every train.stop_check_every steps; at the other steps only what all ranks see alike)."""
         state = self.state
         pace = self.report.step_seconds
-        decay = self.budget.decay_proposal(state.step, pace, bool(state.budget_decay))
+        decaying = self.schedule.end.plan is not None
+        decay = self.budget.decay_proposal(state.step, pace, decaying)
         return self.stopper.agree(
             state.step, state.tokens, state.elapsed_seconds, decay, self.checkpointer.time_due(), pace
         )
 
-    def follow_plan(self, plan: dict | None) -> None:
+    def follow_plan(self, plan: DecayPlan | None) -> None:
         """An end plan the ranks just agreed (the budget's LR decay, or where max_hours ends), once: from
-        now on it is part of the state, and the LR schedule and the planned end follow it."""
+        now on the LR schedule and the planned end follow it, and every checkpoint stores it."""
         state = self.state
-        planned = self.stopper.planned
-        if plan and not state.budget_decay:
-            # the planned curve starts at the LR this step runs at without it, so the LR does not jump;
-            # stored with the plan, so a resume follows the same curve
-            plan["start_lr"] = planned.lr(state.step, state.tokens, self.cfg.schedule, self.cfg.optim)
-            state.budget_decay = plan
-            self.report.log(planned.follow(plan))
+        if plan is not None and self.schedule.end.plan is None:
+            self.report.log(self.schedule.follow(plan, state.step, state.tokens))
 
-    def step(self) -> bool:
-        """One optimizer step; False when it ran out of memory in this process's first steps under
-        train.micro_batch_size=auto and is to be retried at half the micro-batch."""
+    def step(self) -> None:
+        """One optimizer step at the schedule's LR and Muon momentum. The batches fit the micro-batch: under
+        train.micro_batch_size=auto an out-of-memory error in the first steps retries it smaller
+        (TrainBatches.fit), so the loop never sees one."""
         cfg = self.cfg
         state = self.state
-        state.lr = self.stopper.planned.lr(state.step, state.tokens, cfg.schedule, cfg.optim)
-        annealed = self.stopper.planned.annealed(state.step, state.tokens, cfg.schedule, cfg.optim)
-        set_muon_momentum(self.optimizer, muon_momentum_at(state.step, annealed, cfg.optim))
+        state.lr = self.schedule.lr(state.step, state.tokens)
+        set_muon_momentum(self.optimizer, self.schedule.muon_momentum(state.step, state.tokens))
         skip_spikes = self.skip_if_spike if cfg.train.skip_spike_updates else None
-        first_micro = self.data.micro_steps
-        try:
+
+        def one_step() -> None:  # the micro-batch layout (self.data.accum) as it stands at each try
             train_step(
                 model=self.model,
                 optimizer=self.optimizer,
@@ -315,29 +262,30 @@ class Trainer:
                 log=self.steplog,
                 skip_update=skip_spikes,
             )
-        except torch.OutOfMemoryError as error:
-            self.data.retry_smaller(error, state.step, first_micro)  # raises unless it is the layout's
-            self.optimizer.zero_grad(set_to_none=True)
-            self.steplog.discard(state.step + 1)
-            return False
+
+        self.data.fit(one_step, state.step, undo=self.forget_step)
         state.step += 1
-        peers.at_step(state.step)  # named if a peer is lost
+        at_step(state.step)  # a lost peer is reported with this step
         state.tokens += self.data.tokens_per_step
         self.report.step_done(state.step, self.data.tokens_per_step)
-        return True
 
-    def read_step_log(self) -> tuple[bool, bool]:
+    def forget_step(self) -> None:
+        """What a step that ran out of memory left: its gradients and its row in the step log."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steplog.discard(self.state.step + 1)
+
+    def read_step_log(self) -> StepVerdict:
         """Collective: the steps logged since the last read go, in order, through the divergence guard and
-        the spike detector to the reporter. Returns (bad, spike) of the last step."""
+        the spike detector to the reporter. Returns what the guards found in the last one."""
         rows = self.steplog.read()
         if not rows:
-            return False, False
+            return StepVerdict()
         state = self.state
         train = self.cfg.train
         tokens_per_second, step_seconds = self.report.window()
         self.stopper.mfu_floor.update(self.report.mfu(tokens_per_second), time.monotonic())
         data_wait = self.data.take_wait_seconds() / len(rows)
-        planned_in = self.stopper.planned.seconds_left(
+        planned_in = self.schedule.end.seconds_left(
             state.step, state.tokens, state.elapsed_seconds, self.report.step_seconds, tokens_per_second
         )
         bad_steps = self.stopper.bad_steps
@@ -358,11 +306,22 @@ class Trainer:
                     injected=self.data.injected(row.step),
                     seconds_to_planned_end=planned_in,
                 )
-        return bad, spike
+        return StepVerdict(bad, spike)
 
     def skip_if_spike(self) -> bool:
         """train.skip_spike_updates: read this step's loss now (a host sync every step, by choice)."""
-        return any(self.read_step_log())
+        return self.read_step_log().skip
+
+    def beat(self, status: str) -> None:
+        """The heartbeat the budget watcher reads: running | saving | stopping | done | preempted | failed."""
+        state = self.state
+        checkpoints = self.checkpointer
+        pace = self.report.step_seconds
+        self.budget.beat(
+            status, state.step, state.tokens, pace, checkpoints.committed_step, checkpoints.committed
+        )
+
+    # ------------------------------------------------------------ the save
 
     def snapshot(self) -> tuple[TrainerState, dict]:
         """Collective: what a checkpoint holds besides the weights and the optimizer. The state exact
@@ -374,6 +333,8 @@ class Trainer:
         state.early_stopping = self.stopper.early.state_dict()
         state.spikes = self.spikes.state_dict()
         state.bad_steps = self.stopper.bad_steps.state_dict()
+        plan = self.schedule.end.plan
+        state.budget_decay = plan.to_dict() if plan else None  # the agreed end plan, as JSON
         state.spent_usd = self.budget.spent_usd(state.spent_usd)
         evaluated_now = self.evaluator.last_step == state.step
         progress = {
@@ -383,25 +344,6 @@ class Trainer:
             "spent_usd": state.spent_usd,
         }
         return state, progress
-
-    def beat(self, status: str) -> None:
-        """The heartbeat the budget watcher reads: running | saving | stopping | done | preempted | failed."""
-        state = self.state
-        self.heartbeat.write(
-            status,
-            state.step,
-            state.tokens,
-            self.report.step_seconds,
-            self.checkpointer.committed_step,
-            self.checkpointer.committed,
-        )
-
-    def failed(self) -> None:
-        """The heartbeat says "failed": the watcher must not go on reading "running" from a dead trainer."""
-        if hasattr(self, "checkpointer"):
-            self.beat("failed")
-        else:  # setup failed early
-            self.heartbeat.write("failed", self.state.step, self.state.tokens)
 
     # ------------------------------------------------------------ the stop
 
@@ -420,32 +362,15 @@ class Trainer:
             self.checkpointer.final_save(state.step, self.snapshot, decision.name)
         else:
             self.checkpointer.abandon()  # its temp dir is removed; the last committed checkpoint stands
-        self.report.event(
-            "event",
-            state.step,
-            event="stop",
-            cause=decision.name,
-            reason=decision.reason,
-            exit_code=decision.exit_code,
-        )
+        self.report.stopped(state.step, decision)
         if decision.consumes_stop_file:
             self.stopper.consume_stop_file()
         if decision.event:  # posted here, or relayed by the watcher from the heartbeat
-            posted = self.budget.event(decision.event, decision.reason, self.report.warn)
-            self.heartbeat.event = {"reason": decision.event, "message": decision.reason, "posted": posted}
+            self.budget.event(decision.event, decision.reason, self.report.warn)
         self.beat("done" if decision.exit_code == 0 else "preempted")
         for line in self.checkpointer.summary():
             self.report.log(line)
         return decision.exit_code
-
-    def close(self) -> None:
-        """What setup built, however far it got."""
-        if hasattr(self, "data"):
-            self.data.close()
-        if hasattr(self, "checkpointer"):
-            self.checkpointer.abandon()  # pending only after a crash: the last committed checkpoint stands
-        if hasattr(self, "report"):
-            self.report.close()
 
 
 def train(cfg: Config, run: RunArgs) -> int:
@@ -456,51 +381,60 @@ def train(cfg: Config, run: RunArgs) -> int:
     cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
     env = init_distributed("cuda" if cuda else "cpu", cfg.train.collective_timeout_minutes)
     run_dir = Path(run.out)
+    stop_file = stop_file_of(run.stop_file, run_dir)
     trainer = None
     budget = None
-    lease = None
-    try:
-        lease = hold_run_dir(run_dir, cfg.checkpoint, signals, env.is_rank0)  # one writer per run dir
-        device = pick_device(cfg, env.local_rank)
-        rundir.prepare(run_dir, run.resume, run.overwrite, env)
-        stop_file = run.stop_file or run_dir / "stop.json"
+    # closed in reverse order, however far the start got: the trainer's parts, the budget, the lease, the
+    # signal handlers, the process group
+    with contextlib.ExitStack() as closing:
+        closing.callback(shutdown_distributed)
+        closing.callback(signals.uninstall)
         try:
-            budget = BudgetLink(cfg, run_dir, stop_file, env.is_rank0, env.world_size)
-        except (BudgetExhausted, PriceAboveMax) as end:  # a deliberate end before any work: exit 0
-            if env.is_rank0:
-                what = (
-                    "budget already spent, nothing to do"
-                    if isinstance(end, BudgetExhausted)
-                    else "price guard"
-                )
-                print(f"{what}: {end}", flush=True)
-                Heartbeat(run_dir).write("done")  # tells a sidecar watcher we are done
-            return 0
-        trainer = Trainer(cfg, budget, Heartbeat(run_dir, enabled=env.is_rank0))
-        trainer.setup(run=run, env=env, device=device, signals=signals)
-        return trainer.run()
-    except BaseException as error:
-        peers.exit_if_peer_lost(error)  # a collective failed because a peer is gone: exit 144 (retried)
-        # the watcher must not go on reading "running" from a dead trainer
-        with contextlib.suppress(Exception):
-            if trainer is not None:
-                trainer.failed()
-            elif env.is_rank0:
-                Heartbeat(run_dir).fail_if_written()
-        raise
-    finally:
-        if trainer is not None:
-            trainer.close()
-        if budget is not None:
-            budget.close()
-        release(lease)
-        signals.uninstall()
-        shutdown_distributed()
+            lease = hold_run_dir(run_dir, cfg.checkpoint, signals, env.is_rank0)  # one writer per run dir
+            closing.callback(release, lease)
+            device = pick_device(cfg, env.local_rank)
+            rundir.prepare(run_dir, run.resume, run.overwrite, env)
+            try:
+                budget = BudgetLink(cfg, run_dir, stop_file, env.is_rank0, env.world_size)
+            except (BudgetExhausted, PriceAboveMax) as end:  # a deliberate end before any work: exit 0
+                if env.is_rank0:
+                    what = (
+                        "budget already spent, nothing to do"
+                        if isinstance(end, BudgetExhausted)
+                        else "price guard"
+                    )
+                    print(f"{what}: {end}", flush=True)
+                    Heartbeat(run_dir).write("done")  # tells a sidecar watcher we are done
+                return 0
+            closing.callback(budget.close)
+            trainer = Trainer(
+                cfg,
+                budget,
+                run=run,
+                stop_file=stop_file,
+                env=env,
+                device=device,
+                signals=signals,
+                closing=closing,
+            )
+            return trainer.run()
+        except BaseException as error:
+            exit_if_peer_lost(error)  # a collective failed because a peer is gone: exit 144 (retried)
+            # the watcher must not go on reading "running" from a dead trainer
+            with contextlib.suppress(Exception):
+                if trainer is not None:
+                    trainer.beat("failed")
+                elif budget is not None:  # the trainer's start failed
+                    budget.beat("failed")
+                elif env.is_rank0:
+                    Heartbeat(run_dir).fail_if_written()
+            raise
 
 
 def run(args: argparse.Namespace) -> int:
     """`pretrain train`: resolve the config, then print it or train."""
     cfg = config_from_args(args)
+    plan_run(cfg, args)  # the size check, the batch layout for --gpu-type (app/trainer/planning.py)
     if args.print_config:
         return print_config(cfg)
     stop_file = Path(args.stop_file) if args.stop_file else None

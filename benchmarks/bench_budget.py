@@ -29,9 +29,9 @@ import torch
 
 from app.budget import start_in_process
 from app.budget import watcher as watcher_mod
-from app.budget.config import BudgetConfig
 from app.budget.policy import Decision, PolicyInput
 from app.budget.watcher import LOOK_SECONDS, Watcher
+from app.config.budget import BudgetConfig
 from benchmarks.budget_sim import SimParams, SimResult, simulate, summary
 
 ROUNDS = 9

@@ -21,8 +21,8 @@ PICKLE_PROTOCOL_2_PLUS = b"\x80"  # a pickle of protocol >= 2 starts with PROTO
 
 def _model_and_optimizer():
     from app.config import ModelConfig, OptimConfig
-    from app.trainer.model import build_model
-    from app.trainer.optim import build_optimizer
+    from app.trainer.model.gpt import build_model
+    from app.trainer.optimization.optimizer import build_optimizer
 
     torch.manual_seed(0)
     model = build_model(

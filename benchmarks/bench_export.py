@@ -69,7 +69,7 @@ def make_run(root: Path) -> tuple[Path, int, int]:
     from app.data.corpus import documents
     from app.data.tokenizer import train_bpe
     from app.trainer.checkpoint.writer import CheckpointWriter
-    from app.trainer.model import build_model
+    from app.trainer.model.gpt import build_model
 
     cfg = load_config("gpt2-124m")
     run = root / "run"

@@ -19,9 +19,9 @@ import torch
 
 from app.data.loader import TrainLoader, resolve_data_dir, val_batches
 from app.data.manifest import Manifest
-from app.trainer.model import build_model
-from app.trainer.optim import build_optimizer, set_lr
-from app.trainer.schedule import lr_at
+from app.trainer.model.gpt import build_model
+from app.trainer.optimization.optimizer import build_optimizer, set_lr
+from app.trainer.optimization.schedule import lr_at
 from benchmarks.bench_quality import tiny_before_33
 
 STEPS = 300
@@ -46,7 +46,7 @@ MATRIX_LRS = (0.002, 0.004, 0.008, 0.016)  # the other groups stay at optim.lr =
 
 
 def _config(extra: list[str]):
-    cfg = tiny_before_33([*MODEL, *extra])  # AdamW and Muon on the model and data of before issue #33
+    cfg = tiny_before_33([*MODEL, *extra])  # AdamW and Muon on the AdamW recipe's model and data
     data_dir = resolve_data_dir(cfg.data, log=lambda m: None)
     cfg.model.vocab_size = Manifest.load(data_dir).vocab_size
     return cfg, data_dir

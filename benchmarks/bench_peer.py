@@ -14,7 +14,7 @@ CPU-second of this process (steady under other load with one thread) and per wal
   model only:     the same loop for both: loss = F.cross_entropy over all logits (pretrain: its
                   model's own loss), backward, clip_grad_norm_(1.0), torch AdamW(lr 1e-3, wd 0.1,
                   fused=PEER_FUSED), zero_grad.
-  as each ships:  pretrain: its model's loss and app.trainer.optim.build_optimizer (default OptimConfig;
+  as each ships:  pretrain: its model's loss and app.trainer.optimization.optimizer.build_optimizer (default OptimConfig;
                   the AdamW's fused flag is printed); LitGPT: litgpt.pretrain's CPU setup:
                   instantiate_torch_optimizer("AdamW", fused=False), chunked_cross_entropy (128-row
                   chunks), clip to max_norm 1.0 (what fabric.clip_gradients runs).
@@ -84,7 +84,7 @@ def build_pair():
     import litgpt
     from litgpt.model import GPT as LitGPT
 
-    from app.trainer.model import build_model
+    from app.trainer.model.gpt import build_model
 
     cfg = pretrain_config()
     torch.manual_seed(1337)
@@ -198,7 +198,7 @@ def shipped_pair(batch_list):
     from litgpt.utils import instantiate_torch_optimizer
 
     from app.config import OptimConfig
-    from app.trainer.optim import build_optimizer
+    from app.trainer.optimization.optimizer import build_optimizer
 
     ours, peer = build_pair()
     ours_opt = build_optimizer(ours, OptimConfig(), torch.device("cpu"))
@@ -313,7 +313,7 @@ def peer_trainer(steps: int, warmup: int) -> float:
 def background_load() -> None:
     """Another training process (pretrain's GPT at the same shapes, a plain loop, torch's default threads)
     until it is stopped: the load both trainers share in the loaded rounds."""
-    from app.trainer.model import build_model
+    from app.trainer.model.gpt import build_model
 
     model = build_model(pretrain_config())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -402,16 +402,17 @@ def trainer_ratios() -> list[str]:
 
 # ---------------------------------------------------------------- profile (--profile)
 
-CATEGORIES = [  # first match wins; matched against the lower-cased op name
-    ("optimizer", ("optimizer.step", "adam", "_foreach", "clip_grad", "lerp", "addcdiv", "addcmul")),
+# First match wins; matched against the lower-cased op name. The optimizer's ops are found by the phase
+# they run in (Trainee.step), so an addcmul in the model counts as elementwise work, not as optimizer.
+CATEGORIES = [
     ("attention (SDPA)", ("attention", "sdpa", "flash")),
     ("cross-entropy", ("cross_entropy", "log_softmax", "nll_loss")),
     ("embedding", ("embedding",)),
     ("matmul", ("addmm", "mm", "matmul", "linear", "bmm")),
-    ("silu", ("silu",)),
-    ("norm/rsqrt/mean", ("rsqrt", "mean", "pow", "norm")),
+    ("activation (silu, gelu)", ("silu", "gelu")),
+    ("norm/rsqrt/mean", ("rsqrt", "mean", "pow", "norm", "vecdot")),
     ("cat/copy/layout", ("cat", "copy_", "clone", "contiguous", "to_copy", "empty", "fill_", "zero_")),
-    ("elementwise mul/add/neg", ("mul", "add", "sub", "neg", "div")),
+    ("elementwise mul/add/neg", ("mul", "add", "sub", "neg", "div", "rope")),
 ]
 
 
@@ -432,14 +433,20 @@ def _phase(e) -> str | None:
 
 
 def profile(shipped: bool = False, steps: int = 3, rounds: int = 3) -> list[str]:
+    """The per-op profile of both models (profile_pair), in the model-only loop or as each ships."""
+    torch.set_num_threads(THREADS)
+    a, b = (shipped_pair if shipped else model_only_pair)(batches())
+    loop = "as each ships" if shipped else "model-only loop"
+    return profile_pair(a, b, ("pretrain", "LitGPT"), loop, steps, rounds)
+
+
+def profile_pair(a: Trainee, b: Trainee, names, loop: str, steps: int = 3, rounds: int = 3) -> list[str]:
     """Self-CPU ms per step by op category (the optimizer phase as one: clip + step + zero_grad) and the
-    top forward/backward ops, median over `rounds` interleaved profiles of `steps` steps each."""
+    top forward/backward ops of two trainees (`names`), median over `rounds` interleaved profiles of
+    `steps` steps each."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
-    torch.set_num_threads(THREADS)
-    a, b = (shipped_pair if shipped else model_only_pair)(batches())
-    names = ("pretrain", "LitGPT")
     cats: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     ops: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     calls: dict[str, dict[str, int]] = {n: {} for n in names}
@@ -447,7 +454,8 @@ def profile(shipped: bool = False, steps: int = 3, rounds: int = 3) -> list[str]
         for _ in range(WARMUP):
             t.step()
     for r in range(rounds):
-        for name, t in (("pretrain", a), ("LitGPT", b)) if r % 2 == 0 else (("LitGPT", b), ("pretrain", a)):
+        pairs = ((names[0], a), (names[1], b))
+        for name, t in pairs if r % 2 == 0 else pairs[::-1]:
             t.step()
             with tprofile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(steps):
@@ -470,16 +478,12 @@ def profile(shipped: bool = False, steps: int = 3, rounds: int = 3) -> list[str]
                 ops[name].setdefault(k, []).append(ms)
                 calls[name][k] = n_calls[k] // steps
     med = statistics.median
-    loop = "as each ships" if shipped else "model-only loop"
+    first, second = names
     out = [f"self-CPU ms per step, median of {rounds} interleaved profiles of {steps} steps ({loop})"]
-    order = sorted(
-        set(cats["pretrain"]) | set(cats["LitGPT"]), key=lambda c: -med(cats["pretrain"].get(c, [0]))
-    )
-    out.append(f"    {'category':<28} {'pretrain':>9} {'LitGPT':>9}")
+    order = sorted(set(cats[first]) | set(cats[second]), key=lambda c: -med(cats[first].get(c, [0])))
+    out.append(f"    {'category':<28} {first:>9} {second:>9}")
     for c in order:
-        out.append(
-            f"    {c:<28} {med(cats['pretrain'].get(c, [0])):9.1f} {med(cats['LitGPT'].get(c, [0])):9.1f}"
-        )
+        out.append(f"    {c:<28} {med(cats[first].get(c, [0])):9.1f} {med(cats[second].get(c, [0])):9.1f}")
     totals = [sum(med(v) for v in cats[n].values()) for n in names]
     out.append(f"    {'total':<28} {totals[0]:9.1f} {totals[1]:9.1f}")
     for name in names:

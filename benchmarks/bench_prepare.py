@@ -40,7 +40,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"  # both on one core
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 from app.data.prepare import prepare
-from app.data.settings import PrepareConfig
+from app.config import PrepareConfig
 data, tok_dir, out, order = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 
 def raw(ids):
@@ -99,7 +99,7 @@ _PIPELINE = r"""
 import glob, json, resource, sys, threading, time
 from pathlib import Path
 from app.data.prepare import prepare
-from app.data.settings import PrepareConfig
+from app.config import PrepareConfig
 data, tok_dir, out, workers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 
 def hwm_mb(pid="self"):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from app.trainer.generate import generate
+from app.trainer.model.generate import generate
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 64

@@ -1,9 +1,9 @@
-"""The training step before and after issue #25's read-out (CPU, eager, measured alternately in one process).
+"""The training step before and after the padded read-out (CPU, eager, measured alternately in one process).
 
 before: the head's logits over the true vocabulary, kept by the output for the caller, fp32 cross-entropy
         on them (the read-out as it was);
 now:    embedding and head padded to a multiple of 128, pad logits cut off, only the loss returned
-        (app/trainer/model.py; under train.compile the norm, head and loss are one compiled region).
+        (app/trainer/model/gpt.py; under train.compile the norm, head and loss are one compiled region).
 
 On the tiny preset (vocabulary 2048, already a multiple of 128) the ratio shows the step is at least as
 fast as before; at GPT-2's vocabulary (50257 -> 50304) it shows what padding costs or gains on this CPU.
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from app.config import load_config
-from app.trainer.model import GPT
-from app.trainer.optim import build_optimizer
+from app.trainer.model.gpt import GPT
+from app.trainer.optimization.optimizer import build_optimizer
 
 STEPS = 8
 WARMUP = 2
@@ -29,7 +29,7 @@ ROUNDS = 3
 
 
 class PreviousReadout(GPT):
-    """The read-out before #25: no padding (vocab_multiple=1), logits kept alive like the old output."""
+    """The read-out before the padded one: no padding (vocab_multiple=1), logits kept alive like the old output."""
 
     def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         self.kept_logits = logits = self.head(self.norm(h))

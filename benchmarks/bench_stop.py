@@ -1,4 +1,4 @@
-"""The stop agreement every k steps (app/trainer/stopping.py) on 2 gloo ranks of the tiny preset:
+"""The stop agreement every k steps (app/trainer/stopping/agreement.py) on 2 gloo ranks of the tiny preset:
 
 - SIGTERM-to-exit latency (finish the step, agree, checkpoint, exit 143) with k = 1, k = auto and k = 8,
   each against k = 1 measured in the same run: what the preemption grace period must cover;

@@ -19,8 +19,8 @@ from app.config import load_config
 from app.data.loader import TrainLoader, resolve_data_dir
 from app.data.manifest import Manifest
 from app.train import RunArgs, train
-from app.trainer.model import build_model
-from app.trainer.optim import build_optimizer
+from app.trainer.model.gpt import build_model
+from app.trainer.optimization.optimizer import build_optimizer
 
 STEPS = 60
 WARMUP = 10  # steps excluded from both timings

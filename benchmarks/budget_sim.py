@@ -21,11 +21,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from app.budget import BudgetExhausted, check_not_exhausted
-from app.budget.config import BudgetConfig
 from app.budget.files import read_stop_file
 from app.budget.ledger import load_ledger
 from app.budget.view import ledger_path_for
 from app.budget.watcher import LEASE_FILE, LOOK_SECONDS, Watcher
+from app.config.budget import BudgetConfig
 from app.files import atomic_write_json
 
 T0 = 1_700_000_000.0  # simulated unix epoch, so ISO timestamps in the billing file are real ones

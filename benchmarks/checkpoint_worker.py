@@ -45,10 +45,10 @@ from app.trainer.checkpoint.format import BLOCK, _raw, write_safetensors
 from app.trainer.checkpoint.state import model_pieces, optimizer_pieces
 from app.trainer.checkpoint.store import step_dir_name as ckpt_dir
 from app.trainer.checkpoint.writer import CheckpointWriter
-from app.trainer.distributed import init_distributed
-from app.trainer.model import build_model
-from app.trainer.optim import build_optimizer
-from app.trainer.parallelize import shard_model, unwrap
+from app.trainer.model.gpt import build_model
+from app.trainer.optimization.optimizer import build_optimizer
+from app.trainer.parallel.distributed import init_distributed
+from app.trainer.parallel.parallelize import shard_model, unwrap
 
 REPEATS = 3
 THROUGHPUT_REPEATS = 5  # pairs: the figure a shared disk varies most

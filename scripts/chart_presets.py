@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Write helm/presets.yaml: each trainer preset's batch layout, for the chart's render-time check that
-`gpus` divides the preset's global batch (the trainer would otherwise exit 2 after the pods were
-scheduled and the data wait was over).
+"""Write helm/presets.yaml: each trainer preset's batch layout as the trainer resolves it (its `base:`
+chain applied: app/config/presets.py), for the chart's render-time check that `gpus` divides the preset's
+global batch (the trainer would otherwise exit 2 after the pods were scheduled and the data wait was over).
 
     python scripts/chart_presets.py            # (re)write helm/presets.yaml (`make k8s` runs it)
     python scripts/chart_presets.py --check    # exit 1 when it differs from app/presets/
 
-The rule it feeds is app.trainer.runtime.grad_accum_steps: with train.batch_tokens set, it must be a
+The rule it feeds is app.trainer.parallel.runtime.grad_accum_steps: with train.batch_tokens set, it must be a
 multiple of micro_batch_size x seq_len x world size.
 """
 
@@ -21,9 +21,10 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "helm" / "presets.yaml"
 HEADER = (
-    "# Generated from app/presets/*.yaml by scripts/chart_presets.py (`make k8s`); do not edit.\n"
+    "# Generated from app/presets/*.yaml, each with its bases applied, by scripts/chart_presets.py\n"
+    "# (`make k8s`); do not edit.\n"
     "# Batch layout of each trainer preset: the chart refuses a `gpus` that train.batch_tokens does not\n"
-    "# divide into micro_batch_size x seq_len x gpus (app/trainer/runtime.py grad_accum_steps).\n"
+    "# divide into micro_batch_size x seq_len x gpus (app/trainer/parallel/runtime.py grad_accum_steps).\n"
 )
 
 

@@ -67,9 +67,10 @@ EXPECTED: dict[str, tuple] = {
     "gpt2-124m micro-batch as planned": (True,),
     f"{SPEEDRUN} micro-batch as planned": (True,),
     "recompiles, x1-50m and gpt2-124m": (0, 0),
-    # one graph per kind of block: the first (the x0 skip's input is the embedding itself) and the blocks
-    # without a value table are kinds of their own; the dry run, at the preset's depth, measures the same
-    f"{SPEEDRUN} compiled recompiles": (2, 2),
+    # one graph per kind of block, 5 kinds: the first (the x0 skip's input is the embedding itself), then
+    # with or without a value table, with or without a U-net skip (added inside the block); the dry run, at
+    # the preset's depth, measures the same
+    f"{SPEEDRUN} compiled recompiles": (4, 4),
     "graph breaks": (0, 0),
 }
 WHY = {
@@ -93,7 +94,7 @@ WHY = {
     "gpt2-124m micro-batch as planned": "as x1-50m",
     f"{SPEEDRUN} micro-batch as planned": "as x1-50m",
     "recompiles, x1-50m and gpt2-124m": "every bench run: dynamic=False, one static graph per shape",
-    f"{SPEEDRUN} compiled recompiles": "by design: the first block (input is the embedding) and the blocks without a value table",
+    f"{SPEEDRUN} compiled recompiles": "by design: one graph per kind of block (the first; with or without a value table, a U-net skip)",
     "graph breaks": "fullgraph=True makes a break an error",
 }
 HOPPER_ONLY = {name for name in EXPECTED if name.endswith("MFU")}
@@ -201,7 +202,7 @@ def sdpa_backend(kv_heads: int, dry: bool) -> str:
     from torch.profiler import profile
 
     from app.config import load_config
-    from app.trainer.model import Attention, rope_tables
+    from app.trainer.model.gpt import Attention, rope_tables
 
     m = load_config("x1-50m", overrides=[f"model.n_kv_head={kv_heads}"]).model
     cuda = torch.cuda.is_available() and not dry
@@ -275,8 +276,8 @@ def bench(label: str, preset: str, overrides: list[str], dry: bool, seconds: flo
 def planned_micro_batch(preset: str, gpu_type: str, dry: bool) -> int | None:
     """What `pretrain plan --gpu TYPE --gpus 1` lays out for the preset (None: no table entry)."""
     from app.config import load_config, vocab_for_estimates
-    from app.trainer import layout
-    from app.trainer.memory import GPU_MEMORY_GB
+    from app.trainer.parallel import layout
+    from app.trainer.parallel.memory import GPU_MEMORY_GB
 
     cfg = load_config(preset, overrides=[*(dry_model(preset) if dry else []), "train.compile=true"])
     cfg.model.vocab_size = vocab_for_estimates(cfg)
@@ -287,8 +288,8 @@ def planned_micro_batch(preset: str, gpu_type: str, dry: bool) -> int | None:
 
 def allocator_estimate(run: dict) -> int | None:
     """The estimate of what torch's allocator holds at its peak: the run's estimate less the CUDA context,
-    NCCL's buffers and fragmentation (app/trainer/memory.py CUDA_OVERHEAD), which it never counts."""
-    from app.trainer.memory import CUDA_OVERHEAD
+    NCCL's buffers and fragmentation (app/trainer/parallel/memory.py CUDA_OVERHEAD), which it never counts."""
+    from app.trainer.parallel.memory import CUDA_OVERHEAD
 
     estimate = run.get("estimated_memory_bytes")
     if not estimate:

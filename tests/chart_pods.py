@@ -16,6 +16,8 @@ from pathlib import Path
 
 import k8s_helpers as h
 
+from tests.procs import Proc
+
 WAIT_COMMAND = ["python", "-m", "app.data.wait"]
 
 
@@ -52,7 +54,7 @@ def as_user(cmd: list[str], uid: int | None) -> list[str]:
     return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *cmd]
 
 
-def watcher_sidecar(docs: list, root: Path, port: int, uid: int | None = None) -> subprocess.Popen:
+def watcher_sidecar(docs: list, root: Path, port: int, uid: int | None = None) -> Proc:
     """The rendered budget-watcher container (`pretrain watch ...`) started for real, serving on `port`,
     with /etc/pretrain, /ckpt and /run/pretrain under root."""
     c = h.container(master(docs), "budget-watcher", init=True)
@@ -61,12 +63,10 @@ def watcher_sidecar(docs: list, root: Path, port: int, uid: int | None = None) -
     args[args.index("--metrics-port") + 1] = str(port)
     args[args.index("--kube") + 1] = "off"
     cmd = as_user([sys.executable, "-m", "app.cli", *args], uid)
-    return subprocess.Popen(
-        cmd, env=clean_env(), cwd=h.REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    return Proc(cmd, env=clean_env(), cwd=h.REPO, separate_stderr=True)
 
 
-def startup_probe(c: dict, port: int, proc: subprocess.Popen, timeout: float = 60.0) -> bool:
+def startup_probe(c: dict, port: int, proc: Proc, timeout: float = 60.0) -> bool:
     """The container's startupProbe (an HTTP GET on its path) against 127.0.0.1:port, polled until it
     answers 200, `timeout` passes, or the process exits (the kubelet would restart it, to the same end)."""
     path = c["startupProbe"]["httpGet"]["path"]

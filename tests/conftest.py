@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.procs import LIVE, Proc, Procs
 
 REPO = Path(__file__).resolve().parents[1]
 # Prepared data is cached across test sessions in the repo (gitignored); CI starts empty.
@@ -38,7 +39,7 @@ FAST = [
     "metrics.progress=false",
 ]
 
-# tiny's recipe before issue #33 (AdamW, cosine, tied head, none of the model switches): the tests whose
+# tiny on the AdamW recipe (AdamW, cosine, tied head, none of the model switches): the tests whose
 # thresholds were set on it (a loss that must fall by a given step, a divergence at a given LR, an exact
 # layer count) pin it, so a change of the default recipe does not move what they check
 CLASSIC = [
@@ -98,34 +99,66 @@ def pretrain(
     return proc
 
 
+def pretrain_meanwhile(*args: str, env: dict | None = None) -> Proc:
+    """`pretrain ARGS` started in the background, for a run that does not depend on what the test does
+    next (a straight reference beside the interrupted run it is compared with): a test runs one process
+    at a time, so on 2 cores the other core trains it meanwhile. `.finished()` waits for it and returns
+    what `pretrain` returns."""
+    return Proc([sys.executable, "-m", "app.cli", *args], env=env or cli_env(), separate_stderr=True)
+
+
 def torchrun(
     *args: str, nproc: int = 2, timeout: float = 300, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """A real torchrun with `nproc` gloo processes running the trainer."""
+    """A real torchrun with `nproc` gloo processes running the trainer: `args` are its flags. A worker
+    script (`path.py ARGS`) or another module (`-m MODULE ARGS`) goes first in `args` instead."""
+    target = ["-m", "app.train", *args]
+    if args and (args[0] == "-m" or str(args[0]).endswith(".py")):
+        target = [str(a) for a in args]
+    if args and str(args[0]).endswith(".py") and env is None:
+        env = cli_env(PYTHONPATH=str(REPO))  # a script outside the repository imports the project
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={nproc}",
-        "-m",
-        "app.train",
-        *args,
+        *target,
     ]
     return subprocess.run(
         cmd, cwd=REPO, env=env or cli_env(), capture_output=True, text=True, timeout=timeout
     )
 
 
-def spawn_train(*args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "train", *args],
-        cwd=REPO,
-        env=env or cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+@pytest.fixture(scope="session", autouse=True)
+def _stop_every_process_at_the_end():
+    """What a module's fixture started and did not stop ends with the session."""
+    yield
+    for proc in list(LIVE):
+        proc.stop()
+
+
+@pytest.fixture(autouse=True)
+def _stop_what_the_test_started():
+    """Every process a test started (tests/procs.py) ends with it, passed or failed: a trainer left
+    running would load the machine for the tests after it. A Procs of a module's fixture stops its own
+    at the module's end."""
+    before = list(LIVE)
+    yield
+    for proc in [p for p in LIVE if p not in before and p.owner is None]:
+        proc.stop()
+
+
+@pytest.fixture
+def procs(tmp_path) -> Procs:
+    """Start the project's processes for this test (logs in tmp_path/logs); all are stopped at its end."""
+    with Procs(tmp_path / "logs") as started:
+        yield started
+
+
+def spawn_train(*args: str, env: dict | None = None) -> Proc:
+    """`pretrain train ARGS` in the background (stopped at the test's end if it is still running)."""
+    return Proc([sys.executable, "-m", "app.cli", "train", *args], env=env or cli_env())
 
 
 def train_rows(run_dir: Path, kind: str = "train") -> list[dict]:
@@ -140,16 +173,8 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in train_rows(run_dir)}
 
 
-def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rows = train_rows(run_dir)
-        if rows and rows[-1]["step"] >= step:
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"trainer exited {proc.returncode} before step {step}: {proc.stdout.read()}")
-        time.sleep(0.02)
-    raise AssertionError(f"step {step} not reached in {timeout}s")
+def wait_for_step(run_dir: Path, step: int, proc: Proc, timeout: float = 120) -> None:
+    proc.wait_for_step(run_dir, step, timeout)
 
 
 def full_optimizer_state(info) -> dict | None:

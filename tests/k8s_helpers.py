@@ -23,6 +23,8 @@ import jsonschema
 import kubernetes_validate
 import yaml
 
+from tests.procs import Proc
+
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "helm"
 SCHEMAS = REPO / "tests" / "fixtures" / "k8s-schemas"
@@ -598,15 +600,9 @@ class PreparePod:
             cwd=REPO,
         )
 
-    def start(self, **extra: str) -> subprocess.Popen:
-        return subprocess.Popen(
-            self.command(),
-            env={**self.env, **extra},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-        )
+    def start(self, **extra: str) -> Proc:
+        """The pod's command in the background (stdout and stderr apart); stopped at the test's end."""
+        return Proc(self.command(), env={**self.env, **extra}, separate_stderr=True)
 
 
 class JobApi:

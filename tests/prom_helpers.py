@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -10,12 +11,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import yaml
+
+from tests.procs import Proc
 
 REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "helm" / "rules" / "pretrain-rules.yaml"
@@ -68,7 +70,7 @@ def exported_metric_names() -> set[str]:
     (labelled families with no child yet included; `_created` excluded)."""
     from app.budget.metrics import BudgetMetrics
     from app.tools.generation import ServeMetrics
-    from app.trainer.metrics import TrainerMetrics
+    from app.trainer.reporting.metrics import TrainerMetrics
 
     suffix = {"counter": "_total", "info": "_info"}
     trainer = TrainerMetrics(
@@ -157,44 +159,34 @@ class Prometheus:
         self.config = self.workdir / "prometheus.yml"
         self.config.write_text(yaml.safe_dump(config, sort_keys=False))
         self.log = self.workdir / "prometheus.log"
-        self.proc: subprocess.Popen | None = None
+        self.proc: Proc | None = None
 
     def start(self, timeout: float = 60) -> Prometheus:
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(
-                [
-                    "prometheus",
-                    f"--config.file={self.config}",
-                    f"--storage.tsdb.path={self.workdir / 'data'}",
-                    f"--web.listen-address=127.0.0.1:{self.port}",
-                    "--storage.tsdb.retention.time=1h",
-                    "--log.level=warn",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self.workdir,
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"prometheus exited {self.proc.returncode}:\n{self.log.read_text()}")
+        cmd = [
+            "prometheus",
+            f"--config.file={self.config}",
+            f"--storage.tsdb.path={self.workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--storage.tsdb.retention.time=1h",
+            "--log.level=warn",
+        ]
+        self.proc = Proc(cmd, self.log, env=dict(os.environ), cwd=self.workdir)
+
+        def ready() -> bool:
             try:
                 with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as r:
-                    if r.status == 200:
-                        return self
+                    return r.status == 200
             except OSError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"prometheus not ready in {timeout}s:\n{self.log.read_text()}")
+                return False
+
+        self.proc.wait_until(ready, "prometheus ready", timeout, poll=0.2)
+        return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
+        if self.proc is not None and self.proc.running():
+            self.proc.signal(signal.SIGTERM)
+            with contextlib.suppress(AssertionError):  # not gone in 20 s: wait ended it (SIGKILL)
                 self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
 
     def __enter__(self) -> Prometheus:
         return self.start()

@@ -107,7 +107,7 @@ def test_modules_stay_readable():
 
 
 def test_training_loop_knows_no_budget_files():
-    """The loop reaches the budget only through app.trainer.budget_link."""
+    """The loop reaches the budget only through app.trainer.stopping.budget_link."""
     graph = import_graph()
     budget = {m for m in graph["app.train"] if m.startswith("app.budget")}
     assert budget <= {"app.budget"}, budget  # BudgetExhausted, the one exception type the loop catches
@@ -116,8 +116,19 @@ def test_training_loop_knows_no_budget_files():
         assert name not in source
 
 
+def test_budget_and_trainer_depend_one_way():
+    """The trainer reaches the budget (app/trainer/stopping/budget_link.py); the budget never imports the trainer,
+    so the watcher, a sidecar of its own, loads none of the training code. What both need lies below both
+    (e.g. app/metrics_server.py)."""
+    graph = import_graph()
+    budget = [m for m in graph if m == "app.budget" or m.startswith("app.budget.")]
+    assert budget, "the import graph has no budget package"
+    upward = {m: sorted(t for t in graph[m] if t.startswith("app.trainer")) for m in budget}
+    assert {m: t for m, t in upward.items() if t} == {}
+
+
 def test_trainer_holds_a_run_not_every_collaborator():
-    """Trainer's attributes are the run's state and its components, at most 15 (#34); the loop reaches the
+    """Trainer's attributes are the run's state and its components, at most 15; the loop reaches the
     checkpoints through the package's facade only, never a module inside it."""
     tree = ast.parse((APP / "train.py").read_text())
     (trainer,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Trainer"]
@@ -175,3 +186,28 @@ def test_repository_stands_alone():
     from app.files import sha256_file
 
     assert sha256_file(fixture / "kubeflow.org_pytorchjobs.v1.9.0.yaml") == recorded
+
+
+def test_config_lives_in_one_package_below_the_components():
+    """Every config dataclass is in app/config/ (the budget's and prepare's too), and the package imports
+    only itself and the shared modules: the components (budget/, trainer/, data/, tools/) import config,
+    never the other way, so no package is tied to config both ways."""
+    graph = import_graph()
+    package = {m for m in graph if m == "app.config" or m.startswith("app.config.")}
+    assert {"app.config.budget", "app.config.prepare", "app.config.loader"} <= package
+    for module in sorted(package):
+        outside = graph[module] - package
+        assert outside <= {"app.errors", "app.gpus"}, f"{module} imports {sorted(outside)}"
+        # inside the package, a module imports its siblings, not the package's re-exports
+        assert module == "app.config" or "app.config" not in graph[module], module
+    elsewhere = []
+    for path in APP.rglob("*.py"):
+        if path.is_relative_to(APP / "config"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            decorators = [
+                getattr(d, "id", getattr(d, "attr", "")) for d in getattr(node, "decorator_list", [])
+            ]
+            if isinstance(node, ast.ClassDef) and node.name.endswith("Config") and "dataclass" in decorators:
+                elsewhere.append(f"{module_name(path)}.{node.name}")
+    assert elsewhere == [], "config dataclasses belong in app/config/"

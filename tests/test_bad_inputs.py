@@ -33,6 +33,11 @@ FAMILIES: dict[str, dict[str, Case]] = {
             "does not fit", "train", "--out", "{tmp}/run", "--set", "train.micro_batch_size=100000000"
         ),
         "layers": case("does not fit", "train", "--out", "{tmp}/run", "--set", "model.n_layer=1000000"),
+        # bench measures the machine it runs on: its fix names no flag bench lacks
+        "bench-layers": case(
+            "or measure it on more or larger GPUs (torchrun -m app.tools.bench",
+            *("bench", "--steps", "1", "--warmup", "0", "--set", "model.n_layer=1000000"),
+        ),
         "bench-seq-len": case(
             "does not fit", "bench", "--steps", "1", "--warmup", "0", "--set", "model.seq_len=100000000"
         ),

@@ -5,15 +5,13 @@ with exit 0 and a checkpoint, and a restart exits 0 at once. Both hosts: the in-
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
 
 from app.budget.ledger import load_ledger
 from app.budget.view import ledger_path_for
-from tests.conftest import FAST, REPO, cli_env, pretrain
+from tests.conftest import FAST, pretrain
 
 CAP = ["--budget-cap-usd", "0.01", "--price-per-gpu-hour", "3.6", "--gpus", "1"]
 FAST_BUDGET = [
@@ -61,64 +59,33 @@ def test_tiny_cap_stops_gracefully_and_a_restart_exits_at_once(tmp_path):
 
 
 @pytest.mark.slow
-def test_sidecar_stops_an_out_of_process_trainer(tmp_path):
+def test_sidecar_stops_an_out_of_process_trainer(tmp_path, procs):
     run, stop = tmp_path / "run", tmp_path / "stopdir" / "stop.json"
     stop.parent.mkdir()
-    env = cli_env()
-    watcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "app.cli",
-            "watch",
-            "--budget-cap-usd",
-            "0.02",
-            "--price-per-gpu-hour",
-            "3.6",
-            "--gpus",
-            "1",
-            "--run-dir",
-            str(run),
-            "--stop-file",
-            str(stop),
-            "--poll-seconds",
-            "0.5",
-            "--margin-seconds",
-            "1",
-            "--metrics-port",
-            "0",
-            "--kube",
-            "off",
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    watcher = procs.pretrain(
+        *("watch", "--budget-cap-usd", "0.02", "--price-per-gpu-hour", "3.6", "--gpus", "1"),
+        *("--run-dir", str(run), "--stop-file", str(stop), "--poll-seconds", "0.5", "--margin-seconds", "1"),
+        *("--metrics-port", "0", "--kube", "off"),
     )
-    try:
-        p = pretrain(
-            "train",
-            "--out",
-            str(run),
-            "--stop-file",
-            str(stop),
-            "--max-steps",
-            "1000000",
-            *FAST,
-            *FAST_BUDGET,
-            "--budget-cap-usd",
-            "0.02",
-            "--set",
-            "budget.in_process=false",
-            timeout=180,
-        )
-        assert p.returncode == 0, p.stdout + p.stderr
-        out, _ = watcher.communicate(timeout=30)  # exits once status.json says done
-    finally:
-        if watcher.poll() is None:
-            watcher.kill()
-    assert watcher.returncode == 0, out
+    p = pretrain(
+        "train",
+        "--out",
+        str(run),
+        "--stop-file",
+        str(stop),
+        "--max-steps",
+        "1000000",
+        *FAST,
+        *FAST_BUDGET,
+        "--budget-cap-usd",
+        "0.02",
+        "--set",
+        "budget.in_process=false",
+        timeout=180,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert watcher.wait(30) == 0, watcher.output  # exits once status.json says done
+    out = watcher.output
     assert "budget graceful stop" in out and "the trainer is done" in out
     assert checkpoints(run)
     led = load_ledger(ledger_path_for(run))

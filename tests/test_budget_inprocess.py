@@ -10,9 +10,9 @@ import urllib.request
 import pytest
 
 from app.budget import BudgetExhausted, read_budget_state, resolve_gpus, start_in_process
-from app.budget.config import BudgetConfig
 from app.budget.ledger import load_ledger
 from app.budget.view import ledger_path_for
+from app.config.budget import BudgetConfig
 from app.errors import UserError
 
 

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from app.budget.config import BudgetConfig
 from app.budget.kube import KubeActions
 from app.budget.metrics import BudgetMetrics
 from app.budget.watcher import Watcher
+from app.config.budget import BudgetConfig
 from app.errors import UserError
 from app.files import atomic_write_json
 

@@ -9,10 +9,10 @@ from datetime import datetime, timezone
 import pytest
 
 from app.budget import BudgetExhausted, check_not_exhausted
-from app.budget.config import BudgetConfig
 from app.budget.ledger import Ledger, LedgerError, load_ledger, save_ledger
 from app.budget.view import ledger_path_for
 from app.budget.watcher import Watcher
+from app.config.budget import BudgetConfig
 from app.errors import UserError
 from app.files import atomic_write_json
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from app.budget.config import BudgetConfig
 from app.budget.policy import PolicyInput, allowance_seconds, decide, horizon_seconds, stop_seconds
 from app.budget.watcher import LOOK_SECONDS, Watcher
+from app.config.budget import BudgetConfig
 from app.files import atomic_write_json
 from benchmarks.budget_sim import SimParams, simulate, summary
 

@@ -11,10 +11,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from app.budget.config import BudgetConfig
 from app.budget.metrics import BudgetMetrics
 from app.budget.sources import FileSource, OpenCostSource, StaticSource, parse_utc
 from app.budget.watcher import Watcher
+from app.config.budget import BudgetConfig
 
 T = 1_700_000_000.0
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
 import time
 import urllib.request
@@ -13,19 +12,14 @@ import pytest
 
 from app.budget.ledger import Ledger, load_ledger, save_ledger
 from app.budget.view import ledger_path_for
-from tests.conftest import REPO, cli_env, pretrain
+from tests.conftest import pretrain
+from tests.procs import Proc
 from tests.test_budget_inprocess import free_port, wait_for
 
 
-def watch(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "watch", "--kube", "off", *args],
-        cwd=REPO,
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+def watch(*args: str) -> Proc:
+    """`pretrain watch ARGS` (no Kubernetes) in the background; stopped at the test's end."""
+    return Proc([sys.executable, "-m", "app.cli", "watch", "--kube", "off", *args])
 
 
 def metrics(port: int) -> dict[str, float]:
@@ -61,46 +55,41 @@ def test_sidecar_serves_metrics_writes_the_stop_file_and_exits_when_the_trainer_
         "--metrics-port",
         str(port),
     )
-    try:
-        wait_for(lambda: metrics(port).get("pretrain_budget_cap_usd") == 0.05, timeout=30)
-        m = metrics(port)
-        assert m["pretrain_budget_rate_usd_per_hour"] == 36.0
-        assert m['pretrain_budget_state{state="ok"}'] == 1.0
-        assert m['pretrain_budget_source_up{source="static"}'] == 1.0
-        assert m["pretrain_budget_remaining_usd"] <= 0.05
-        assert m["pretrain_budget_seconds_to_cap"] <= 5.0
-        for name in (
-            "pretrain_budget_spent_usd",
-            "pretrain_budget_projected_total_usd",
-            "pretrain_budget_source_last_update_timestamp_seconds",
-            "pretrain_budget_source_fallbacks_total",
-            "pretrain_budget_alerts_total",
-            'pretrain_budget_stops_total{mode="graceful"}',
-        ):
-            assert name in m, name
-        stop = run / "stop.json"
-        wait_for(stop.exists, timeout=15)
-        assert json.loads(stop.read_text())["mode"] == "graceful"
-        wait_for(
-            lambda: metrics(port).get('pretrain_budget_state{state="stopping"}') == 1.0
-        )  # same tick, just after
-        m = metrics(port)
-        assert m['pretrain_budget_stops_total{mode="graceful"}'] == 1.0
-        assert m["pretrain_budget_alerts_total"] == 0.0  # the stop came with the alert: one event, not two
-        assert 0.035 < m["pretrain_budget_spent_usd"] < 0.05
-        status = {
-            "step": 9,
-            "step_seconds": 0.1,
-            "checkpoint_seconds": 0.1,
-            "state": "done",
-            "updated_unix": time.time(),
-        }
-        (run / "status.json").write_text(json.dumps(status))
-        out, _ = proc.communicate(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out
+    wait_for(lambda: metrics(port).get("pretrain_budget_cap_usd") == 0.05, timeout=30)
+    m = metrics(port)
+    assert m["pretrain_budget_rate_usd_per_hour"] == 36.0
+    assert m['pretrain_budget_state{state="ok"}'] == 1.0
+    assert m['pretrain_budget_source_up{source="static"}'] == 1.0
+    assert m["pretrain_budget_remaining_usd"] <= 0.05
+    assert m["pretrain_budget_seconds_to_cap"] <= 5.0
+    for name in (
+        "pretrain_budget_spent_usd",
+        "pretrain_budget_projected_total_usd",
+        "pretrain_budget_source_last_update_timestamp_seconds",
+        "pretrain_budget_source_fallbacks_total",
+        "pretrain_budget_alerts_total",
+        'pretrain_budget_stops_total{mode="graceful"}',
+    ):
+        assert name in m, name
+    stop = run / "stop.json"
+    wait_for(stop.exists, timeout=15)
+    assert json.loads(stop.read_text())["mode"] == "graceful"
+    # same tick, just after
+    wait_for(lambda: metrics(port).get('pretrain_budget_state{state="stopping"}') == 1.0)
+    m = metrics(port)
+    assert m['pretrain_budget_stops_total{mode="graceful"}'] == 1.0
+    assert m["pretrain_budget_alerts_total"] == 0.0  # the stop came with the alert: one event, not two
+    assert 0.035 < m["pretrain_budget_spent_usd"] < 0.05
+    status = {
+        "step": 9,
+        "step_seconds": 0.1,
+        "checkpoint_seconds": 0.1,
+        "state": "done",
+        "updated_unix": time.time(),
+    }
+    (run / "status.json").write_text(json.dumps(status))
+    assert proc.wait(10) == 0, proc.output
+    out = proc.output
     assert "the trainer is done" in out and "budget graceful stop" in out
     led = load_ledger(ledger_path_for(run))
     assert not led.open_session and led.sessions[-1].host == "sidecar" and led.sessions[-1].clean
@@ -122,15 +111,10 @@ def test_sigterm_closes_the_ledger_and_exits_0(tmp_path):
         "--metrics-port",
         str(port),
     )
-    try:
-        wait_for(lambda: "pretrain_budget_spent_usd" in metrics(port), timeout=30)
-        assert metrics(port)["pretrain_budget_rate_usd_per_hour"] == 8 * 2.99  # the built-in price table
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out
+    wait_for(lambda: "pretrain_budget_spent_usd" in metrics(port), timeout=30)
+    assert metrics(port)["pretrain_budget_rate_usd_per_hour"] == 8 * 2.99  # the built-in price table
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 0, proc.output
     led = load_ledger(ledger_path_for(run))
     assert not led.open_session and led.reserved_usd == 0.0 and led.spent_usd > 0
 

@@ -565,17 +565,17 @@ def test_5_an_upgrade_that_reshapes_a_running_job_is_refused(cluster):
 
 
 def test_6_gpus_the_preset_cannot_split_are_refused_before_scheduling():
-    """Checked against the trainer's own rule (app/trainer/runtime.py grad_accum_steps) for the two
+    """Checked against the trainer's own rule (app/trainer/parallel/runtime.py grad_accum_steps) for the two
     presets that fix a global batch, over GPU counts that divide and that do not."""
     from app.config import load_config
     from app.errors import UserError
-    from app.trainer.layout import fit_memory
-    from app.trainer.runtime import grad_accum_steps
+    from app.trainer.parallel.layout import fit_memory
+    from app.trainer.parallel.runtime import grad_accum_steps
 
     for preset in ("x1-50m", "gpt2-124m"):
         cfg = load_config(preset=preset)
         for gpus in (3, 5, 8, 12, 24, 32, 40):
-            try:  # micro_batch_size auto: the batch layout's rule (app/trainer/layout.py)
+            try:  # micro_batch_size auto: the batch layout's rule (app/trainer/parallel/layout.py)
                 auto = cfg.train.micro_batch_size == "auto"
                 fit_memory(cfg, gpus, int(80e9), True, "GPU") if auto else grad_accum_steps(cfg, gpus)
                 trainer_ok = True

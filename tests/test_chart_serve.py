@@ -4,6 +4,7 @@ validated strictly, its arguments parsed by the real CLI, its wait script execut
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 
@@ -11,6 +12,7 @@ import k8s_helpers as h
 import pytest
 
 from app.cli import build_parser
+from tests.procs import Proc
 
 ON = {"serve.enabled": True}
 
@@ -98,11 +100,10 @@ def test_the_wait_script_waits_for_a_checkpoint(tmp_path):
     (init,) = dep["spec"]["template"]["spec"]["initContainers"]
     assert init["command"][:2] == ["bash", "-c"]
     script = init["command"][2].replace("/ckpt/", f"{tmp_path}/")
-    proc = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, text=True)
+    proc = Proc(["bash", "-c", script], env=dict(os.environ))
     time.sleep(1)
     assert proc.poll() is None  # no checkpoint yet: still waiting
-    proc.kill()
-    proc.wait()
+    proc.stop()
     step = tmp_path / "pretrain" / "checkpoints" / "step_000100"
     step.mkdir(parents=True)
     (step / "meta.json").write_text("{}")

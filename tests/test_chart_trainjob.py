@@ -18,6 +18,8 @@ import k8s_helpers as h
 import pytest
 import yaml
 
+from tests.procs import Proc
+
 GPU = "nvidia.com/gpu"
 TRAINER_API = "trainer.kubeflow.org/v1alpha1"
 TJ = {"scheduler": "trainjob"}
@@ -260,15 +262,11 @@ def test_watcher_watches_on_node_0_and_idles_elsewhere(tmp_path):
     assert (tmp_path / "args").read_text().split() == [str(a) for a in c["args"]]
 
     (tmp_path / "args").unlink()
-    idle = subprocess.Popen(cmd, env={**base, "JOB_COMPLETION_INDEX": "1"}, stdout=subprocess.PIPE, text=True)
-    try:
-        assert "runs in node 0's pod only" in idle.stdout.readline()
-        assert idle.poll() is None  # stays up, as a native sidecar must
-        idle.send_signal(signal.SIGTERM)  # the kubelet stops it with the trainer
-        assert idle.wait(timeout=10) == 0
-    finally:
-        if idle.poll() is None:
-            idle.kill()
+    idle = Proc(cmd, env={**base, "JOB_COMPLETION_INDEX": "1"}, separate_stderr=True)
+    idle.wait_for_line("runs in node 0's pod only")
+    assert idle.poll() is None  # stays up, as a native sidecar must
+    idle.send_signal(signal.SIGTERM)  # the kubelet stops it with the trainer
+    assert idle.wait(timeout=10) == 0
     assert not (tmp_path / "args").exists()
 
 

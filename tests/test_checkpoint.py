@@ -14,7 +14,7 @@ from app.files import sha256_file
 from app.trainer.checkpoint import store as ckpt
 from app.trainer.checkpoint.state import load_optimizer
 from app.trainer.checkpoint.writer import CheckpointWriter
-from app.trainer.model import build_model
+from app.trainer.model.gpt import build_model
 from tests.conftest import FAST, pretrain
 
 
@@ -300,7 +300,7 @@ def _find(run_dir) -> tuple[ckpt.CheckpointInfo | None, list[str]]:
     """What a `--resume auto` start of `run_dir` resumes (the trainer's own Checkpointer), and its warnings."""
     from app.config import Config
     from app.trainer.checkpoint import Checkpointer
-    from app.trainer.distributed import DistEnv
+    from app.trainer.parallel.distributed import DistEnv
 
     warnings: list[str] = []
     checkpointer = Checkpointer(

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from app.trainer.checkpoint import store as ckpt
-from tests.conftest import FAST, pretrain, spawn_train, train_rows, wait_for_step
+from tests.conftest import FAST, pretrain, pretrain_meanwhile, spawn_train, train_rows, wait_for_step
 from tests.test_resume import assert_same_run
 
 STEPS = 24
@@ -50,7 +50,7 @@ def signal_during_a_write(run, proc, sig, after_step):
 @pytest.mark.slow
 def test_sigkill_during_an_async_write_keeps_the_previous_checkpoint(tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "run"
-    assert pretrain("train", "--out", str(ref), *COMMON).returncode == 0
+    reference = pretrain_meanwhile("train", "--out", str(ref), *COMMON)
     for _ in range(10):
         proc = spawn_train("--out", str(run), *COMMON)
         done = max((r["step"] for r in train_rows(run)), default=0)
@@ -67,6 +67,7 @@ def test_sigkill_during_an_async_write_keeps_the_previous_checkpoint(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {latest.path}" in resumed.stdout
     assert temp_dirs(run) == []  # cleaned at start
+    assert reference.finished().returncode == 0
     assert_same_run(ref, run, STEPS)
 
 
@@ -77,7 +78,7 @@ def test_sigterm_with_a_write_pending_exits_143_once_it_is_committed(tmp_path):
     )
     in_flight = signal_during_a_write(run, proc, signal.SIGTERM, 3)
     assert proc.wait(60) == 143
-    out = proc.stdout.read()
+    out = proc.output
     assert "preempted: SIGTERM" in out
     assert temp_dirs(run) == []  # nothing was left half-written
     last = train_rows(run)[-1]["step"]
@@ -98,7 +99,7 @@ def test_the_budget_projection_reserves_a_background_write(tmp_path):
     from app.budget.files import read_status
     from app.budget.policy import PolicyInput, decide
     from app.trainer.checkpoint.writer import SaveResult
-    from app.trainer.heartbeat import Heartbeat
+    from app.trainer.stopping.heartbeat import Heartbeat
 
     save = SaveResult(tmp_path, 10, seconds=30.0, blocking_seconds=2.0, write_seconds=28.0, bytes=1)
     Heartbeat(tmp_path).write("running", 10, 100, 1.0, 10, save)

@@ -16,8 +16,8 @@ from app.config import ModelConfig
 from app.errors import UserError
 from app.trainer.checkpoint import store as ckpt
 from app.trainer.checkpoint.writer import CheckpointWriter
-from app.trainer.model import build_model
-from tests.conftest import REPO, cli_env, full_optimizer_state, pretrain
+from app.trainer.model.gpt import build_model
+from tests.conftest import REPO, cli_env, full_optimizer_state, pretrain, torchrun
 
 # Run under torchrun: build a small GPT (FSDP over the ranks, or DDP/plain), then either train two steps
 # and save (async), or load a checkpoint from any world size and save it again at once (sync).
@@ -28,11 +28,11 @@ WORKER = textwrap.dedent(
     from app.config import ModelConfig, OptimConfig
     from app.trainer.checkpoint import store as ckpt
     from app.trainer.checkpoint.writer import CheckpointWriter
-    from app.trainer.model import build_model
-    from app.trainer.optim import build_optimizer
+    from app.trainer.model.gpt import build_model
+    from app.trainer.optimization.optimizer import build_optimizer
     from app.trainer.checkpoint.state import load_model, load_optimizer
-    from app.trainer.distributed import DistEnv, init_distributed
-    from app.trainer.parallelize import shard_model, unwrap
+    from app.trainer.parallel.distributed import DistEnv, init_distributed
+    from app.trainer.parallel.parallelize import shard_model, unwrap
 
     action, mode, src, dst = sys.argv[1:5]
     env = init_distributed("cpu")
@@ -78,12 +78,14 @@ WORKER = textwrap.dedent(
 def run_worker(tmp_path, nproc, action, mode, src, dst):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd += [str(script), action, mode, str(src), str(dst)]
+    args = [str(script), action, mode, str(src), str(dst)]
     if nproc == 1:
-        cmd = [sys.executable, str(script), action, mode, str(src), str(dst)]
-    env = cli_env(PYTHONPATH=str(REPO))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        env = cli_env(PYTHONPATH=str(REPO))
+        proc = subprocess.run(
+            [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        )
+    else:
+        proc = torchrun(*args, nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return ckpt.resolve_latest(dst, warn=pytest.fail)
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from app.config import ConfigError, load_config
-from tests.conftest import pretrain
+from tests.conftest import REPO, pretrain
 
 
 def test_overrides_apply_in_order(tmp_path):
@@ -116,7 +117,7 @@ def test_print_config_of_a_gpu_sized_model_prints_on_a_small_machine_with_a_note
     """--print-config is how a GPU run is prepared, often on a laptop: a 10.9B model (175 GB of weights,
     gradients and AdamW state) is measured against the largest known GPU, as for an unknown GPU type, and
     printed, with a note where this machine could not train it; training here is still refused."""
-    from app.trainer import memory
+    from app.trainer.parallel import memory
 
     big = ["--set", "model.n_layer=40", "--set", "model.d_model=4096", "--set", "model.n_head=32"]
     big += ["--set", "model.d_ff=16384"]
@@ -198,3 +199,230 @@ def test_print_config_says_what_the_loop_does_on_the_device():
     assert "# runtime (cuda): bf16 autocast over fp32 master weights; TF32" in gpu
     assert "# compile: each transformer block and the loss, mode default" in gpu
     assert "into pinned memory" in gpu and "GQA without repeating K/V" in gpu
+
+
+# ---------------------------------------------------------------- presets that name a base
+
+FIXTURES = REPO / "tests" / "fixtures"
+
+
+def _overlay(defaults: dict, changes: dict) -> dict:
+    return {
+        k: _overlay(v, changes.get(k, {})) if isinstance(v, dict) else changes.get(k, v)
+        for k, v in defaults.items()
+    }
+
+
+def _printed_config(out: str) -> dict:
+    """The YAML of --print-config's output (its `#` lines are comments)."""
+    return yaml.safe_load("\n".join(line for line in out.splitlines() if not line.startswith("#")))
+
+
+def test_every_preset_resolves_to_the_config_it_had_before_presets_named_a_base(capsys, monkeypatch):
+    """tests/fixtures/preset-configs.yaml holds each preset's resolved config as it was before presets could
+    name a base (its differences from the defaults); every preset, its bases applied, still prints exactly
+    that (plan:, the GPUs a preset is made for, came after, and is checked on its own)."""
+    from app.cli import main as cli_main
+    from app.config import Config, preset_names
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    before = yaml.safe_load((FIXTURES / "preset-configs.yaml").read_text())
+    assert sorted(before) == preset_names()
+    defaults = Config().to_dict()
+    for name in preset_names():
+        # GPUs named (8 of unknown type) leave a preset's own plan aside: the YAML is the preset's alone
+        assert cli_main(["train", "--preset", name, "--gpus", "8", "--print-config"]) == 0, name
+        printed = _printed_config(capsys.readouterr().out)
+        assert printed.pop("plan") == load_config(name).to_dict()["plan"]
+        printed["budget"]["gpus"] = 0  # what --gpus 8 set
+        want = {
+            "preset": name,
+            **_overlay({k: v for k, v in defaults.items() if k != "preset"}, before[name]),
+        }
+        del want["plan"]
+        assert printed == want, f"{name} resolves differently from tests/fixtures/preset-configs.yaml"
+
+
+def test_tiny_speedrun_is_tiny_with_a_shorter_run(capsys, monkeypatch):
+    """tiny-speedrun names tiny as its base and says only its three differences; `pretrain train --preset
+    tiny-speedrun --print-config` prints what it printed when the file spelled out all 45 lines
+    (tests/fixtures/preset-configs.yaml), and tiny's config and model lines but for those three."""
+    from app.cli import main as cli_main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    keys = yaml.safe_load((REPO / "app" / "presets" / "tiny-speedrun.yaml").read_text())
+    assert keys.pop("base") == "tiny"
+    assert keys == {"train": {"max_steps": 240, "eval_every": 60}, "checkpoint": {"every_steps": 120}}
+    speedrun = pretrain("train", "--preset", "tiny-speedrun", "--print-config")
+    assert speedrun.returncode == 0, speedrun.stderr
+    assert cli_main(["train", "--preset", "tiny", "--print-config"]) == 0
+    tiny = capsys.readouterr().out
+    printed, base = _printed_config(speedrun.stdout), _printed_config(tiny)
+    want = yaml.safe_load((FIXTURES / "preset-configs.yaml").read_text())["tiny-speedrun"]
+    assert printed["train"]["max_steps"] == want["train"]["max_steps"] == 240
+    assert printed["checkpoint"]["every_steps"] == want["checkpoint"]["every_steps"] == 120
+    for config in (printed, base):
+        del config["preset"], config["train"]["max_steps"], config["train"]["eval_every"]
+        del config["checkpoint"]["every_steps"]
+    assert printed == base  # everything else is tiny's
+    # the parameter, memory and optimizer lines below the YAML are tiny's too
+    comments = [[ln for ln in out.splitlines() if ln.startswith("#")] for out in (speedrun.stdout, tiny)]
+    assert comments[0] == comments[1]
+
+
+def test_the_speedrun_switches_are_written_once():
+    """The block of model switches lives in one base (app/presets/recipes/speedrun.yaml); the presets on
+    the speedrun recipe name it instead of repeating it."""
+    switches = ("qk_norm", "embed_norm", "zero_init", "logit_softcap", "x0_skip", "unet_skips")
+    files = sorted((REPO / "app" / "presets").rglob("*.yaml"))
+    writing = [p.name for p in files if any(f"  {s}:" in p.read_text() for s in switches)]
+    assert writing == ["speedrun.yaml"], writing
+    for name in ("tiny", "gpt2-124m-speedrun"):
+        cfg = load_config(name)
+        assert all(getattr(cfg.model, s) for s in switches), name
+        assert cfg.model.mlp == "relu2" and cfg.optim.name == "muon" and cfg.schedule.name == "wsd"
+
+
+@pytest.fixture
+def preset_dir(tmp_path, monkeypatch):
+    """A folder of presets of the test's own, read in place of app/presets/ (the one seam: its path)."""
+    from app.config import presets
+
+    folder = tmp_path / "presets"
+    (folder / "recipes").mkdir(parents=True)
+    (folder / "small.yaml").write_text(
+        "model:\n  n_layer: 2\n  d_model: 64\n  n_head: 2\n  loop:\n    loss_weights: [1, 2]\n"
+    )
+    (folder / "recipes" / "fast.yaml").write_text("optim:\n  name: muon\n  lr: 0.01\n")
+    monkeypatch.setattr(presets, "PRESET_DIR", folder)
+    return folder
+
+
+def test_a_base_is_applied_first_key_by_key(preset_dir):
+    """The base's keys, then the preset's, merged key by key in every section; a list replaced whole;
+    a chain of bases applied deepest first; a base under a folder (recipes/) is no preset of its own."""
+    (preset_dir / "wider.yaml").write_text(
+        "base: small\nmodel:\n  d_model: 128\n  loop:\n    loss_weights: [3]\n"
+    )
+    (preset_dir / "deeper.yaml").write_text("base: wider\nmodel:\n  n_layer: 5\n")  # a chain: small, wider
+    (preset_dir / "fast-small.yaml").write_text("base: recipes/fast\nmodel:\n  n_layer: 3\n")
+    cfg = load_config("wider")
+    assert (cfg.model.n_layer, cfg.model.d_model, cfg.model.n_head) == (2, 128, 2)
+    assert cfg.model.loop.loss_weights == [3.0] and cfg.preset == "wider"
+    deeper = load_config("deeper").model
+    assert (deeper.n_layer, deeper.d_model, deeper.n_head) == (5, 128, 2)
+    fast = load_config("fast-small")
+    assert (fast.optim.name, fast.optim.lr, fast.model.n_layer) == ("muon", 0.01, 3)
+    from app.config import preset_names
+
+    assert preset_names() == ["deeper", "fast-small", "small", "wider"]
+    with pytest.raises(ConfigError, match="unknown preset 'recipes/fast'"):
+        load_config("recipes/fast")
+
+
+# (files, the preset named, the file the line names, what it says)
+BAD_BASES = [
+    ({"a.yaml": "base: b\n", "b.yaml": "base: a\n"}, "b", "bases go round in a circle (a -> b -> a)"),
+    ({"a.yaml": "base: a\n"}, "a", "bases go round in a circle (a -> a)"),
+    ({"a.yaml": "base: smal\n"}, "a", "unknown base 'smal'; did you mean 'small'?"),
+    ({"a.yaml": "base: ../small\n"}, "a", "base must name a preset"),
+    ({"a.yaml": "base: [small]\n"}, "a", "base must name a preset"),
+]
+
+
+@pytest.mark.parametrize("files,culprit,message", BAD_BASES, ids=[m for *_, m in BAD_BASES])
+def test_a_bad_base_is_refused_in_one_line(preset_dir, files, culprit, message, capsys):
+    """Through `pretrain train` (in this process, so that it reads the test's presets): exit 2, one line
+    naming the preset file and what to do."""
+    from app.cli import main as cli_main
+
+    for name, text in files.items():
+        (preset_dir / name).write_text(text)
+    assert cli_main(["train", "--preset", "a", "--print-config"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: preset {culprit} (presets/{culprit}.yaml): "), err
+    assert message in err[0]
+
+
+def test_a_config_file_names_its_preset_not_a_base(tmp_path):
+    f = tmp_path / "mine.yaml"
+    f.write_text("base: tiny\ntrain:\n  max_steps: 3\n")
+    with pytest.raises(ConfigError, match="`base:` is for presets .* with `preset: NAME`"):
+        load_config(config_file=str(f))
+
+
+# ---------------------------------------------------------------- the GPUs a preset is made for
+
+
+def test_char_d64_prints_its_8_gpu_plan(tmp_path, capsys, monkeypatch):
+    """char-d64 is made for 8 H100s (its plan: section): told no GPUs, --print-config plans for them as
+    --gpus 8 --gpu-type h100-sxm does, and exits 0 (it once refused: "does not fit ... on one rank")."""
+    from app.cli import main as cli_main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    own = pretrain("train", "--preset", "char-d64", "--print-config", timeout=120)
+    assert own.returncode == 0, own.stderr
+    assert own.stdout.startswith("# batch layout for plan.gpu_type, the GPUs the config is made for")
+    assert "# memory per GPU at world size 8 (CUDA, bf16" in own.stdout
+    assert "#   device memory: 85.0 GB" in own.stdout and "-> fsdp" in own.stdout
+    flags = ["--gpus", "8", "--gpu-type", "h100-sxm"]
+    assert cli_main(["train", "--preset", "char-d64", *flags, "--print-config"]) == 0
+    assert own.stdout.splitlines()[1:] == capsys.readouterr().out.splitlines()[1:]
+    # GPUs named on the command line win: one GPU of unknown type, where the model cannot train
+    assert cli_main(["train", "--preset", "char-d64", "--gpus", "1", "--print-config"]) == 2
+    assert "does not fit, whatever the batch" in capsys.readouterr().err
+    # and a run trains on the GPUs it has: here, this machine, where it does not fit
+    assert cli_main(["train", "--preset", "char-d64", "--out", str(tmp_path / "run")]) == 2
+    assert "does not fit, whatever the batch" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_pretrain_plan_marks_the_row_a_preset_is_made_for(capsys):
+    """`pretrain plan --preset char-d64` prices every GPU type and count as before, and marks the row of the
+    GPUs the preset is made for; a preset without a plan: section, or a table narrowed elsewhere, marks none."""
+    from app.tools import plan
+
+    assert plan.main(["--preset", "char-d64"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.endswith(" *")]
+    assert len(rows) == 1 and rows[0].split()[:2] == ["8", "h100-sxm"], rows
+    for argv in (["--preset", "char-d64", "--gpus", "4"], ["--preset", "x1-50m"]):
+        assert plan.main(argv) == 0
+        assert not [line for line in capsys.readouterr().out.splitlines() if line.endswith(" *")], argv
+
+
+def test_parsing_only_parses_the_estimate_is_the_planning_step(monkeypatch):
+    """Reading the command line builds the config and nothing more; the memory estimate (the size check,
+    the batch layout) is the planning step the command runs after it."""
+    import argparse
+
+    from app.errors import UserError
+    from app.trainer.args import add_arguments, config_from_args, plan_run
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--set", "model.n_layer=100000", "--print-config"])
+    cfg = config_from_args(args)  # no estimate here: an absurd size parses
+    assert cfg.model.n_layer == 100000
+    with pytest.raises(UserError, match="does not fit, whatever the batch"):
+        plan_run(cfg, args)
+    args = parser.parse_args(["--preset", "x1-50m", "--gpu-type", "h100-sxm", "--gpus", "8"])
+    cfg = config_from_args(args)
+    assert cfg.train.micro_batch_size == "auto"  # the layout is the planning step's
+    plan_run(cfg, args)
+    assert isinstance(cfg.train.micro_batch_size, int) and cfg.train.device_memory_gb == 85.0
+
+
+def test_bench_runs_the_planning_step():
+    """`pretrain bench` refuses a model that cannot fit before building it, as `pretrain train` does."""
+    proc = pretrain("bench", "--set", "model.n_layer=100000", "--steps", "1", "--warmup", "0", timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "does not fit, whatever the batch" in lines[0], (
+        proc.stderr
+    )
+
+
+def test_a_plan_names_a_gpu_type_with_a_known_memory():
+    with pytest.raises(ConfigError, match="plan.gpu_type='h900' is not a GPU type whose memory is known"):
+        load_config("tiny", overrides=["plan.gpu_type=h900"])
+    assert load_config("tiny", overrides=["plan.gpu_type=H100 SXM"]).plan.gpu_type == "H100 SXM"

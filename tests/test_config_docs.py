@@ -13,9 +13,10 @@ import typing
 import pytest
 import yaml
 
-from app.budget.config import BudgetConfig, flag_for
 from app.config import Config
-from app.config_docs import field_help, flag_help, help_for, markdown, sections
+from app.config.budget import BudgetConfig, flag_for
+from app.config.docs import field_help, help_for, markdown, sections
+from app.config.flags import flag_help, owner_of
 from app.trainer.args import CONFIG_FLAGS, RunArgs
 from tests import k8s_helpers as h
 from tests.conftest import REPO, pretrain
@@ -51,24 +52,100 @@ def test_the_help_is_read_from_the_comments_above_and_after_a_field():
 
 def test_docs_config_md_is_generated_from_the_fields():
     text = (REPO / "docs" / "config.md").read_text()
-    assert text == markdown(), "run `python -m app.config_docs > docs/config.md`"
+    assert text == markdown(), "run `python -m app.config.docs > docs/config.md`"
     for key in ("drill.spike_at_step", "budget.cap_usd", "checkpoint.every_minutes"):
         assert f"| `{key}` |" in text
 
 
-def test_flags_take_their_help_from_the_field():
-    from app.budget.cli import WATCH_FIELDS
-    from app.budget.cli import add_arguments as watch_arguments
-    from app.trainer.args import add_arguments as train_arguments
+@pytest.fixture
+def help_of_command(capsys, monkeypatch):
+    """`pretrain COMMAND --help` as the CLI prints it (in this process: torch is imported once), wide
+    enough that no help text wraps."""
+    from app.cli import main
 
-    train = parser_of(train_arguments)
-    for key, (flag, _) in CONFIG_FLAGS.items():
-        assert help_of(train, flag).startswith(flag_help(help_for(key))), flag
-    for name in ("out", "resume", "stop_file", "overwrite"):
-        assert help_of(train, "--" + name.replace("_", "-")).startswith(flag_help(field_help(RunArgs)[name]))
-    watch = parser_of(watch_arguments)
-    for name in WATCH_FIELDS:
-        assert help_of(watch, flag_for(name)).startswith(flag_help(field_help(BudgetConfig)[name])), name
+    monkeypatch.setenv("COLUMNS", "100000")
+
+    def shown(command: str) -> str:
+        with pytest.raises(SystemExit) as done:
+            main([command, "--help"])
+        assert done.value.code == 0
+        return capsys.readouterr().out
+
+    return shown
+
+
+def helps_shown(text: str) -> dict[str, str]:
+    """{flag: its help} in a --help text."""
+    helps: dict[str, str] = {}
+    flags: list[str] = []
+    for line in text.splitlines():
+        option = re.match(r"^  (-\S.*?)(?:\s{2,}(.*))?$", line)
+        if option:
+            flags = [part.split()[0] for part in re.split(r", (?=-)", option.group(1))]
+            text = option.group(2) or ""
+        elif flags and line.startswith("      ") and line.strip():
+            text = line.strip()  # the help on the line below a long flag
+        else:
+            flags = []
+            continue
+        for flag in flags:
+            helps[flag] = text
+    return helps
+
+
+def flag_tables():
+    """(command, root dataclass, flags) of every table of flags generated from fields."""
+    from app.budget.cli import WATCH_FLAGS
+    from app.config import PrepareConfig
+    from app.data.cli import PREPARE_FLAGS
+    from app.trainer.args import OUT_FLAG, OVERWRITE_FLAG, RUN_FLAGS
+
+    return [
+        ("train", Config, CONFIG_FLAGS),
+        ("train", RunArgs, (OUT_FLAG, *RUN_FLAGS, OVERWRITE_FLAG)),
+        ("watch", BudgetConfig, WATCH_FLAGS),
+        ("prepare", PrepareConfig, PREPARE_FLAGS),
+    ]
+
+
+def test_each_flag_help_is_its_field_comment(help_of_command):
+    """What --help prints for a flag generated from a field is the field's comment, read from the source
+    here, followed at most by its default or the config key it sets: one text, never a copy that drifts."""
+    checked = 0
+    for command, root, flags in flag_tables():
+        shown = helps_shown(help_of_command(command))
+        for spec in flags:
+            cls, name = owner_of(root, spec.field)
+            comment = " ".join(field_help(cls)[name].split())
+            assert comment, f"{cls.__name__}.{name} has no comment"
+            text = shown[spec.flag]
+            assert text.startswith(comment), (command, spec.flag, text, comment)
+            # after the comment: at most its default, then the config key the flag sets
+            note = rf"( \(default: [^)]+\))?( \({re.escape(spec.field)}\))?"
+            assert re.fullmatch(note, text[len(comment) :]), (spec.flag, text)
+            checked += 1
+    assert checked >= 40  # every table was read
+
+
+def test_flags_keep_their_names_and_metavars(help_of_command):
+    """The CLI surface is stable (docs/contracts.md): generating the flags kept each name and metavar."""
+    usage = help_of_command("train")
+    train = helps_shown(usage)
+    flags = "--out --max-steps --metrics-port --budget-cap-usd --price-per-gpu-hour --gpus"
+    flags += " --max-price-per-gpu-hour --resume --stop-file --overwrite --gpu-type --print-config"
+    assert set(flags.split()) <= set(train), set(flags.split()) - set(train)
+    for part in ["[--out RUN_DIR]", "[--max-steps N]", "[--budget-cap-usd X]", "[--resume auto|never|PATH]"]:
+        assert part in usage, part
+    usage = help_of_command("prepare")
+    for part in [
+        "--input PATH|hf://datasets/OWNER/NAME[?include=GLOB]",
+        "--out DATA_DIR",
+        "[--vocab-size VOCAB_SIZE]",
+    ]:
+        assert part in usage, part
+    assert "[--tokenizer-sample-bytes N]" in usage and "[--include GLOB]" in usage and "[--finalize]" in usage
+    usage = help_of_command("watch")
+    assert "[--budget-cap-usd CAP_USD]" in usage and "[--source {static,file,opencost}]" in usage
 
 
 def starts_with_help(param: str, own_help: str) -> bool:
@@ -115,7 +192,7 @@ def test_one_name_per_budget_value_across_chart_cli_and_config():
     assert trainer[trainer.index("--price-per-gpu-hour") + 1] == "2.25"
     assert "budget.gpu_type=h100-sxm" in trainer
     # pretrain train names the budget's values as the watcher does
-    budget_flags = {flag for key, (flag, _) in CONFIG_FLAGS.items() if key.startswith("budget.")}
+    budget_flags = {spec.flag for spec in CONFIG_FLAGS if spec.field.startswith("budget.")}
     assert budget_flags == {"--budget-cap-usd", "--price-per-gpu-hour", "--gpus", "--max-price-per-gpu-hour"}
 
 
@@ -133,15 +210,14 @@ def test_prepare_flags_and_chart_values_take_their_help_from_prepare_config():
     """`pretrain prepare`'s flags get their help from PrepareConfig's fields; the chart's prepare values
     that become flags are named like the flag (textColumn: --text-column) and their `## @param` line starts
     with the field's help."""
-    from app.data.cli import CHOICE_FLAGS, VALUE_FLAGS
+    from app.config import PrepareConfig
+    from app.data.cli import PREPARE_FLAGS
     from app.data.cli import add_arguments as prepare_arguments
-    from app.data.settings import PrepareConfig
 
     helps = field_help(PrepareConfig)
     assert all(helps.values()), [name for name, text in helps.items() if not text]
     prepare = parser_of(prepare_arguments)
-    field_of = {flag: name for flag, name, *_ in [*VALUE_FLAGS, *CHOICE_FLAGS]}
-    field_of.update({"--input": "inputs", "--out": "out_dir", "--include": "includes"})
+    field_of = {spec.flag: spec.field for spec in PREPARE_FLAGS}
     for flag, name in field_of.items():
         assert help_of(prepare, flag).startswith(flag_help(helps[name])), flag
     text = (h.CHART / "values.yaml").read_text()
@@ -160,9 +236,9 @@ def test_prepare_flags_and_chart_values_take_their_help_from_prepare_config():
 def test_prepare_without_options_prepares_with_prepare_configs_defaults(tmp_path):
     """A flag left out means its field's default, so the flags and PrepareConfig hold one set of defaults.
     Once --tokenizer-sample-bytes said 256M and the field 256 MiB."""
+    from app.config import PrepareConfig
     from app.data.cli import add_arguments as prepare_arguments
     from app.data.cli import config_from_args
-    from app.data.settings import PrepareConfig
 
     args = parser_of(prepare_arguments).parse_args(["--input", "corpus.txt", "--out", str(tmp_path)])
     from_flags = config_from_args(args)

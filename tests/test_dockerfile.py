@@ -126,7 +126,9 @@ def test_the_image_has_the_experiment_trackers(tmp_path):
     """`metrics.trackers: [mlflow]` in the chart (docs/observability.md) needs the tracker in the image:
     every tracker extra of pyproject is installed, at its pin; one the base image already pins in its pip
     constraint file (NGC ships tensorboard) is kept at the image's version instead of conflicting."""
-    from app.trainer.trackers import KINDS  # every tracker the trainer knows; its extra bears its name
+    from app.trainer.reporting.trackers import (
+        KINDS,  # every tracker the trainer knows; its extra bears its name
+    )
 
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     needed = sorted(KINDS)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from app.cli import main as cli_main
-from app.trainer.generate import generate
+from app.trainer.model.generate import generate
 from tests.inference_helpers import trained_run
 
 pytest.importorskip("lm_eval", reason="the eval tests need the eval extra (make setup)")

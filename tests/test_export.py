@@ -19,7 +19,7 @@ from app.config import config_from_dict
 from app.files import sha256_file
 from app.tools.export import config_hash, effective_rows, load_final
 from app.trainer.checkpoint import store as ckpt
-from app.trainer.model import build_model
+from app.trainer.model.gpt import build_model
 from tests.conftest import FAST, pretrain
 from tests.prom_helpers import sets
 

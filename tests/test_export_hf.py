@@ -38,8 +38,8 @@ from app.data.tokenizer import Tokenizer, load_tokenizer, train_bpe, train_char
 from app.tools.hf_export import SWITCHES as NEUTRAL
 from app.tools.sample import load_for_inference
 from app.trainer.checkpoint.writer import CheckpointWriter
-from app.trainer.generate import generate
-from app.trainer.model import build_model
+from app.trainer.model.generate import generate
+from app.trainer.model.gpt import build_model
 from tests.conftest import CACHE, cli_env, pretrain
 from tests.inference_helpers import trained_run
 

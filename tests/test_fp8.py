@@ -14,7 +14,7 @@ import torch
 from app.config import ModelConfig
 from app.errors import ConfigError
 from app.trainer.checkpoint import store as ckpt
-from app.trainer.model import build_model
+from app.trainer.model.gpt import build_model
 from tests.conftest import CLASSIC, losses_by_step, pretrain, spawn_train, torchrun, wait_for_step
 from tests.conftest import FAST as SMALL
 
@@ -62,7 +62,7 @@ def assert_follows(fp8_run, fp32_run, steps):
 
 
 def test_emulate_swaps_the_eligible_linears_and_keeps_parameter_names():
-    from app.trainer.fp8 import convert_to_fp8
+    from app.trainer.parallel.fp8 import convert_to_fp8
 
     torch.manual_seed(0)
     model = build_model(CFG)
@@ -82,7 +82,7 @@ def test_emulate_swaps_the_eligible_linears_and_keeps_parameter_names():
 def test_relu2_keeps_w_down_out_of_float8_and_says_so():
     """The ReLU² MLP (the speedrun presets'): every block linear but w_down runs in float8; the head and
     w_down keep the run's precision (bf16 on a GPU)."""
-    from app.trainer.fp8 import convert_to_fp8
+    from app.trainer.parallel.fp8 import convert_to_fp8
 
     torch.manual_seed(0)
     model = build_model(dataclasses.replace(CFG, mlp="relu2"))
@@ -114,7 +114,7 @@ def test_tensorwise_float8_loses_the_quiet_tokens_of_a_relu2_input_and_bf16_keep
     quietest tokens' relu(x)^2 falls under float8's smallest steps: their w_down outputs are lost, while
     relu(x) of the same pre-activations (the spread not squared) keeps every token near float8's usual
     3.5% error, and bf16 (what w_down keeps) within 0.5%."""
-    from app.trainer.fp8 import load_float8
+    from app.trainer.parallel.fp8 import load_float8
 
     float8 = load_float8()
     torch.manual_seed(0)
@@ -158,7 +158,7 @@ def test_residual_init_scaling_survives_the_fp8_swap():
 
 
 def test_fp8_values_and_refusals_are_one_line(tmp_path):
-    from app.trainer.fp8 import check_fp8_device, fp8_mode
+    from app.trainer.parallel.fp8 import check_fp8_device, fp8_mode
 
     assert [fp8_mode(v) for v in (True, "True", "no", "emulate")] == ["true", "true", "false", "emulate"]
     with pytest.raises(ConfigError, match="choose one of: false, true, emulate"):

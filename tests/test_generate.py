@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from app.config import LoopConfig, ModelConfig
-from app.trainer.generate import generate, generate_stream, sample_next
-from app.trainer.model import build_model
+from app.trainer.model.generate import generate, generate_stream, sample_next
+from app.trainer.model.gpt import build_model
 from tests.test_switches import SWITCHES as EVERY_SWITCH
 
 

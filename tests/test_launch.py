@@ -9,11 +9,12 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.procs import Proc
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,7 +45,7 @@ def launcher(tmp_path_factory) -> Path:
     return path
 
 
-def _launch(launcher: Path, code: int, **env: str) -> subprocess.Popen:
+def _launch(launcher: Path, code: int, **env: str) -> Proc:
     env = {
         **os.environ,
         "CODE": str(code),
@@ -62,17 +63,14 @@ def _launch(launcher: Path, code: int, **env: str) -> subprocess.Popen:
         "--max-restarts=0",
         "child.py",
     ]
-    return subprocess.Popen(
-        cmd, cwd=launcher, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    return Proc(cmd, env=env, cwd=launcher)
 
 
 @pytest.mark.parametrize("code", [0, 1, 2, 143, 137])
 def test_launcher_keeps_the_worker_exit_code(launcher, code):
     """torchrun alone exits 1 for any failure; the ExitCode restart policy needs 2 (permanent) vs 143 (retry)."""
     proc = _launch(launcher, code)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == code, out
+    assert proc.wait(120) == code, proc.output
 
 
 @pytest.mark.parametrize(("stop_code", "expected"), [(143, 143), (6, 6)], ids=["saved", "volume-full"])
@@ -84,13 +82,10 @@ def test_launcher_preempted_saves_then_exits_143(launcher, stop_code, expected):
         Path(f"{ready}{r}").unlink(missing_ok=True)
         Path(f"{ready}saved{r}").unlink(missing_ok=True)
     proc = _launch(launcher, -1, SAVE_S="4", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="1", STOP_CODE=str(stop_code))
-    deadline = time.monotonic() + 60
-    while not all(Path(f"{ready}{r}").exists() for r in (0, 1)):
-        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-        time.sleep(0.1)
+    proc.wait_for_file(lambda: all(Path(f"{ready}{r}").exists() for r in (0, 1)), timeout=60)
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == expected, out
+    assert proc.wait(60) == expected, proc.output
+    out = proc.output
     assert all(Path(f"{ready}saved{r}").exists() for r in (0, 1)), "a worker was killed before its save ended"
     assert "got SIGTERM, passed to workers" in out
 
@@ -136,30 +131,17 @@ def test_sigterm_while_waiting_in_rendezvous_exits_143_at_once(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # torchrun then says it starts
     env.update(PYTHONPATH=str(REPO), PRETRAIN_RUN_DIR=str(tmp_path / "run"), PET_NODE_RANK="1")
     cmd = [sys.executable, "-m", "app.launch", "--nnodes=2", "--node-rank=1", "--nproc-per-node=2"]
-    proc = subprocess.Popen(
-        [*cmd, "--master-addr=127.0.0.1", f"--master-port={free_port()}", "child.py"],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    proc = Proc(
+        [*cmd, "--master-addr=127.0.0.1", f"--master-port={free_port()}", "child.py"], env=env, cwd=tmp_path
     )
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    deadline = time.monotonic() + 120
-    while not any("OMP_NUM_THREADS" in line for line in lines):  # printed just before the rendezvous
-        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
-        time.sleep(0.1)
+    proc.wait_for_line("OMP_NUM_THREADS")  # printed just before the rendezvous
     time.sleep(2)
-    assert proc.poll() is None, "".join(lines)
+    assert proc.poll() is None, proc.output
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    try:
-        code = proc.wait(30)
-    finally:
-        proc.kill()
-    assert code == 143 and time.monotonic() - t0 < 10, "".join(lines)
-    assert "got SIGTERM while waiting in rendezvous -> exit 143" in "".join(lines)
+    code = proc.wait(30)
+    assert code == 143 and time.monotonic() - t0 < 10, proc.output
+    assert "got SIGTERM while waiting in rendezvous -> exit 143" in proc.output
     # the retry budget recorded the attempt (a preemption, not a failure) before the hard exit
     (attempt,) = json.loads((tmp_path / "run" / "restarts" / "node-1.json").read_text())["attempts"]
     assert attempt["exit_code"] == 143 and not attempt["counted"]
@@ -187,9 +169,10 @@ def test_the_operators_environment_alone_gives_the_shape_and_the_rendezvous(tmp_
         env.update(PET_NPROC_PER_NODE="1", PET_NODE_RANK=str(node), PET_MASTER_ADDR="127.0.0.1")
         env.update(PET_MASTER_PORT=str(port))
         cmd = [sys.executable, "-m", "app.launch", "child.py"]
-        nodes.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True))
-    outs = [proc.communicate(timeout=120)[0] for proc in nodes]
-    assert [proc.returncode for proc in nodes] == [0, 0], outs
+        nodes.append(Proc(cmd, env=env, cwd=tmp_path, separate_stderr=True))
+    codes = [proc.wait(120) for proc in nodes]
+    outs = [proc.output for proc in nodes]
+    assert codes == [0, 0], outs
     assert "rank 0 of 2 on node 0" in outs[0] and "rank 1 of 2 on node 1" in outs[1], outs
 
 

@@ -1,4 +1,4 @@
-"""The run-dir lease (app/trainer/lease.py): one trainer writes a run dir. Real processes hold, die,
+"""The run-dir lease (app/trainer/stopping/lease.py): one trainer writes a run dir. Real processes hold, die,
 hang and wait; the trainer test runs two real `pretrain train` processes on one run dir."""
 
 from __future__ import annotations
@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -14,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from app.trainer.lease import BUSY_EXIT, LEASE, LeaseNotTaken, RunLease
-from tests.conftest import FAST, REPO, cli_env, pretrain, spawn_train, wait_for_step
+from app.trainer.stopping.lease import BUSY_EXIT, LEASE, LeaseNotTaken, RunLease
+from tests.conftest import FAST, pretrain, pretrain_meanwhile, spawn_train
+from tests.procs import Proc
 from tests.test_resume import assert_same_run
 
 HOLDER = """
 import sys, time
-from app.trainer.lease import RunLease
+from app.trainer.stopping.lease import RunLease
 lease = RunLease(sys.argv[1], wait_seconds=30, stale_seconds=float(sys.argv[2]))
 lease.acquire()
 print("held", flush=True)
@@ -28,42 +28,24 @@ time.sleep(120)
 """
 
 
-def hold(run: Path, stale: float = 60.0) -> subprocess.Popen:
-    """Another process holding the lease of `run` (with its heartbeat thread)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(run), str(stale)],
-        cwd=REPO,
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert proc.stdout.readline().strip() == "held", proc.stdout.read()
+def hold(run: Path, stale: float = 60.0) -> Proc:
+    """Another process holding the lease of `run` (with its heartbeat thread); stopped at the test's end."""
+    proc = Proc([sys.executable, "-c", HOLDER, str(run), str(stale)])
+    assert proc.wait_for_line(r"^held$")
     return proc
-
-
-def end(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait(10)
 
 
 def test_a_second_holder_waits_and_gives_up_with_a_retryable_code(tmp_path):
     holder = hold(tmp_path)
-    try:
-        logs: list[str] = []
-        t0 = time.monotonic()
-        with pytest.raises(LeaseNotTaken) as e:
-            RunLease(
-                tmp_path, wait_seconds=1.5, stale_seconds=60, log=logs.append, poll_seconds=0.1
-            ).acquire()
-        assert 1.5 <= time.monotonic() - t0 < 10
-        assert e.value.exit_code == BUSY_EXIT >= 128  # the PyTorchJob ExitCode policy retries >= 128
-        assert f"pid {holder.pid}" in str(e.value) and "checkpoint.lease_wait_seconds" in str(e.value)
-        assert logs and "waiting" in logs[0] and f"pid {holder.pid}" in logs[0]
-        assert json.loads((tmp_path / LEASE).read_text())["pid"] == holder.pid, "the holder keeps it"
-    finally:
-        end(holder)
+    logs: list[str] = []
+    t0 = time.monotonic()
+    with pytest.raises(LeaseNotTaken) as e:
+        RunLease(tmp_path, wait_seconds=1.5, stale_seconds=60, log=logs.append, poll_seconds=0.1).acquire()
+    assert 1.5 <= time.monotonic() - t0 < 10
+    assert e.value.exit_code == BUSY_EXIT >= 128  # the PyTorchJob ExitCode policy retries >= 128
+    assert f"pid {holder.pid}" in str(e.value) and "checkpoint.lease_wait_seconds" in str(e.value)
+    assert logs and "waiting" in logs[0] and f"pid {holder.pid}" in logs[0]
+    assert json.loads((tmp_path / LEASE).read_text())["pid"] == holder.pid, "the holder keeps it"
 
 
 def test_released_lease_is_taken_at_once_and_deleted_on_release(tmp_path):
@@ -80,7 +62,6 @@ def test_released_lease_is_taken_at_once_and_deleted_on_release(tmp_path):
         assert json.loads((tmp_path / LEASE).read_text())["pid"] == os.getpid()
     finally:
         lease.release()
-        end(holder)
     assert not (tmp_path / LEASE).exists()
 
 
@@ -96,12 +77,10 @@ def test_a_hung_holder_is_taken_over_after_the_stale_time_and_then_exits_without
         assert any("took over" in m and "heartbeat" in m for m in logs), logs
         holder.send_signal(signal.SIGCONT)
         assert holder.wait(15) == BUSY_EXIT
-        assert "lost the run dir lease" in holder.stdout.read()
+        assert "lost the run dir lease" in holder.output
         assert json.loads((tmp_path / LEASE).read_text())["owner"] == lease.owner
     finally:
         lease.release()
-        holder.send_signal(signal.SIGCONT)
-        end(holder)
 
 
 def test_a_lease_left_on_another_machine_is_taken_over_by_its_age(tmp_path):
@@ -117,39 +96,21 @@ def test_a_lease_left_on_another_machine_is_taken_over_by_its_age(tmp_path):
     assert any("took over" in m and "node-7" in m and "600 s old" in m for m in logs), logs
 
 
-def trainer(run: Path, *args: str) -> tuple[subprocess.Popen, list[str]]:
-    """`pretrain train --out run ...` with its output collected line by line."""
-    proc = spawn_train("--out", str(run), *args)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    return proc, lines
-
-
-def wait_for_line(lines: list[str], text: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not any(text in line for line in lines):
-        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
-        time.sleep(0.05)
-
-
 def test_trainer_on_a_held_run_dir_exits_142_or_143_with_one_line(tmp_path):
-    holder = hold(tmp_path)
-    try:
-        busy = pretrain("train", "--out", str(tmp_path), *FAST, "--set", "checkpoint.lease_wait_seconds=1")
-        assert busy.returncode == BUSY_EXIT, busy.stdout + busy.stderr
-        assert busy.stderr.count("\n") == 1 and "still written by" in busy.stderr
-        assert "Traceback" not in busy.stdout + busy.stderr
-        proc, lines = trainer(tmp_path, *FAST, "--max-steps", "4")
-        wait_for_line(lines, "waiting up to", proc)
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 143
-        assert time.monotonic() - t0 < 15, "SIGTERM while waiting must not wait out the lease (600 s)"
-        out = "".join(lines)
-        assert "stopped by SIGTERM while waiting" in out and "Traceback" not in out
-        assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
-    finally:
-        end(holder)
+    hold(tmp_path)
+    busy = pretrain("train", "--out", str(tmp_path), *FAST, "--set", "checkpoint.lease_wait_seconds=1")
+    assert busy.returncode == BUSY_EXIT, busy.stdout + busy.stderr
+    assert busy.stderr.count("\n") == 1 and "still written by" in busy.stderr
+    assert "Traceback" not in busy.stdout + busy.stderr
+    proc = spawn_train("--out", str(tmp_path), *FAST, "--max-steps", "4")
+    proc.wait_for_line("waiting up to")
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 143
+    assert time.monotonic() - t0 < 15, "SIGTERM while waiting must not wait out the lease (600 s)"
+    out = proc.output
+    assert "stopped by SIGTERM while waiting" in out and "Traceback" not in out
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
 
 
 @pytest.mark.slow
@@ -160,23 +121,20 @@ def test_two_trainers_on_one_run_dir_take_turns_and_end_like_one_run(tmp_path):
     steps = 10
     args = [*FAST, "--max-steps", str(steps), "--set", "checkpoint.lease_stale_seconds=600"]
     straight, run = tmp_path / "straight", tmp_path / "run"
-    assert pretrain("train", "--out", str(straight), *args).returncode == 0
+    reference = pretrain_meanwhile("train", "--out", str(straight), *args)
     a = spawn_train("--out", str(run), *args)
-    try:
-        wait_for_step(run, 2, a)
-        a.send_signal(signal.SIGSTOP)  # hold A mid-run (its heartbeat too) while B starts
-        b, b_lines = trainer(run, *args)
-        wait_for_line(b_lines, "only one trainer may write a run dir", b)
-        assert b.poll() is None
-        a.send_signal(signal.SIGTERM)
-        a.send_signal(signal.SIGCONT)
-        a_out, _ = a.communicate(timeout=120)
-        assert a.returncode == 143, a_out
-        assert b.wait(180) == 0, "".join(b_lines)
-    finally:
-        end(a)
-    b_out = "".join(b_lines)
+    a.wait_for_step(run, 2)
+    a.send_signal(signal.SIGSTOP)  # hold A mid-run (its heartbeat too) while B starts
+    b = spawn_train("--out", str(run), *args)
+    b.wait_for_line("only one trainer may write a run dir")
+    assert b.poll() is None
+    a.send_signal(signal.SIGTERM)
+    a.send_signal(signal.SIGCONT)
+    assert a.wait(120) == 143, a.output
+    assert b.wait(180) == 0, b.output
+    a_out, b_out = a.output, b.output
     assert "Traceback" not in a_out + b_out
     stopped = int(a_out.split("stopping at step ")[1].split(":")[0])
     assert 2 <= stopped < steps and f"resumed from {run / 'checkpoints'}" in b_out
+    assert reference.finished().returncode == 0
     assert_same_run(straight, run, steps)

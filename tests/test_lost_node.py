@@ -1,4 +1,4 @@
-"""A lost node (#23): two launchers as two "nodes" on 127.0.0.1 (c10d rendezvous, one gloo process each).
+"""A lost node: two launchers as two "nodes" on 127.0.0.1 (c10d rendezvous, one gloo process each).
 SIGKILL one node's whole process tree (no SIGTERM: an OOM-killed pod) at a step between checkpoints,
 during a checkpoint write and during start-up, or SIGSTOP it (a node that vanished silently: power,
 network, kernel panic): the other node exits 144 (retryable) within the bound (the time is printed),
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 
 from app.launch import children
 from tests.conftest import FAST, REPO, cli_env
+from tests.procs import Proc
 from tests.test_budget_inprocess import free_port
 from tests.test_resume import assert_same_run
 
@@ -46,26 +46,8 @@ def start_node(run: Path, node: int, port: int, pause: str = "", pause_dir: Path
             f"--rdzv-endpoint=127.0.0.1:{port}",
             f"--local-addr=127.0.0.{node + 1}",
         ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "app.launch",
-        *shape,
-        "-m",
-        "tests.pause_at",
-        "app.train",
-        "--out",
-        str(run),
-        *TRAIN,
-    ]
-    log = open(run.parent / f"{run.name}-node{node}-{port}.log", "w")  # noqa: SIM115 - the process keeps it
-    return subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-
-
-def output(run: Path, node: int, port: int) -> str:
-    return (run.parent / f"{run.name}-node{node}-{port}.log").read_text()
+    cmd = [sys.executable, "-m", "app.launch", *shape, "-m", "tests.pause_at", "app.train", "--out", str(run)]
+    return Proc([*cmd, *TRAIN], run.parent / f"{run.name}-node{node}-{port}.log", env=env)
 
 
 def listening(port: int) -> bool:
@@ -78,19 +60,18 @@ def listening(port: int) -> bool:
 def start_nodes(run: Path, port: int, pause="", lost=0, pause_dir: Path | None = None, static=False) -> list:
     """Node 0 first: once it keeps the rendezvous store (as the Master's pod does), node 1."""
     first = start_node(run, 0, port, pause if lost == 0 else "", pause_dir, static)
-    deadline = time.monotonic() + 60
-    while not listening(port):
-        assert first.poll() is None and time.monotonic() < deadline, output(run, 0, port)
-        time.sleep(0.05)
+    first.wait_until(lambda: listening(port), f"the rendezvous store on port {port}", timeout=60, poll=0.05)
     return [first, start_node(run, 1, port, pause if lost == 1 else "", pause_dir, static)]
 
 
 def two_nodes(run: Path) -> None:
     """Both nodes to the end, exit 0."""
-    port = free_port()
-    nodes = start_nodes(run, port)
-    for n, proc in enumerate(nodes):
-        assert proc.wait(300) == 0, output(run, n, port)
+    finish(start_nodes(run, free_port()))
+
+
+def finish(nodes: list[Proc]) -> None:
+    for proc in nodes:
+        assert proc.wait(300) == 0, proc.output
 
 
 def signal_tree(pid: int, signum: int) -> None:
@@ -105,21 +86,45 @@ def signal_tree(pid: int, signum: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
+def reference(tmp_path_factory):
+    """The uninterrupted 2-node run, trained in the background while the first test loses a node: call it
+    for the run dir once it is compared."""
     run = tmp_path_factory.mktemp("reference") / "run"
-    two_nodes(run)
-    return run
+    nodes = start_nodes(run, free_port())
+
+    def finished() -> Path:
+        finish(nodes)
+        return run
+
+    yield finished
+    for proc in nodes:
+        proc.stop()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "lost,pause,how,static",
     [
-        (1, "app.trainer.optim:step_unless:8", signal.SIGKILL, False),  # between the saves of steps 5, 10
+        (
+            1,
+            "app.trainer.optimization.optimizer:step_unless:8",
+            signal.SIGKILL,
+            False,
+        ),  # between the saves of steps 5, 10
         (0, "app.trainer.checkpoint.writer:write_safetensors:3", signal.SIGKILL, False),  # saving step 10
         (1, "torch.distributed:init_process_group", signal.SIGKILL, False),  # start-up: in the rendezvous
-        (0, "app.trainer.optim:step_unless:8", signal.SIGSTOP, True),  # silently, with the store: operators
-        (0, "app.trainer.optim:step_unless:8", signal.SIGSTOP, False),  # the same, c10d: torchrun hangs
+        (
+            0,
+            "app.trainer.optimization.optimizer:step_unless:8",
+            signal.SIGSTOP,
+            True,
+        ),  # silently, with the store: operators
+        (
+            0,
+            "app.trainer.optimization.optimizer:step_unless:8",
+            signal.SIGSTOP,
+            False,
+        ),  # the same, c10d: torchrun hangs
     ],
     ids=["training", "checkpoint-write", "start-up", "silent", "silent-c10d"],
 )
@@ -127,10 +132,7 @@ def test_a_lost_node_is_retried_and_the_run_ends_exact(tmp_path, reference, lost
     run = tmp_path / "run"
     port = free_port()
     nodes = start_nodes(run, port, pause, lost, tmp_path, static)
-    deadline = time.monotonic() + 180
-    while not list(tmp_path.glob("paused-*")):
-        assert time.monotonic() < deadline and nodes[lost].poll() is None, output(run, lost, port)
-        time.sleep(0.05)
+    nodes[lost].wait_for_file(lambda: list(tmp_path.glob("paused-*")), timeout=180)
     signal_tree(nodes[lost].pid, how)
     lost_at = time.monotonic()
     survivor = 1 - lost
@@ -138,13 +140,13 @@ def test_a_lost_node_is_retried_and_the_run_ends_exact(tmp_path, reference, lost
     found = time.monotonic() - lost_at
     signal_tree(nodes[lost].pid, signal.SIGKILL)
     nodes[lost].wait(30)
-    out = output(run, survivor, port)
+    out = nodes[survivor].output
     print(f"\n{pause}: node {survivor} exited {code} {found:.1f} s after node {lost} got {how.name}")
     assert code == 144, out
     (line,) = [ln for ln in out.splitlines() if "-> exit 144 (retryable)" in ln]
     assert (f"lost rank {lost} on node {lost}" if lost else "lost node 0") in line and "at step" in line, line
     two_nodes(run)  # the pods restart
-    assert_same_run(reference, run, STEPS)
+    assert_same_run(reference(), run, STEPS)
 
 
 @pytest.mark.slow
@@ -156,33 +158,21 @@ def test_a_killed_local_worker_makes_the_launcher_exit_144(tmp_path):
     run = tmp_path / "run"
     env = cli_env(
         PYTHONPATH=str(REPO),
-        PRETRAIN_TEST_PAUSE="app.trainer.optim:step_unless:8",
+        PRETRAIN_TEST_PAUSE="app.trainer.optimization.optimizer:step_unless:8",
         PRETRAIN_TEST_PAUSE_DIR=str(tmp_path),
     )
     shape = ["--nnodes=1", "--nproc-per-node=2", "--max-restarts=0"]
     cmd = [sys.executable, "-m", "app.launch", *shape, "-m", "tests.pause_at", "app.train", "--out", str(run)]
-    launcher = subprocess.Popen(
-        [*cmd, *TRAIN],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    launcher = Proc([*cmd, *TRAIN], tmp_path / "launcher.log", env=env)
+    # both ranks, before step 8's update
+    paused = launcher.wait_until(
+        lambda: len(p := list(tmp_path.glob("paused-*"))) >= 2 and p, "2 paused ranks", 180
     )
-    try:
-        deadline = time.monotonic() + 180
-        while len(paused := list(tmp_path.glob("paused-*"))) < 2:  # both ranks, before step 8's update
-            assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()[0]
-            time.sleep(0.05)
-        by_rank = {int(p.read_text()): int(p.name.split("-")[1]) for p in paused}
-        os.kill(by_rank[1], signal.SIGKILL)
-        os.kill(by_rank[0], signal.SIGCONT)
-        out, _ = launcher.communicate(timeout=120)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait(30)
+    by_rank = {int(p.read_text()): int(p.name.split("-")[1]) for p in paused}
+    os.kill(by_rank[1], signal.SIGKILL)
+    os.kill(by_rank[0], signal.SIGCONT)
+    launcher.wait(120)
+    out = launcher.output
     assert launcher.returncode == 144, out
     assert "lost rank 1" in out and "-> exit 144" in out.splitlines()[-1], out
     from app.trainer.checkpoint.store import resolve_latest

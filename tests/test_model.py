@@ -8,8 +8,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from app.config import ModelConfig, load_config, preset_names
-from app.trainer.metrics import flops_per_token
-from app.trainer.model import build_model, count_parameters
+from app.trainer.model.gpt import build_model, count_parameters
+from app.trainer.reporting.metrics import flops_per_token
 from tests.test_switches import every_switch
 
 
@@ -134,3 +134,102 @@ def _counted_flops(cfg: ModelConfig, batch: int = 2) -> float:
 def test_flops_formula_agrees_with_flop_counter(cfg):
     analytic, counted = flops_per_token(cfg), _counted_flops(cfg)
     assert abs(analytic - counted) / counted < 0.05, (analytic, counted)
+
+
+# ---------------------------------------------------------------- the CPU paths against the formulas
+
+
+def _value_and_grads(fn, *inputs):
+    inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    out = fn(*inputs)
+    out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+    return [out.detach(), *(t.grad for t in inputs if t.requires_grad)]
+
+
+def _assert_same(got, want, rel=1e-6):
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and ((g - w).norm() / w.norm()).item() < rel
+
+
+@pytest.mark.parametrize("gain", [True, False])
+@pytest.mark.parametrize("layout", ["residual", "heads"])
+def test_the_cpu_rms_norm_is_the_formula(monkeypatch, gain, layout):
+    """Eager fp32 on a CPU runs RMSNorm with its backward written out (docs/performance.md, "CPU"); the
+    formula is what compiled code and bf16 autocast run. Output and gradients agree to fp32 rounding, on
+    the residual stream and on q laid out by heads (QK-norm), with and without a gain."""
+    import app.trainer.model.gpt as model_module
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 4, 32) * 3
+    x = x.flatten(2) if layout == "residual" else x.transpose(1, 2)
+    norm = model_module.RMSNorm(x.size(-1), 1e-5, gain)
+    if gain:
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+
+    def run():
+        inp = x.clone().requires_grad_()
+        norm.zero_grad(set_to_none=True)
+        out = norm(inp)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+        return [out.detach(), inp.grad, *([norm.weight.grad] if gain else [])]
+
+    cpu = run()
+    monkeypatch.setattr(model_module, "cpu_kernels", lambda _x: False)
+    _assert_same(cpu, run())
+
+
+def test_the_cpu_rope_is_the_formula_for_training_and_for_decoding():
+    """RoPE's CPU path against the formula: on q as the projection lays it out (batch, position, head,
+    seen transposed) with the (T, head_dim/2) tables, and on one position per batch row (the server's
+    continuous batch)."""
+    from app.trainer.model.gpt import apply_rope, rope, rope_tables
+
+    torch.manual_seed(0)
+    cos, sin = rope_tables(16, 32, 10000.0)
+    q = torch.randn(2, 16, 4, 32).transpose(1, 2).requires_grad_()
+    _assert_same(_value_and_grads(apply_rope, q, cos, sin), _value_and_grads(rope, q, cos, sin))
+    rows = torch.tensor([3, 9])  # each batch row at its own position
+    one = torch.randn(2, 4, 1, 32).requires_grad_()
+    c, s = cos[rows].view(2, 1, 1, 16), sin[rows].view(2, 1, 1, 16)
+    _assert_same(_value_and_grads(apply_rope, one, c, s), _value_and_grads(rope, one, c, s))
+
+
+def test_the_cpu_loss_is_one_cross_entropy():
+    """The CPU loss runs over chunks of rows; it is the mean cross-entropy of all rows, gradients too."""
+    import torch.nn.functional as F
+
+    from app.trainer.model.gpt import LOSS_CHUNK_BYTES, cross_entropy
+
+    torch.manual_seed(0)
+    vocab = 300
+    logits = torch.randn(3 * LOSS_CHUNK_BYTES // (4 * vocab) + 7, vocab).requires_grad_()  # 4 chunks
+    targets = torch.randint(0, vocab, (logits.size(0),))
+    cpu = _value_and_grads(lambda t: cross_entropy(t, targets), logits)
+    _assert_same(cpu, _value_and_grads(lambda t: F.cross_entropy(t, targets), logits))
+
+
+def test_the_cpu_paths_save_what_the_formulas_save(monkeypatch):
+    """The memory estimate (app/trainer/parallel/memory.py) counts what autograd keeps for backward, measured on the
+    formulas: the CPU paths keep the same tensors, byte for byte, in a block and in the loss."""
+    import app.trainer.model.gpt as model_module
+
+    def saved_bytes(cfg) -> int:
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+        storages: dict[int, int] = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(idx, idx).loss.backward()
+        return sum(storages.values())
+
+    for cfg in (small(), small(qk_norm=True, parameter_free_norms=True)):
+        cpu = saved_bytes(cfg)
+        monkeypatch.setattr(model_module, "cpu_kernels", lambda _x: False)
+        assert saved_bytes(cfg) == cpu
+        monkeypatch.undo()

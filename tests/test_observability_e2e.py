@@ -9,19 +9,16 @@ The fast tests check the dashboard JSON itself: importable, variables, filters, 
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import FAST, REPO, cli_env, train_rows
+from tests.conftest import FAST, REPO, train_rows
+from tests.procs import Proc
 from tests.prom_helpers import (
     DASHBOARDS,
     RULES,
@@ -131,11 +128,10 @@ def test_dashboards_and_rules_use_only_served_metrics_and_show_them_all():
     assert not hidden, f"metrics served but on no dashboard: {sorted(hidden)}"
 
 
-def test_readme_lists_every_metric_and_docs_every_alert():
-    readme = (REPO / "README.md").read_text()
-    missing = sorted(m for m in exported_metric_names() if f"`{m}`" not in readme)
-    assert not missing, f"README.md's metric tables do not list {missing}"
+def test_docs_list_every_metric_and_every_alert():
     text = DOCS.read_text()
+    missing = sorted(m for m in exported_metric_names() if f"`{m}`" not in text)
+    assert not missing, f"docs/observability.md's metric tables do not list {missing}"
     alerts = sorted({r["alert"] for r in alert_rules() if r["alert"] not in text})
     assert not alerts, f"docs/observability.md does not describe {alerts}"
 
@@ -158,18 +154,14 @@ def test_every_query_is_valid_promql(tmp_path):
 # ---------------------------------------------------------------- end to end (slow)
 
 
-def _wait_for(
-    prom: Prometheus, exprs: list[str], trainer: subprocess.Popen, log: Path, timeout: float
-) -> None:
-    deadline = time.monotonic() + timeout
+def _wait_for(prom: Prometheus, exprs: list[str], trainer: Proc, timeout: float) -> None:
     pending = list(exprs)
-    while pending and time.monotonic() < deadline:
-        if trainer.poll() is not None:
-            raise AssertionError(f"trainer exited {trainer.returncode} early:\n{log.read_text()[-3000:]}")
-        pending = [e for e in pending if not prom.has_data(e)]
-        if pending:
-            time.sleep(0.5)
-    assert not pending, f"no data in {timeout}s for {pending}; trainer log:\n{log.read_text()[-2000:]}"
+
+    def all_there() -> bool:
+        pending[:] = [e for e in pending if not prom.has_data(e)]
+        return not pending
+
+    trainer.wait_until(all_there, f"data in Prometheus for {pending}", timeout, poll=0.5)
 
 
 def _served_names(port: int) -> set[str]:
@@ -179,11 +171,10 @@ def _served_names(port: int) -> set[str]:
 
 
 @pytest.mark.slow
-def test_every_dashboard_query_returns_data_from_a_real_scrape(tmp_path):
+def test_every_dashboard_query_returns_data_from_a_real_scrape(tmp_path, procs):
     if reason := prometheus_missing():
         pytest.skip(reason)
     run = tmp_path / "run"
-    log = tmp_path / "trainer.log"
     trainer_port, budget_port = free_port(), free_port()
     # A looped model with deep supervision, so the per-loop loss panels have data too; a peak for the CPU, so
     # MFU is reported; the in-process budget guard with a cap far above what a minute costs at $1/h; a
@@ -232,17 +223,9 @@ def test_every_dashboard_query_returns_data_from_a_real_scrape(tmp_path):
         }
     ]
     prom = Prometheus(tmp_path / "prom", scrape, rule_files=[RULES])
-    trainer = None
     try:
         prom.start()
-        with open(log, "w") as out:
-            trainer = subprocess.Popen(
-                [sys.executable, "-m", "app.cli", *args],
-                cwd=REPO,
-                env=cli_env(),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
+        trainer = procs.pretrain(*args)
         sel = '{namespace="e2e", job="pretrain-e2e"}'
         _wait_for(
             prom,
@@ -256,7 +239,6 @@ def test_every_dashboard_query_returns_data_from_a_real_scrape(tmp_path):
                 f"count_over_time(pretrain_budget_spent_usd{sel}[1m]) >= 8",
             ],
             trainer,
-            log,
             timeout=180,
         )
 
@@ -307,65 +289,33 @@ def test_every_dashboard_query_returns_data_from_a_real_scrape(tmp_path):
                 }
             )
         )
-        assert trainer.wait(timeout=120) == 0, log.read_text()[-3000:]
+        assert trainer.wait(timeout=120) == 0, trainer.tail()
     finally:
-        if trainer is not None and trainer.poll() is None:
-            os.kill(trainer.pid, signal.SIGKILL)
-            trainer.wait(timeout=30)
         prom.stop()
 
 
-def test_token_counter_counts_every_step_not_only_the_logged_ones(tmp_path):
+def test_token_counter_counts_every_step_not_only_the_logged_ones(tmp_path, procs):
     run, port = tmp_path / "run", free_port()
-    log = tmp_path / "trainer.log"
-    with open(log, "w") as out:
-        trainer = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "app.cli",
-                "train",
-                "--out",
-                str(run),
-                "--max-steps",
-                "1000000",
-                *FAST,
-                "--set",
-                "train.log_every=5",
-                "--metrics-port",
-                str(port),
-            ],
-            cwd=REPO,
-            env=cli_env(),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not any(r.get("step", 0) >= 20 for r in train_rows(run)):
-            assert trainer.poll() is None, log.read_text()
-            time.sleep(0.05)
-        pairs = []
-        for _ in range(5):  # a scrape may land between the two updates of one record: any consistent one
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-                values = dict(
-                    ln.rsplit(" ", 1)
-                    for ln in r.read().decode().splitlines()
-                    if ln and not ln.startswith("#")
-                )
-            pairs.append((float(values["pretrain_step"]), float(values["pretrain_tokens_total"])))
-            time.sleep(0.05)
-        assert any(tokens == step * 8 * 64 for step, tokens in pairs), pairs  # FAST: 8 x 64 tokens per step
-    finally:
-        if trainer.poll() is None:
-            os.kill(trainer.pid, signal.SIGKILL)
-            trainer.wait(timeout=30)
+    trainer = procs.pretrain(
+        *("train", "--out", str(run), "--max-steps", "1000000", *FAST),
+        *("--set", "train.log_every=5", "--metrics-port", str(port)),
+    )
+    trainer.wait_until(lambda: any(r.get("step", 0) >= 20 for r in train_rows(run)), "step 20")
+    pairs = []
+    for _ in range(5):  # a scrape may land between the two updates of one record: any consistent one
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            values = dict(
+                ln.rsplit(" ", 1) for ln in r.read().decode().splitlines() if ln and not ln.startswith("#")
+            )
+        pairs.append((float(values["pretrain_step"]), float(values["pretrain_tokens_total"])))
+        time.sleep(0.05)
+    assert any(tokens == step * 8 * 64 for step, tokens in pairs), pairs  # FAST: 8 x 64 tokens per step
 
 
 @pytest.mark.parametrize("in_pod, want", [(False, "127.0.0.1"), (True, "0.0.0.0")])
 def test_metrics_listen_on_loopback_outside_a_pod_and_on_every_interface_in_one(monkeypatch, in_pod, want):
     from app.budget.metrics import BudgetMetrics
-    from app.trainer.metrics import TrainerMetrics
+    from app.trainer.reporting.metrics import TrainerMetrics
 
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     if in_pod:

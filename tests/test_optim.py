@@ -14,9 +14,9 @@ from app.errors import UserError
 from app.trainer.checkpoint import store as ckpt
 from app.trainer.checkpoint.state import load_into
 from app.trainer.checkpoint.writer import CheckpointWriter
-from app.trainer.model import build_model
-from app.trainer.optim import build_optimizer, fit_state, param_groups, set_lr
-from app.trainer.schedule import lr_at
+from app.trainer.model.gpt import build_model
+from app.trainer.optimization.optimizer import build_optimizer, fit_state, param_groups, set_lr
+from app.trainer.optimization.schedule import lr_at
 from tests.conftest import CLASSIC, FAST, REPO, cli_env, losses_by_step, pretrain, torchrun
 from tests.test_resume import assert_same_run
 
@@ -156,7 +156,7 @@ def test_resuming_adamw_state_with_muon_converts_and_back_restarts_the_moments(t
 def _muon_pair(adjust: str, shapes=((24, 40), (72, 24))):
     """ShardedMuon and torch.optim.Muon on equal copies of a wide and a tall matrix (torch transposes a tall
     one for Newton-Schulz), with weight decay and Nesterov, as optim.name=muon builds them."""
-    from app.trainer.optim import ShardedMuon
+    from app.trainer.optimization.optimizer import ShardedMuon
 
     torch.manual_seed(0)
     ours = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
@@ -236,11 +236,11 @@ FSDP_WORKER = """
 import torch, torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
 from app.config import ModelConfig, OptimConfig
-from app.trainer import optim
-from app.trainer.model import build_model
-from app.trainer.optim import build_optimizer, step_unless
-from app.trainer.distributed import init_distributed
-from app.trainer.parallelize import shard_model
+from app.trainer.optimization import optimizer as optim
+from app.trainer.model.gpt import build_model
+from app.trainer.optimization.optimizer import build_optimizer, step_unless
+from app.trainer.parallel.distributed import init_distributed
+from app.trainer.parallel.parallelize import shard_model
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 def optimizer_state_dict(model, opt):
@@ -331,10 +331,10 @@ DDP_WORKER = """
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from app.config import ModelConfig, OptimConfig
-from app.trainer import optim
-from app.trainer.distributed import init_distributed
-from app.trainer.model import build_model
-from app.trainer.optim import build_optimizer, step_unless
+from app.trainer.optimization import optimizer as optim
+from app.trainer.parallel.distributed import init_distributed
+from app.trainer.model.gpt import build_model
+from app.trainer.optimization.optimizer import build_optimizer, step_unless
 
 env = init_distributed("cpu")
 # the FSDP test's shapes: tall (95, 32) matrices, and a shape (32, 95) whose 3 matrices do not split over 2
@@ -342,7 +342,7 @@ cfg = ModelConfig(vocab_size=64, seq_len=16, n_layer=3, d_model=32, n_head=4, n_
                   tie_embeddings=False)
 oc = OptimConfig(name="muon", matrix_lr=0.02, embedding_lr=0.01, head_lr=0.004, weight_decay=0.1)
 torch.manual_seed(0)
-model = DDP(build_model(cfg), gradient_as_bucket_view=True)  # as app/trainer/parallelize.py wraps it
+model = DDP(build_model(cfg), gradient_as_bucket_view=True)  # as app/trainer/parallel/parallelize.py wraps it
 opt = build_optimizer(model.module, oc, torch.device("cpu"))
 group = next(g for g in opt.param_groups if g["optimizer"] == "muon")
 matrices = group["params"]

@@ -8,16 +8,13 @@ there, after a partial temp dir exists)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import CLASSIC, REPO, cli_env, pretrain
+from tests.conftest import CLASSIC, cli_env, pretrain, pretrain_meanwhile
 from tests.conftest import FAST as SMALL
 from tests.test_resume import assert_same_run
 
@@ -42,10 +39,17 @@ def assert_out_of_space(proc_code: int, stderr: str, run: Path, newest: int) -> 
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> Path:
+def straight(tmp_path_factory):
+    """The uninterrupted run, trained in the background while a test fills its volume: call it for the
+    run dir once it is needed."""
     run = tmp_path_factory.mktemp("straight") / "run"
-    pretrain("train", "--out", str(run), "--max-steps", str(STEPS), *FAST, check=True)
-    return run
+    proc = pretrain_meanwhile("train", "--out", str(run), "--max-steps", str(STEPS), *FAST)
+
+    def finished() -> Path:
+        assert proc.finished().returncode == 0, proc.tail()
+        return run
+
+    return finished
 
 
 def test_periodic_save_out_of_space_exits_6_and_resumes_exactly(tmp_path, straight):
@@ -55,34 +59,28 @@ def test_periodic_save_out_of_space_exits_6_and_resumes_exactly(tmp_path, straig
     assert "at step 20: a checkpoint needs about" in failed.stderr
     resumed = pretrain("train", "--out", str(run), "--max-steps", str(STEPS), *FAST, *EVERY, check=True)
     assert "resumed from" in resumed.stdout
-    assert_same_run(straight, run, STEPS)
+    assert_same_run(straight(), run, STEPS)
 
 
 @pytest.mark.slow  # over 8 s: `make test-slow` (CI runs it); keeps `make test` near 10 min
-def test_sigterm_save_out_of_space_says_so_and_resumes_exactly(tmp_path, straight):
+def test_sigterm_save_out_of_space_says_so_and_resumes_exactly(tmp_path, straight, procs):
     """SIGTERM at step 15 (the trainer stops itself before it, tests/pause_at.py): the stop's save fails."""
     run, marks = tmp_path / "run", tmp_path / "marks"
     marks.mkdir()
     env = cli_env(PRETRAIN_TEST_PAUSE="app.train:train_step:15", PRETRAIN_TEST_PAUSE_DIR=str(marks))
-    cmd = [sys.executable, "-m", "tests.pause_at", "app.cli", "train", "--out", str(run)]
-    proc = subprocess.Popen(
-        [*cmd, "--max-steps", str(STEPS), *FAST, *EVERY, *FULL_AFTER_10],
-        cwd=REPO,
-        env=env,
-        stderr=subprocess.PIPE,
-        text=True,
+    cmd = ["-m", "tests.pause_at", "app.cli", "train", "--out", str(run)]
+    proc = procs.python(
+        *cmd, "--max-steps", str(STEPS), *FAST, *EVERY, *FULL_AFTER_10, env=env, separate_stderr=True
     )
-    deadline = time.monotonic() + 120
-    while not list(marks.glob("paused-*")):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-        time.sleep(0.05)
+    proc.wait_for_file(lambda: list(marks.glob("paused-*")))
     proc.send_signal(signal.SIGTERM)
-    os.kill(proc.pid, signal.SIGCONT)
-    stderr = proc.stderr.read()
-    assert_out_of_space(proc.wait(60), stderr, run, newest=10)
+    proc.send_signal(signal.SIGCONT)
+    code = proc.wait(60)
+    stderr = proc.errors
+    assert_out_of_space(code, stderr, run, newest=10)
     assert "at step 15 (the save for the stop: preempted)" in stderr
     pretrain("train", "--out", str(run), "--max-steps", str(STEPS), *FAST, *EVERY, check=True)
-    assert_same_run(straight, run, STEPS)
+    assert_same_run(straight(), run, STEPS)
 
 
 @pytest.mark.slow  # mounts a tmpfs and fills it
@@ -103,6 +101,6 @@ def test_a_real_full_tmpfs_warns_first_then_exits_6(tmp_path, straight):
         assert "save 2 from now will fail" in warnings[1] and "the next save will fail" in warnings[2]
         subprocess.run(["mount", "-o", "remount,size=64m", str(volume)], check=True)
         pretrain("train", "--out", str(run), "--max-steps", str(STEPS), *FAST, *EVERY, check=True)
-        assert_same_run(straight, run, STEPS)
+        assert_same_run(straight(), run, STEPS)
     finally:
         subprocess.run(["umount", "-l", str(volume)], check=False)

@@ -16,12 +16,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from app.config import LoopConfig, ModelConfig, load_config
 from app.data.loader import Prefetcher, TrainLoader
 from app.train import train_step
-from app.trainer.distributed import DistEnv
-from app.trainer.metrics import flops_per_token
-from app.trainer.model import build_model
-from app.trainer.optim import build_optimizer
-from app.trainer.steplog import StepLog
-from tests.conftest import FAST, losses_by_step, pretrain, torchrun
+from app.trainer.model.gpt import build_model
+from app.trainer.optimization.optimizer import build_optimizer
+from app.trainer.parallel.distributed import DistEnv
+from app.trainer.reporting.metrics import flops_per_token
+from app.trainer.reporting.steplog import StepLog
+from tests.conftest import FAST, losses_by_step, pretrain, pretrain_meanwhile, torchrun
 from tests.test_resume import assert_same_run, weights
 from tests.test_switches import every_switch
 
@@ -187,9 +187,10 @@ def test_deferred_reads_keep_resume_exact(tmp_path):
     (between reads) resumes to the straight run's weights and logged losses."""
     common = [*FAST, "--set", "train.log_every=5"]
     straight, halves = tmp_path / "straight", tmp_path / "halves"
-    assert pretrain("train", "--out", str(straight), "--max-steps", "12", *common).returncode == 0
+    reference = pretrain_meanwhile("train", "--out", str(straight), "--max-steps", "12", *common)
     assert pretrain("train", "--out", str(halves), "--max-steps", "7", *common).returncode == 0
     assert pretrain("train", "--out", str(halves), "--max-steps", "12", *common).returncode == 0
+    assert reference.finished().returncode == 0
     wa, wb = weights(straight, 12), weights(halves, 12)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     la, lb = losses_by_step(straight), losses_by_step(halves)
@@ -266,15 +267,9 @@ def test_bench_out_of_memory_is_one_line_naming_the_micro_batch_to_try(tmp_path)
 @pytest.mark.slow
 def test_bench_under_torchrun_measures_two_ranks_and_their_communication(tmp_path):
     def run_bench(*args):
-        import subprocess
-        import sys
+        from tests.conftest import torchrun
 
-        from tests.conftest import REPO, cli_env
-
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-        return subprocess.run(
-            [*cmd, "-m", "app.tools.bench", *args], cwd=REPO, env=cli_env(), capture_output=True, text=True
-        )
+        return torchrun("-m", "app.tools.bench", *args, timeout=600)
 
     r = _bench(tmp_path, runner=run_bench)
     tiny = load_config("tiny")
@@ -282,7 +277,7 @@ def test_bench_under_torchrun_measures_two_ranks_and_their_communication(tmp_pat
         r["world_size"] == 2 and r["tokens_per_step"] == 2 * tiny.train.micro_batch_size * tiny.model.seq_len
     )
     assert set(r["breakdown_share"]) == {"data", "forward_backward", "communication", "optimizer"}
-    from app.trainer.stopping import auto_every
+    from app.trainer.stopping.agreement import auto_every
 
     # two real ranks: the agreement is a gloo round trip, and k is what the trainer would pick from it
     assert r["stop_agreement_seconds"] > 0
@@ -290,21 +285,33 @@ def test_bench_under_torchrun_measures_two_ranks_and_their_communication(tmp_pat
 
 
 COMPILE = ["--set", "train.compile=true"]
+SAMPLE = ["--set", "train.sample_every=3"]  # generation with the KV cache runs eager: no recompiles
+
+
+@pytest.fixture(scope="module")
+def compiled_run(tmp_path_factory):
+    """6 compiled steps sampling every 3 (compiling takes most of a minute on 2 cores): the compiled run
+    that follows eager, and the straight run a compiled resume must equal. (run dir, its process)"""
+    run = tmp_path_factory.mktemp("compiled") / "run"
+    return run, pretrain("train", "--out", str(run), "--max-steps", "6", *FAST, *COMPILE, *SAMPLE)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("looped", [False, True], ids=["plain", "looped"])
-def test_a_compiled_run_follows_eager(tmp_path, looped):
+def test_a_compiled_run_follows_eager(tmp_path, looped, request):
     """Inductor reorders float sums, so losses agree to rounding (relative 1e-4 over 6 steps), not bits."""
     extra = []
     if looped:
         loop = ["prelude=1", "recurrent=1", "coda=1", "recurrence=3", "deep_supervision=true"]
         extra = [a for kv in loop for a in ("--set", f"model.loop.{kv}")]
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
-    assert pretrain("train", "--out", str(eager), "--max-steps", "6", *FAST, *extra).returncode == 0
-    sample = ["--set", "train.sample_every=3"]  # generation with the KV cache runs eager: no recompiles
-    proc = pretrain("train", "--out", str(compiled), "--max-steps", "6", *FAST, *extra, *COMPILE, *sample)
+    reference = pretrain_meanwhile("train", "--out", str(eager), "--max-steps", "6", *FAST, *extra)
+    if looped:
+        proc = pretrain("train", "--out", str(compiled), "--max-steps", "6", *FAST, *extra, *COMPILE, *SAMPLE)
+    else:
+        compiled, proc = request.getfixturevalue("compiled_run")
     assert proc.returncode == 0, proc.stderr
+    assert reference.finished().returncode == 0
     assert "compile: 2 blocks and the loss" in proc.stdout or "compile: 3 blocks and the loss" in proc.stdout
     assert "sample at step 6" in proc.stdout and "recompile" not in proc.stderr.lower(), proc.stderr
     le, lc = losses_by_step(eager), losses_by_step(compiled)
@@ -315,7 +322,7 @@ def test_a_compiled_run_follows_eager(tmp_path, looped):
 
 def test_the_compile_counter_sees_a_recompile():
     """compile_counts (what bench and `make gpu-check` report) counts a second shape as a recompile."""
-    from app.trainer.parallelize import compile_counts
+    from app.trainer.parallel.parallelize import compile_counts
 
     def double(x):
         return x * 2
@@ -336,7 +343,7 @@ def test_no_recompile_after_an_out_of_memory_halving_or_over_a_short_validation_
     """train.micro_batch_size=auto on a compiled run: micro-batch 8 compiles, runs out of memory (the drill,
     after the forward), the retry at 4 compiles anew instead of recompiling with a symbolic batch size
     (dynamic=False, old graphs dropped), and evaluation over the whole validation split (598 windows: a
-    last batch of 2) runs eagerly: 4 graphs (block and loss, twice), 0 recompiles, 0 graph breaks."""
+    last batch of 2) runs eagerly: 6 graphs (embeddings, block and loss, twice), 0 recompiles, 0 graph breaks."""
     import subprocess
     import sys
 
@@ -344,13 +351,13 @@ def test_no_recompile_after_an_out_of_memory_halving_or_over_a_short_validation_
 
     wrapper = (
         "import json, sys; from app.cli import main; rc = main(sys.argv[1:]); "
-        "from app.trainer.parallelize import compile_counts; print('COMPILED', json.dumps(compile_counts())); "
+        "from app.trainer.parallel.parallelize import compile_counts; print('COMPILED', json.dumps(compile_counts())); "
         "from torch._dynamo.utils import get_compilation_metrics as m; print('FRAMES', [x.co_name for x in m()]); "
         "sys.exit(rc)"
     )
     run = tmp_path / "run"
-    # the AdamW recipe's blocks are all alike (with value_embeds the first and last blocks are another kind,
-    # compiled once more each: 6 graphs)
+    # the AdamW recipe's blocks are all alike (the switches make other kinds of block, each compiled once
+    # more: test_the_switches_compile_one_graph_per_kind_of_block)
     args = ["train", "--out", str(run), "--max-steps", "2", *FAST, *CLASSIC, *COMPILE]
     args += ["--set", "train.micro_batch_size=auto", "--set", f"train.batch_tokens={8 * 64}"]
     args += [
@@ -374,17 +381,22 @@ def test_no_recompile_after_an_out_of_memory_halving_or_over_a_short_validation_
     evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in evals if r["kind"] == "eval"] == [0, 2]
     counts = json.loads(proc.stdout.split("COMPILED ", 1)[1].splitlines()[0])
-    assert counts == {"graphs": 4, "recompiles": 0, "graph_breaks": 0}, proc.stdout.split("COMPILED ", 1)[1]
+    assert counts == {"graphs": 6, "recompiles": 0, "graph_breaks": 0}, proc.stdout.split("COMPILED ", 1)[1]
 
 
 @pytest.mark.slow
-def test_a_compiled_run_resumes_exactly(tmp_path):
+def test_a_compiled_run_resumes_exactly(tmp_path, compiled_run):
     """A restart recompiles the same kernels: on CPU a compiled run resumes bit-exactly (docs/performance.md
-    says what holds on GPUs)."""
-    straight, halves = tmp_path / "straight", tmp_path / "halves"
-    assert pretrain("train", "--out", str(straight), "--max-steps", "6", *FAST, *COMPILE).returncode == 0
-    assert pretrain("train", "--out", str(halves), "--max-steps", "3", *FAST, *COMPILE).returncode == 0
-    assert pretrain("train", "--out", str(halves), "--max-steps", "6", *FAST, *COMPILE).returncode == 0
+    says what holds on GPUs). The straight run is the compiled run that follows eager above."""
+    straight, proc = compiled_run
+    assert proc.returncode == 0, proc.stderr
+    halves = tmp_path / "halves"
+    assert (
+        pretrain("train", "--out", str(halves), "--max-steps", "3", *FAST, *COMPILE, *SAMPLE).returncode == 0
+    )
+    assert (
+        pretrain("train", "--out", str(halves), "--max-steps", "6", *FAST, *COMPILE, *SAMPLE).returncode == 0
+    )
     assert_same_run(straight, halves, 6)
 
 

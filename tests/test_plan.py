@@ -135,9 +135,9 @@ def test_the_checkpoint_size_estimate_is_what_a_save_writes(tmp_path):
 
     from app.config import load_config
     from app.trainer.checkpoint.writer import CheckpointWriter
-    from app.trainer.memory import checkpoint_bytes
-    from app.trainer.model import build_model
-    from app.trainer.optim import build_optimizer
+    from app.trainer.model.gpt import build_model
+    from app.trainer.optimization.optimizer import build_optimizer
+    from app.trainer.parallel.memory import checkpoint_bytes
 
     cfg = load_config(
         overrides=["model.vocab_size=512", "model.n_layer=2", "model.d_model=64", "model.n_head=4"]

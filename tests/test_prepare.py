@@ -13,11 +13,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from app.config import PrepareConfig
 from app.data.corpus import documents as embedded_documents
 from app.data.corpus import embedded_dataset
 from app.data.manifest import STATE, Manifest, is_val_document
 from app.data.prepare import prepare
-from app.data.settings import PrepareConfig
 from app.data.shards import HEADER_BYTES, open_shard, read_header
 from app.data.tokenizer import load_tokenizer, train_bpe
 from app.errors import UserError

@@ -19,11 +19,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from app.config import PrepareConfig
 from app.data.manifest import STATE, Manifest
 from app.data.prepare import LOCK, prepare
-from app.data.settings import PrepareConfig
 from app.data.shards import read_header
 from app.data.tokenizer import CharTokenizer, train_bpe
+from tests.procs import Proc
 
 ROOT = Path(__file__).resolve().parents[1]
 PREPARE = [sys.executable, "-m", "app.cli", "prepare"]
@@ -174,20 +175,21 @@ def _argv(args: list[str], out: Path) -> list[str]:
 
 def _run_all(cmd: list[str], p: dict[str, Path], tmp: Path) -> None:
     todo = cases(p, tmp / "x")
-    procs = []
-    for i, (_, args, _) in enumerate(todo):
-        procs.append(
-            subprocess.Popen(
-                [*cmd, *_argv(args, tmp / f"out{i}")],
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+    env = dict(os.environ)  # as the user's shell has it
+    started = [
+        Proc(
+            [*cmd, *_argv(args, tmp / f"out{i}")],
+            tmp / "logs" / f"{i}.log",
+            env=env,
+            cwd=ROOT,
+            separate_stderr=True,
         )
-    for (name, _, needle), proc in zip(todo, procs, strict=True):
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 2, (name, err)
+        for i, (_, args, _) in enumerate(todo)
+    ]
+    for (name, _, needle), proc in zip(todo, started, strict=True):
+        code = proc.wait(300)
+        err = proc.errors
+        assert code == 2, (name, err)
         assert "Traceback" not in err, (name, err)
         assert len(err.strip().splitlines()) == 1, (name, err)
         assert needle in err, (name, err)

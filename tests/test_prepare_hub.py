@@ -9,11 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -26,6 +24,7 @@ import pytest
 from app.data.manifest import Manifest
 from app.data.shards import open_shard
 from app.data.tokenizer import load_tokenizer, train_bpe
+from tests.procs import Proc
 
 ROOT = Path(__file__).resolve().parents[1]
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -364,27 +363,19 @@ HUB_ERRORS = [
 
 def test_hub_errors_exit_2_with_one_line(tmp_path: Path, repos: dict) -> None:
     with FakeHub(repos["hub"]) as hub:
-        procs = [
-            subprocess.Popen(
-                [
-                    *PREPARE,
-                    "--input",
-                    url,
-                    "--out",
-                    str(tmp_path / f"out{i}"),
-                    "--tokenizer",
-                    "char",
-                ],
+        env = _env(hub.url, tmp_path)
+        started = [
+            Proc(
+                [*PREPARE, "--input", url, "--out", str(tmp_path / f"out{i}"), "--tokenizer", "char"],
+                tmp_path / "logs" / f"{i}.log",
+                env=env,
                 cwd=ROOT,
-                env=_env(hub.url, tmp_path),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
+                separate_stderr=True,
             )
             for i, (url, _) in enumerate(HUB_ERRORS)
         ]
-        results = [p.communicate(timeout=180) + (p.returncode,) for p in procs]
-    for (url, needle), (_, err, rc) in zip(HUB_ERRORS, results, strict=True):
+        results = [(p.wait(180), p.errors) for p in started]
+    for (url, needle), (rc, err) in zip(HUB_ERRORS, results, strict=True):
         assert rc == 2, (url, err)
         assert needle in err, (url, err)
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
@@ -436,13 +427,8 @@ def test_rerun_after_sigkill_mid_download_reuses_finished_downloads(tmp_path: Pa
     ]
     with FakeHub(repos) as hub:
         hub.slow = True
-        proc = subprocess.Popen(
-            [*PREPARE, *args],
-            cwd=ROOT,
-            env=_env(hub.url, tmp_path),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
+        proc = Proc(
+            [*PREPARE, *args], tmp_path / "logs" / "killed.log", env=_env(hub.url, tmp_path), cwd=ROOT
         )
         cache = tmp_path / "hfcache"
 
@@ -450,18 +436,16 @@ def test_rerun_after_sigkill_mid_download_reuses_finished_downloads(tmp_path: Pa
             return [p.stat().st_size for p in cache.rglob(pattern) if p.exists()]
 
         try:
-            deadline = time.time() + 120
-            while not (
-                sizes("snapshots/*/data/a.parquet") and max(sizes("*.incomplete"), default=0) >= 10 << 20
-            ):
-                assert proc.poll() is None and time.time() < deadline
-                time.sleep(0.02)
-            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait_until(
+                lambda: (
+                    sizes("snapshots/*/data/a.parquet") and max(sizes("*.incomplete"), default=0) >= 10 << 20
+                ),
+                "a.parquet downloaded and 10 MiB of b.parquet",
+            )
+            proc.kill()
             proc.wait(timeout=30)
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            proc.stop()
             hub.release.set()
         assert not (tmp_path / "out" / "manifest.json").exists()
         assert not list(cache.rglob("snapshots/*/data/b.parquet"))  # b was cut off, a was finished

@@ -14,11 +14,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from app.config import PrepareConfig
 from app.data.manifest import MANIFEST, STATE
 from app.data.prepare import prepare
-from app.data.settings import PrepareConfig
 from app.data.shards import read_header
 from app.data.tokenizer import train_bpe
+from tests.procs import Proc, alive, children
 
 ROOT = Path(__file__).resolve().parents[1]
 PRETRAIN = Path(sys.executable).with_name("pretrain")  # the console script of this venv
@@ -28,20 +29,6 @@ def _docs(seed: int, n: int) -> list[str]:
     rng = np.random.default_rng(seed)
     words = [f"w{i}" for i in range(400)] + ["the", "a", "of", "and", "."]
     return [" ".join(rng.choice(words, size=int(rng.integers(20, 400)))) for _ in range(n)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ")[1][0] != "Z"
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
 
 
 def test_sigkill_midway_then_rerun_equals_uninterrupted(tmp_path: Path) -> None:
@@ -72,34 +59,16 @@ def test_sigkill_midway_then_rerun_equals_uninterrupted(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cmd = [str(PRETRAIN), "prepare", "--input", str(inp), "--out", str(out), *opts]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [*cmd, "--workers", "2"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    workers: list[int] = []
-    try:
-        deadline = time.time() + 120
-        while len(list(out.glob("train_*.bin"))) < 6:
-            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-            assert time.time() < deadline, "prepare made no progress"
-            time.sleep(0.02)
-        workers = _children(proc.pid)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    proc = Proc([*cmd, "--workers", "2"], tmp_path / "prepare.log", env=env, cwd=ROOT, separate_stderr=True)
+    proc.wait_until(lambda: len(list(out.glob("train_*.bin"))) >= 6, "6 shards written")
+    workers = children(proc.pid)
+    proc.kill()
+    assert proc.wait(timeout=30) == -signal.SIGKILL
     # The tokenizer workers die with it instead of lingering.
     deadline = time.time() + 10
-    while any(_alive(w) for w in workers) and time.time() < deadline:
+    while any(alive(w) for w in workers) and time.time() < deadline:
         time.sleep(0.05)
-    assert not any(_alive(w) for w in workers)
+    assert not any(alive(w) for w in workers)
 
     # Killed midway: no manifest, and every file that looks like a shard is a complete one.
     assert not (out / MANIFEST).exists()

@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,14 +16,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from app.config import PrepareConfig
 from app.data import shares
 from app.data.loader import TokenWindows
 from app.data.manifest import Manifest
 from app.data.prepare import prepare
-from app.data.settings import PrepareConfig
 from app.data.shards import open_shard
 from app.data.sources import Fetcher, list_local
 from app.data.tokenizer import train_bpe
+from tests.procs import Proc
 
 ROOT = Path(__file__).resolve().parents[1]
 PRETRAIN = Path(sys.executable).with_name("pretrain")  # the console script of this venv
@@ -96,7 +95,7 @@ def assert_same_data(sharded: Path, one: Path, same_input: bool = True) -> None:
     assert (sharded / "tokenizer.json").read_bytes() == (one / "tokenizer.json").read_bytes()
 
 
-def test_three_shares_and_the_finalizer_equal_one_process(tmp_path, tokenizer, monkeypatch):
+def test_three_sharersand_the_finalizer_equal_one_process(tmp_path, tokenizer, monkeypatch):
     """Shares run in any order: share 2 first finds no counts of shares 0 and 1 and, past its patience,
     counts them itself; the joined data dir is the one-process one, and the trainer's loader reads it."""
     inp = make_input(tmp_path / "in")
@@ -129,7 +128,7 @@ def test_three_shares_and_the_finalizer_equal_one_process(tmp_path, tokenizer, m
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 5, 8, 40])
-def test_the_shares_cut_the_input_once_in_order(tmp_path, count):
+def test_the_sharerscut_the_input_once_in_order(tmp_path, count):
     """Every row group of every parquet file and every other file belongs to exactly one share, and the
     shares, in order, read the input in its order; more shares than parts leaves some empty."""
     inp = make_input(tmp_path / "in")
@@ -184,21 +183,12 @@ def test_a_share_killed_midway_resumes_and_gives_the_same_result(tmp_path, token
     out = tmp_path / "sharded"
     shares.run(config(inp, out, str(tokenizer), shard_count=3, shard_index=0), log=lambda s: None)
     share1 = shares.share_dir(out, 1, 3)
-    proc = subprocess.Popen(
-        _share_cmd(inp, out, str(tokenizer), 3, "--shard-index", "1"),
-        cwd=ROOT,
-        env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 60
-    while len(list(share1.glob("train_*.bin"))) < 3 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert proc.poll() is None, f"share 1 ended before it could be killed: {proc.stderr.read()}"
-    os.kill(proc.pid, signal.SIGKILL)
+    cmd = _share_cmd(inp, out, str(tokenizer), 3, "--shard-index", "1")
+    proc = Proc(cmd, tmp_path / "share1.log", env=_env(), cwd=ROOT, separate_stderr=True)
+    proc.wait_until(lambda: len(list(share1.glob("train_*.bin"))) >= 3, "3 shards of share 1", 60, 0.05)
+    assert proc.poll() is None, f"share 1 ended before it could be killed: {proc.errors}"
+    proc.kill()
     proc.wait(timeout=30)
-    proc.stderr.close()
     kept = len(list(share1.glob("*.bin")))  # train and val shards
     assert not (share1 / "manifest.json").exists()
     again = _run(_share_cmd(inp, out, str(tokenizer), 3, "--shard-index", "1"))
@@ -222,28 +212,27 @@ def test_two_processes_at_once_and_the_finalizer_equal_one_process(tmp_path):
         config(inp, tmp_path / "one", "bpe", vocab_size=500, sample_bytes=256 * 10**6), log=lambda s: None
     )
     out = tmp_path / "sharded"
-    procs = [
-        subprocess.Popen(
+    sharers = [
+        Proc(
             _share_cmd(
                 inp, out, "bpe", 2, "--vocab-size", "500", *(["--shard-index", "0"] if i == 0 else [])
             ),
-            cwd=ROOT,
+            tmp_path / "logs" / f"share{i}.log",
             env={**_env(), **({"JOB_COMPLETION_INDEX": "1"} if i == 1 else {})},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            cwd=ROOT,
+            separate_stderr=True,
         )
         for i in range(2)
     ]
-    results = [p.communicate(timeout=240) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [r[1] for r in results]
-    assert "training a byte-level BPE" in results[0][0] and "training" not in results[1][0]
+    codes = [p.wait(240) for p in sharers]
+    assert codes == [0, 0], [p.errors for p in sharers]
+    assert "training a byte-level BPE" in sharers[0].output and "training" not in sharers[1].output
     done = _run(_share_cmd(inp, out, "bpe", 2, "--vocab-size", "500", "--finalize"))
     assert done.returncode == 0, done.stderr
     assert_same_data(out, tmp_path / "one")
 
 
-def test_unfinished_or_stale_shares_are_refused_in_one_line(tmp_path, tokenizer):
+def test_unfinished_or_stale_sharersare_refused_in_one_line(tmp_path, tokenizer):
     inp = make_input(tmp_path / "in")
     out = tmp_path / "sharded"
     shares.run(config(inp, out, str(tokenizer), shard_count=3, shard_index=0), log=lambda s: None)

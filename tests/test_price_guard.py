@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from app.budget import PriceAboveMax, start_in_process
-from app.budget.config import BudgetConfig
 from app.budget.ledger import load_ledger
 from app.budget.view import ledger_path_for
 from app.cli import main as cli_main
+from app.config.budget import BudgetConfig
 from tests.conftest import FAST, pretrain, spawn_train, train_rows, wait_for_step
 from tests.prom_helpers import sets
 from tests.test_budget_kube import EVENTS_PATH, FakeApiServer, actions
@@ -160,7 +160,7 @@ def test_trainer_stops_on_a_price_rise_waits_and_resumes(tmp_path):
     wait_for_step(run, 3, proc)
     billing(bill, 3.0)
     assert proc.wait(timeout=120) == 0
-    out = proc.stdout.read()
+    out = proc.output
     (stop,) = [r for r in train_rows(run, "event") if r.get("event") == "stop"]
     assert stop["cause"] == "budget" and "max_price_per_gpu_hour" in stop["reason"] and stop["exit_code"] == 0
     assert f"checkpoint step {stop['step']}" in out  # stopped gracefully: saved
@@ -255,7 +255,7 @@ def test_trainer_without_a_cap_stops_on_a_price_rise(tmp_path):
     assert "pretrain_budget_price_per_gpu_hour 1.0" in page and "pretrain_budget_price_above_max 0.0" in page
     billing(bill, 3.0)
     assert proc.wait(timeout=120) == 0
-    out = proc.stdout.read()
+    out = proc.output
     (stop,) = [r for r in train_rows(run, "event") if r.get("event") == "stop"]
     assert stop["cause"] == "budget" and stop["exit_code"] == 0
     assert "$3.0000/GPU-h (file) is above budget.max_price_per_gpu_hour $1.4000" in stop["reason"]
@@ -324,7 +324,7 @@ def test_without_a_cap_under_a_sidecar_the_trainer_says_the_price_is_checked_at_
     """budget.in_process=false (Kubernetes) and no cap: `pretrain watch` does not run, so nothing checks
     the price after launch; one warning says so (the in-process case runs the thread, above)."""
     from app.config import load_config
-    from app.trainer.budget_link import BudgetLink
+    from app.trainer.stopping.budget_link import BudgetLink
 
     cfg = load_config(
         "tiny",

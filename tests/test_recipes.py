@@ -11,9 +11,9 @@ import torch
 
 from app.cli import main as cli_main
 from app.config import LoopConfig, ModelConfig, load_config
-from app.trainer import layout, memory
-from app.trainer.model import build_model, count_parameters
-from app.trainer.supervision import loop_weights, monotone, objective, refinement
+from app.trainer.model.gpt import build_model, count_parameters
+from app.trainer.model.supervision import loop_weights, monotone, objective, refinement
+from app.trainer.parallel import layout, memory
 from tests.conftest import FAST, REPO, cli_env, pretrain, train_rows
 
 # ---------------------------------------------------------------- the formula, by hand
@@ -207,8 +207,8 @@ def test_train_gpu_type_picks_the_layout(capsys):
     common = ["train", "--preset", "looped-546m-fast", "--gpus", "4", "--print-config"]
     assert cli_main([*common, "--gpu-type", "h100"]) == 0
     out = capsys.readouterr().out
-    assert "# batch layout for --gpu-type: 4 x h100-sxm: micro-batch 8 x accumulation 16" in out
-    assert "micro_batch_size: 8\n" in out and "gpu_type: h100" in out
+    assert "# batch layout for --gpu-type: 4 x h100-sxm: micro-batch 16 x accumulation 8" in out
+    assert "micro_batch_size: 16\n" in out and "gpu_type: h100" in out
     # an explicit micro-batch wins
     assert cli_main([*common, "--gpu-type", "h100", "--set", "train.micro_batch_size=2"]) == 0
     out = capsys.readouterr().out
@@ -221,7 +221,7 @@ def test_muon_memory_estimate_counts_one_moment_for_matrices():
     cfg = load_config("tiny", overrides=["model.vocab_size=512", "optim.name=muon"])
     torch.manual_seed(0)
     model = build_model(cfg.model)
-    from app.trainer.optim import build_optimizer
+    from app.trainer.optimization.optimizer import build_optimizer
 
     opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
     x = torch.randint(0, 512, (2, 32))

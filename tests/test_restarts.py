@@ -23,6 +23,7 @@ import pytest
 
 from app import restarts
 from app.restarts import EXIT_DATA_NOT_READY, EXIT_RETRIES_SPENT, RetryBudget, latest_checkpoint_step
+from tests.procs import Proc
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -245,19 +246,11 @@ def test_two_launchers_on_one_node_state_lose_no_attempt(tmp_path):
     n = 20
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     go = tmp_path / "go"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", RACE, str(tmp_path), str(n), str(go)],
-            env=env,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
+    racers = [Proc([sys.executable, "-c", RACE, str(tmp_path), str(n), str(go)], env=env) for _ in range(2)]
     time.sleep(0.5)  # both imported and polling
     go.touch()
-    for p in procs:
-        assert p.wait(timeout=120) == 0, p.stderr.read()
+    for p in racers:
+        assert p.wait(timeout=120) == 0, p.output
     st = json.loads((tmp_path / "restarts" / "node-0.json").read_text())
     attempts = st["attempts"]
     assert len(attempts) == 2 * n and len({a["id"] for a in attempts}) == 2 * n
@@ -295,7 +288,7 @@ def test_a_lock_left_by_a_dead_holder_is_taken_over(tmp_path, capsys):
     is taken over at once, one on another machine once the file has not changed for the stale time."""
     lock = tmp_path / "restarts" / "node-0.json.lock"
     lock.parent.mkdir()
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead = Proc([sys.executable, "-c", "pass"])
     dead.wait()
     lock.write_text(json.dumps({**restarts.identity(), "pid": dead.pid, "start": "1", "token": "t1"}))
     t0 = time.monotonic()

@@ -12,7 +12,15 @@ import time
 import pytest
 
 from app.trainer.checkpoint import store as ckpt
-from tests.conftest import FAST, losses_by_step, pretrain, spawn_train, torchrun, wait_for_step
+from tests.conftest import (
+    FAST,
+    losses_by_step,
+    pretrain,
+    pretrain_meanwhile,
+    spawn_train,
+    torchrun,
+    wait_for_step,
+)
 
 
 def weights(run_dir, step):
@@ -35,21 +43,23 @@ def assert_same_run(a, b, steps):
 )
 def test_half_stop_half_equals_straight(tmp_path, extra):
     straight, halves = tmp_path / "straight", tmp_path / "halves"
-    assert pretrain("train", "--out", str(straight), "--max-steps", "16", *FAST, *extra).returncode == 0
+    reference = pretrain_meanwhile("train", "--out", str(straight), "--max-steps", "16", *FAST, *extra)
     assert pretrain("train", "--out", str(halves), "--max-steps", "8", *FAST, *extra).returncode == 0
     second = pretrain("train", "--out", str(halves), "--max-steps", "16", *FAST, *extra)
     assert second.returncode == 0 and "resumed from" in second.stdout
+    assert reference.finished().returncode == 0
     assert_same_run(straight, halves, 16)
 
 
 @pytest.mark.slow  # over 8 s: `make test-slow` (CI runs it); keeps `make test` near 10 min
-def test_exact_resume_with_two_ddp_ranks(tmp_path):
+def test_exact_resume_with_two_ddp_ranks(tmp_path, procs):
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     extra = ["--set", f"train.batch_tokens={8 * 64 * 2 * 2}"]  # 2 ranks x 2 accumulation steps
-    assert torchrun("--out", str(straight), "--max-steps", "10", *FAST, *extra).returncode == 0
+    reference = procs.torchrun("--out", str(straight), "--max-steps", "10", *FAST, *extra)  # meanwhile
     assert torchrun("--out", str(halves), "--max-steps", "5", *FAST, *extra).returncode == 0
     resumed = torchrun("--out", str(halves), "--max-steps", "10", *FAST, *extra)
     assert resumed.returncode == 0, resumed.stderr
+    assert reference.wait(300) == 0, reference.tail()
     assert_same_run(straight, halves, 10)
 
 
@@ -78,7 +88,7 @@ def test_fault_injection_sigterm_and_sigkill_lose_nothing(tmp_path):
         wait_for_step(run, done + rng.randint(1, 5), proc)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 128 + signal.SIGTERM
-        out = proc.stdout.read()
+        out = proc.output
         assert "preempted: SIGTERM" in out
 
     # SIGKILL until one lands in the middle of a save (a temp dir is left behind), then resume.

@@ -8,11 +8,22 @@ import pytest
 import torch
 
 from app.config import OptimConfig, ScheduleConfig, load_config
-from app.trainer.model import build_model
-from app.trainer.optim import param_groups
-from app.trainer.planned_end import CLOCK_OVERRUN, OVERRUN_SECONDS, PACE_SHARE, PACE_STEPS, PlannedEnd
-from app.trainer.schedule import CLOCK_MARGIN, DecayPlan, budget_decay_steps, clock_end_steps, horizon, lr_at
-from app.trainer.stop_causes import StopCause
+from app.trainer.model.gpt import build_model
+from app.trainer.optimization.optimizer import param_groups
+from app.trainer.optimization.schedule import Schedule, lr_at
+from app.trainer.stopping.causes import StopCause
+from app.trainer.stopping.planned_end import (
+    CLOCK_MARGIN,
+    CLOCK_OVERRUN,
+    OVERRUN_SECONDS,
+    PACE_SHARE,
+    PACE_STEPS,
+    DecayPlan,
+    PlannedEnd,
+    budget_decay_steps,
+    clock_end_steps,
+    horizon,
+)
 from tests.conftest import FAST, pretrain, train_rows
 
 OPT = OptimConfig(lr=1.0, min_lr=0.1)
@@ -80,7 +91,7 @@ def test_a_plan_agreed_inside_the_warmup_decays_from_where_the_lr_is(name):
 @pytest.mark.parametrize(("start", "steps"), [(11, 3), (12, 98), (40, 1), (7, 2), (500, 12345)])
 def test_a_planned_cosine_runs_its_last_step_at_min_lr(start, steps):
     """The step that makes a planned run's final weights (end_step - 1) runs at min_lr, not one step short
-    of it (issue #33: `--set train.max_hours=0.02` ends at min_lr)."""
+    of it (`--set train.max_hours=0.02` ends at min_lr)."""
     s = ScheduleConfig(name="cosine", warmup_steps=5)
     plan = DecayPlan(start_step=start, steps=steps, cause="max_hours", start_lr=0.9)
     assert lr_at(plan.end_step - 1, s, OPT, 10**6, plan) == 0.1
@@ -133,15 +144,15 @@ def test_planned_end_measures_its_pace_then_ends_at_the_agreed_step():
     step, at = 1 + 4 * PACE_STEPS, PACE_SHARE * 1000  # 40 steps in 40 s: 1 s a step
     proposed = end.clock_proposal(step, 0, at)
     assert proposed == int((1000 - at) * (1 - CLOCK_MARGIN))
-    end.follow({"start_step": step, "steps": proposed, "cause": "max_hours"})
+    end.follow(DecayPlan(step, proposed, "max_hours"))
     assert end.clock_proposal(step + 1, 0, at + 1) == 0
     assert end.check(step + proposed - 1, 0, 1050.0) is None  # the plan, not the clock, ends it now
     assert "reached step" in end.check(step + proposed, 0, 990.0).reason
     unplanned = PlannedEnd(10**6, max_seconds=1000.0)
     assert "max_hours=0.277778" in unplanned.check(5, 0, 1000.0).reason  # too few steps to plan: the clock
     budget = PlannedEnd(10**6, max_seconds=1000.0)
-    budget.follow({"start_step": 5, "steps": 10})  # a budget decay (no cause: older checkpoints) ends nothing
-    assert budget.planned.cause == "budget" and budget.check(100, 0, 0.0) is None
+    budget.follow(DecayPlan.from_dict({"start_step": 5, "steps": 10}))  # no cause: an older checkpoint's
+    assert budget.plan.cause == "budget" and budget.check(100, 0, 0.0) is None  # a budget decay ends nothing
 
 
 def test_the_clock_still_stops_a_planned_run_whose_pace_fell():
@@ -149,7 +160,7 @@ def test_the_clock_still_stops_a_planned_run_whose_pace_fell():
     node) the clock stops it anyway CLOCK_OVERRUN of max_hours (at least OVERRUN_SECONDS) past it, saying
     so: a run bought for 10 hours stops by 10.5, not at twice the hours."""
     hours = PlannedEnd(10**6, max_seconds=36000.0)
-    hours.follow({"start_step": 100, "steps": 900, "cause": "max_hours", "start_lr": 1.0, "hours": 10.0})
+    hours.follow(DecayPlan(100, 900, "max_hours", start_lr=1.0, hours=10.0))
     assert hours.check(500, 0, 36000.0 * (1 + CLOCK_OVERRUN) - 1) is None
     late = hours.check(500, 0, 36000.0 * (1 + CLOCK_OVERRUN))
     assert (
@@ -157,7 +168,7 @@ def test_the_clock_still_stops_a_planned_run_whose_pace_fell():
     )
     assert "planned for max_hours=10 ends" in hours.check(1000, 0, 100.0).reason
     short = PlannedEnd(10**6, max_seconds=72.0)  # 0.02 hours: a minute's slack, not 3.6 s
-    short.follow({"start_step": 11, "steps": 3, "cause": "max_hours", "start_lr": 1.0, "hours": 0.02})
+    short.follow(DecayPlan(11, 3, "max_hours", start_lr=1.0, hours=0.02))
     assert short.check(12, 0, 72.0 + OVERRUN_SECONDS - 1) is None
     assert short.check(12, 0, 72.0 + OVERRUN_SECONDS).stops
 
@@ -173,9 +184,9 @@ def test_a_plan_for_another_max_hours_is_dropped_on_resume(resumed_hours, stored
     s = ScheduleConfig(name="cosine", warmup_steps=5)
     end = PlannedEnd(10**6, max_seconds=resumed_hours * 3600)
     stored = {"start_step": 11, "steps": 3, "cause": "max_hours", "start_lr": 1.0, "hours": stored_hours}
-    end.follow(stored)
-    line = end.drop_outdated(14, 0, s, OPT)
-    assert (end.planned is None) == dropped and bool(line) == dropped
+    end.follow(DecayPlan.from_dict(stored))
+    line = Schedule(s, OPT, end).drop_outdated(14, 0)
+    assert (end.plan is None) == dropped and bool(line) == dropped
     if dropped:
         assert f"max_hours {stored_hours or 'another value'} -> {resumed_hours:g}" in line, line
         assert "the LR at step 14 goes from 0.1 to 1" in line, line
@@ -183,8 +194,31 @@ def test_a_plan_for_another_max_hours_is_dropped_on_resume(resumed_hours, stored
     else:
         assert end.check(14, 0, 0.0).stops
     budget = PlannedEnd(10**6, max_seconds=resumed_hours * 3600)
-    budget.follow({"start_step": 11, "steps": 3, "cause": "budget"})
-    assert budget.drop_outdated(14, 0, s, OPT) == "" and budget.planned is not None
+    budget.follow(DecayPlan(11, 3, "budget"))
+    assert Schedule(s, OPT, budget).drop_outdated(14, 0) == "" and budget.plan is not None
+
+
+def test_the_schedule_follows_an_agreed_plan_from_its_lr_and_a_resume_follows_the_same_curve():
+    """The loop asks the Schedule for each step's LR and Muon momentum. A plan the ranks agree carries no
+    LR: the schedule starts it at the LR that step had without it, and nothing before it moves. The plan as
+    a checkpoint stores it (a JSON object) gives the resumed run the same LR and momentum at every step."""
+    import json
+
+    s = ScheduleConfig(name="wsd", warmup_steps=5, decay_fraction=0.2)
+    opt = OptimConfig(lr=1.0, min_lr=0.1, muon_momentum=0.95, muon_momentum_end=0.85)
+    live = Schedule(s, opt, PlannedEnd(1000))
+    before = [live.lr(step, 0) for step in range(40)]
+    line = live.follow(DecayPlan(20, 10, "budget"), 20, 0)
+    assert line == "budget: starting the LR decay now, 10 steps before the cap"
+    assert live.end.plan == DecayPlan(20, 10, "budget", start_lr=1.0)
+    assert [live.lr(step, 0) for step in range(21)] == [*before[:20], pytest.approx(0.91)]
+    assert live.lr(29, 0) == 0.1 and live.muon_momentum(29, 0) == pytest.approx(0.85)  # annealed
+    assert live.muon_momentum(19, 0) == 0.95  # at the peak until the plan
+    saved = json.loads(json.dumps(live.end.plan.to_dict()))
+    assert saved == {"start_step": 20, "steps": 10, "cause": "budget", "start_lr": 1.0}
+    resumed = Schedule(s, opt, PlannedEnd(1000, plan=DecayPlan.from_dict(saved)))
+    curve = [(live.lr(step, 0), live.muon_momentum(step, 0)) for step in range(40)]
+    assert [(resumed.lr(step, 0), resumed.muon_momentum(step, 0)) for step in range(40)] == curve
 
 
 def test_no_weight_decay_on_norms_and_embeddings():
@@ -308,9 +342,35 @@ def test_a_max_tokens_run_ends_at_the_minimum_lr_on_a_checkpoint(tmp_path, sched
     assert last["step"] == 20
 
 
+MAX_HOURS = ["--set", "train.max_hours=0.004"]
+
+
+def clocked_args(schedule: str) -> list[str]:
+    """A clock-bound run of `schedule` that keeps a checkpoint every 20 steps."""
+    keep = ["--set", "checkpoint.every_steps=20", "--set", "checkpoint.keep_last=100000"]
+    return [*CLOCK_BOUND, "--set", f"schedule.name={schedule}", *keep]
+
+
+@pytest.fixture(scope="module")
+def clocked_runs(tmp_path_factory):
+    """The max_hours=0.004 runs (14.4 s of training each), one per schedule, made on first use: the run
+    that ends at its plan and resumes exactly, and (WSD, tiny's schedule) the finished run that is resumed
+    with more hours. {schedule: (run dir, its process)}; a test that trains on copies it first."""
+    made: dict = {}
+    root = tmp_path_factory.mktemp("clocked")
+
+    def get(schedule: str):
+        if schedule not in made:
+            run = root / schedule
+            made[schedule] = run, pretrain("train", "--out", str(run), *clocked_args(schedule), *MAX_HOURS)
+        return made[schedule]
+
+    return get
+
+
 @pytest.mark.slow  # 15 s of training, then the tail again
 @pytest.mark.parametrize("schedule", ["cosine", "wsd"])
-def test_a_max_hours_run_ends_annealed_on_a_checkpoint_and_resumes_exactly(tmp_path, schedule):
+def test_a_max_hours_run_ends_annealed_on_a_checkpoint_and_resumes_exactly(tmp_path, schedule, clocked_runs):
     """max_hours=0.004 (14.4 s) with max_steps out of reach: the ranks agree on the step the clock ends at
     (cosine: once the pace is measured; WSD: when the rest is its decay fraction), the LR reaches min_lr
     there and the run ends on that step's checkpoint. The plan is in the trainer state: a copy of the run
@@ -320,17 +380,8 @@ def test_a_max_hours_run_ends_annealed_on_a_checkpoint_and_resumes_exactly(tmp_p
 
     from app.trainer.checkpoint import store as ckpt
 
-    run = tmp_path / "run"
-    args = [
-        *CLOCK_BOUND,
-        "--set",
-        f"schedule.name={schedule}",
-        "--set",
-        "checkpoint.every_steps=20",
-        "--set",
-        "checkpoint.keep_last=100000",
-    ]
-    proc = pretrain("train", "--out", str(run), *args, "--set", "train.max_hours=0.004")
+    args = clocked_args(schedule)
+    run, proc = clocked_runs(schedule)
     assert proc.returncode == 0, proc.stderr
     planned = re.search(r"max_hours: the LR schedule ends at step (\d+) \((\d+) steps from now", proc.stdout)
     assert planned, proc.stdout[-3000:]
@@ -345,7 +396,7 @@ def test_a_max_hours_run_ends_annealed_on_a_checkpoint_and_resumes_exactly(tmp_p
     for p in ckpt.list_checkpoints(copy):
         if ckpt.step_of(p) > ckpt.step_of(after[-1]):
             shutil.rmtree(p)
-    resumed = pretrain("train", "--out", str(copy), *args, "--set", "train.max_hours=0.004")
+    resumed = pretrain("train", "--out", str(copy), *args, *MAX_HOURS)
     assert resumed.returncode == 0, resumed.stderr
     assert f"planned end: reached step {end}" in resumed.stdout
     want, got = (ckpt.load_model_state(ckpt.resolve_latest(r)) for r in (run, copy))
@@ -355,7 +406,7 @@ def test_a_max_hours_run_ends_annealed_on_a_checkpoint_and_resumes_exactly(tmp_p
 
 @pytest.mark.slow  # 0.02 hours (72 s) of training, as a user runs it
 def test_the_tiny_preset_for_0_02_hours_ends_at_min_lr_on_a_checkpoint_without_an_lr_jump(tmp_path):
-    """Issue #33's done-when, the command a user runs: `pretrain train --set train.max_hours=0.02` (the tiny
+    """The command a user runs: `pretrain train --set train.max_hours=0.02` (the tiny
     preset's warm-up, longer than such a plan leaves on a busy 2-core box). The final checkpoint's LR
     is optim.min_lr exactly, and the plan, agreed inside the warm-up, never lifts the LR by more than one
     warm-up increment: from the plan on it only decays (train.log_every=1 to see each step's LR)."""
@@ -385,17 +436,19 @@ def test_the_tiny_preset_for_0_02_hours_ends_at_min_lr_on_a_checkpoint_without_a
     assert all(rise < 0 for rise in rises[start:]), lrs  # from the plan's first step (row start + 1) on
 
 
-@pytest.mark.slow  # two clock-bound runs of 14 and 29 s
-def test_a_finished_max_hours_run_resumed_with_more_hours_trains_on_and_ends_annealed(tmp_path):
+@pytest.mark.slow  # two clock-bound runs of 14 and 29 s (the first shared with the test above)
+def test_a_finished_max_hours_run_resumed_with_more_hours_trains_on_and_ends_annealed(tmp_path, clocked_runs):
     """A run that ended at its max_hours plan, resumed with twice the hours: the old plan is dropped (with a
     line saying so, and the LR change), a new end is planned from the pace and the run trains on to it,
     ending at min_lr on a checkpoint. Resumed with no clock and a larger max_steps, max_steps ends it."""
     import re
+    import shutil
 
-    run = tmp_path / "run"
-    args = CLOCK_BOUND
-    first = pretrain("train", "--out", str(run), *args, "--set", "train.max_hours=0.004")
+    args = clocked_args("wsd")
+    ended, first = clocked_runs("wsd")
     assert first.returncode == 0, first.stderr
+    run = tmp_path / "run"
+    shutil.copytree(ended, run)
     end = _ends_annealed(run, 0.0002, 0.0018, 0.0)["step"]
     assert f"reached step {end}, where the LR schedule planned for max_hours=0.004 ends" in first.stdout
     more = pretrain("train", "--out", str(run), *args, "--set", "train.max_hours=0.008")

@@ -6,19 +6,19 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import re
+import signal
 import socket
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from app.trainer.generate import generate, generate_stream
-from tests.conftest import REPO, cli_env
+from app.trainer.model.generate import generate, generate_stream
+from tests.conftest import cli_env
 from tests.inference_helpers import best_is_not_latest_run, trained_run
+from tests.procs import Proc
 
 openai = pytest.importorskip("openai", reason="the serve tests need the serve extra (make setup)")
 
@@ -30,33 +30,26 @@ def run_dir() -> Path:
     return trained_run()
 
 
-def start_server(*args: str, env: dict[str, str] | None = None) -> tuple[str, subprocess.Popen]:
-    """`pretrain serve ... --port 0` in a subprocess (`env` added to its environment); (base URL, process)
-    once /health answers. The rest of its output (stdout and stderr) stays in proc.stdout."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--port", "0", *args],
-        cwd=REPO,
-        env=cli_env(**(env or {})),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    line = proc.stdout.readline()  # "serving ... on http://127.0.0.1:PORT/v1" once the socket is bound
-    m = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)
-    assert m, f"server did not start: {line}{proc.stdout.read() if proc.poll() is not None else ''}"
-    url = m.group(1)
-    deadline = time.monotonic() + 60
-    while True:
+def start_server(*args: str, env: dict[str, str] | None = None) -> tuple[str, Proc]:
+    """`pretrain serve ... --port 0` in the background (`env` added to its environment): (base URL, process)
+    once /health answers. Its output (stdout and stderr) is in proc.output."""
+    proc = Proc([sys.executable, "-m", "app.cli", "serve", "--port", "0", *args], env=cli_env(**(env or {})))
+    # "serving ... on http://127.0.0.1:PORT/v1" once the socket is bound
+    url = proc.wait_for_line(r"on (http://127\.0\.0\.1:\d+)/v1", timeout=300).group(1)
+
+    def healthy() -> bool:
         try:
             urllib.request.urlopen(f"{url}/health", timeout=2)
-            return url, proc
+            return True
         except OSError:
-            assert time.monotonic() < deadline and proc.poll() is None, "server never became healthy"
-            time.sleep(0.1)
+            return False
+
+    proc.wait_until(healthy, "/health answers", timeout=60, poll=0.1)
+    return url, proc
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
+def stop_server(proc: Proc) -> None:
+    proc.signal(signal.SIGTERM)
     # SIGTERM: uvicorn shuts down gracefully, then re-raises the signal (exit by SIGTERM, not a crash)
     assert proc.wait(timeout=30) in (0, -15)
 
@@ -367,11 +360,9 @@ def test_which_latest_and_a_step_dir_serve_those_checkpoints(worse_run):
             stop_server(proc)
 
 
-def burst(url: str, n: int, proc: subprocess.Popen) -> list[tuple[int, dict, dict]]:
+def burst(url: str, n: int, proc: Proc) -> list[tuple[int, dict, dict]]:
     """n completion requests that reach the server at the same moment: sent while it is stopped
     (SIGSTOP: the kernel queues the connections and their bytes), then released together."""
-    import signal
-
     host, port = url.removeprefix("http://").split(":")
     body = json.dumps({"prompt": "ROMEO:", "max_tokens": 48, "temperature": 0}).encode()
     head = (

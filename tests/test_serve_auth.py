@@ -150,7 +150,7 @@ def test_no_key_in_any_log_line_or_metric(run_dir):
         metrics = get(url, "/metrics", KEYS[1])[2]
     finally:
         stop_server(proc)
-    log = proc.stdout.read()
+    log = proc.output
     assert "API key required on every path but /health (2 key(s) accepted)" in log
     assert (
         '"POST /v1/completions HTTP/1.1" 401' in log and '"GET /metrics HTTP/1.1" 200' in log
@@ -187,7 +187,7 @@ def test_the_flag_takes_precedence_over_the_environment(run_dir):
         assert get(url, "/v1/models", KEYS[0])[0] == 401
     finally:
         stop_server(proc)
-    out = proc.stdout.read()
+    out = proc.output
     assert "(1 key(s) accepted)" in out and KEYS[1] not in out
 
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from app.trainer.generate import SlotCache, generate
+from app.trainer.model.generate import SlotCache, generate
 from tests.test_generate import CASES, model_for
 
 

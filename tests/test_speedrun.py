@@ -1,5 +1,5 @@
-"""The speedrun presets (issue #33): every choice visible in --print-config, and checkpoints of the recipe
-before #33 still usable (sample, serve, eval, export, the refusal, resume with their own config)."""
+"""The speedrun presets: every choice visible in --print-config, and checkpoints of the AdamW recipe
+still usable (sample, serve, eval, export, the refusal, resume with their own config)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.config import PRESET_DIR, load_config
+from app.config import load_config
+from app.config.presets import preset_layers
 from benchmarks.bench_quality import TINY_BEFORE_33
 from tests.conftest import FAST, cli_env, pretrain, train_rows
 from tests.test_switches import ok
@@ -24,7 +25,12 @@ def test_gpt2_124m_speedrun_prints_every_choice():
     assert proc.returncode == 0, proc.stderr
     printed = yaml.safe_load("\n".join(line for line in proc.stdout.splitlines() if not line.startswith("#")))
     assert printed == load_config("gpt2-124m-speedrun").to_dict()  # every key, not only the preset's
-    for section, keys in yaml.safe_load((PRESET_DIR / "gpt2-124m-speedrun.yaml").read_text()).items():
+    written: dict = {}  # what the preset file and its base (the speedrun recipe) say, the preset's winning
+    for _, layer in preset_layers("gpt2-124m-speedrun"):
+        for section, keys in layer.items():
+            written.setdefault(section, {}).update(keys)
+    assert written["model"]["qk_norm"] is True and written["model"]["value_embeds"] == 3
+    for section, keys in written.items():
         for key, value in keys.items():
             assert printed[section][key] == value, f"{section}.{key}"
     # the record's optimizer split: Muon on the block matrices, AdamW with its own LR per group
@@ -32,11 +38,11 @@ def test_gpt2_124m_speedrun_prints_every_choice():
     assert "#   embedding AdamW lr 0.6" in proc.stdout and "#   head      AdamW lr 0.008" in proc.stdout
 
 
-# ---------------------------------------------------------------- a run of the recipe before #33
+# ---------------------------------------------------------------- a run of the AdamW recipe
 
 
 def write_before_33(path: Path) -> Path:
-    """The tiny recipe before #33 (FAST's shape) as a checkpoint's meta.json would hold it: `--config` with
+    """tiny on the AdamW recipe (FAST's shape) as a checkpoint's meta.json would hold it: `--config` with
     it builds exactly that recipe (config defaults + these keys), whatever today's tiny preset is."""
     config = copy.deepcopy(TINY_BEFORE_33)
     config["model"].update(n_layer=2, d_model=64, n_head=4, n_kv_head=2, seq_len=64)
@@ -118,7 +124,7 @@ def test_tiny_and_tiny_speedrun_are_one_recipe_at_two_lengths():
 
 def test_the_tests_pin_of_the_recipe_before_33_is_that_recipe():
     """tests/conftest.py CLASSIC, over the tiny preset, trains the model, data order, optimizer and
-    schedule of tiny before #33 (the benchmark's TINY_BEFORE_33): a switch added to tiny but not to CLASSIC
+    schedule of tiny on the AdamW recipe (the benchmark's TINY_BEFORE_33): a switch added to tiny but not to CLASSIC
     would quietly change what the pinned tests check."""
     from app.config import config_from_dict
     from tests.conftest import CLASSIC

@@ -6,16 +6,14 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 import time
 import urllib.request
 
 import torch
 
 from app.trainer.checkpoint import store as ckpt
-from app.trainer.spikes import SpikeDetector, spike_rows
-from tests.conftest import FAST, REPO, cli_env, train_rows
+from app.trainer.stopping.spikes import SpikeDetector, spike_rows
+from tests.conftest import FAST, train_rows
 from tests.prom_helpers import free_port, sets
 
 INJECT_AT, BATCHES, MAX_STEPS = 60, 3, 5000
@@ -70,105 +68,61 @@ def _scrape(port: int) -> dict[str, float]:
     return out
 
 
-def test_injected_spike_is_detected_logged_exported_and_skipped(tmp_path):
+def test_injected_spike_is_detected_logged_exported_and_skipped(tmp_path, procs):
     run, ref = tmp_path / "spiked", tmp_path / "reference"
     port = free_port()
     # The reference run trains the same 60 steps without a spike (in the background meanwhile). Same
     # max_steps and no max_tokens, so the same LR schedule (a max_tokens end would be the schedule's
     # horizon); its checkpoint of step 60 is compared, and it is stopped once that is written.
-    reference = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "app.cli",
-            "train",
-            "--out",
-            str(ref),
-            "--max-steps",
-            str(MAX_STEPS),
-            *COMMON,
-            *sets(f"checkpoint.every_steps={INJECT_AT}"),
-        ],
-        cwd=REPO,
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    reference = procs.pretrain(
+        *("train", "--out", str(ref), "--max-steps", str(MAX_STEPS), *COMMON),
+        *sets(f"checkpoint.every_steps={INJECT_AT}"),
     )
-    log = tmp_path / "spiked.log"
-    with open(log, "w") as out:
-        # log_every=1000: after the spikes no step is logged for a while, so the spike gauge stays 1 to be read.
-        spiked = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "app.cli",
-                "train",
-                "--out",
-                str(run),
-                "--max-steps",
-                str(MAX_STEPS),
-                *COMMON,
-                *sets(
-                    "train.log_every=1000",
-                    f"drill.spike_at_step={INJECT_AT}",
-                    f"drill.spike_batches={BATCHES}",
-                    "train.skip_spike_updates=true",
-                    f"checkpoint.every_steps={INJECT_AT + BATCHES}",
-                ),
-                "--metrics-port",
-                str(port),
-            ],
-            cwd=REPO,
-            env=cli_env(),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-    try:
-        ckpt_dir = run / "checkpoints" / f"step_{INJECT_AT + BATCHES:06d}"
-        ref_dir = ref / "checkpoints" / f"step_{INJECT_AT:06d}"  # a step dir appears whole (atomic rename)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and not (len(train_rows(run)) >= BATCHES and ckpt_dir.is_dir()):
-            assert spiked.poll() is None, log.read_text()
-            if ref_dir.is_dir() and reference.poll() is None:
-                reference.kill()  # it has what the comparison needs
-            time.sleep(0.05)
-        metrics = _scrape(port)
+    # log_every=1000: after the spikes no step is logged for a while, so the spike gauge stays 1 to be read.
+    spiked = procs.pretrain(
+        *("train", "--out", str(run), "--max-steps", str(MAX_STEPS), *COMMON),
+        *sets(
+            "train.log_every=1000",
+            f"drill.spike_at_step={INJECT_AT}",
+            f"drill.spike_batches={BATCHES}",
+            "train.skip_spike_updates=true",
+            f"checkpoint.every_steps={INJECT_AT + BATCHES}",
+        ),
+        *("--metrics-port", str(port)),
+    )
+    ckpt_dir = run / "checkpoints" / f"step_{INJECT_AT + BATCHES:06d}"
+    ref_dir = ref / "checkpoints" / f"step_{INJECT_AT:06d}"  # a step dir appears whole (atomic rename)
 
-        rows = train_rows(run)
-        assert [r["step"] for r in rows[:BATCHES]] == [INJECT_AT + i + 1 for i in range(BATCHES)], rows
-        assert all(r["spike"] and r["injected_spike"] and r["loss"] > 1.3 * 5 for r in rows[:BATCHES])
-        assert metrics["pretrain_loss_spikes_total"] == BATCHES
-        assert metrics["pretrain_loss_spike"] == 1
-        assert metrics["pretrain_step"] >= INJECT_AT + BATCHES  # set every step; training goes on
-        assert not math.isnan(metrics["pretrain_train_loss"])
+    def spiked_and_saved() -> bool:
+        if ref_dir.is_dir():
+            reference.stop()  # it has what the comparison needs
+        return len(train_rows(run)) >= BATCHES and ckpt_dir.is_dir()
 
-        (run / "stop.json").write_text(
-            json.dumps(
-                {"mode": "graceful", "cause": "user", "reason": "test done", "written_unix": time.time()}
-            )
-        )
-        assert spiked.wait(timeout=120) == 0, log.read_text()[-3000:]
-        text = log.read_text()
-        assert len(re.findall(r"loss spike at step \d+: .* \(update skipped\)", text)) == BATCHES, text
-        state = json.loads((ckpt_dir / "trainer_state.json").read_text())
-        assert state["spikes"]["count"] == BATCHES  # the detector's count is checkpointed
+    spiked.wait_until(spiked_and_saved, f"the spikes and {ckpt_dir.name}", timeout=180, poll=0.05)
+    metrics = _scrape(port)
 
-        # Skipped updates: the weights after 60 steps + 3 skipped spike steps equal those after 60 steps.
-        deadline = time.monotonic() + 180
-        while not ref_dir.is_dir():
-            assert reference.poll() is None and time.monotonic() < deadline, reference.communicate()[0]
-            time.sleep(0.05)
-        reference.kill()
-        reference.communicate(timeout=60)
-        spiked_w = ckpt.load_model_state(ckpt.verify(ckpt_dir)[0])
-        ref_w = ckpt.load_model_state(ckpt.verify(ref_dir)[0])
-        assert set(spiked_w) == set(ref_w)
-        for name, t in ref_w.items():
-            assert torch.equal(spiked_w[name], t), f"{name} changed during skipped spike steps"
-    finally:
-        for proc in (spiked, reference):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
+    rows = train_rows(run)
+    assert [r["step"] for r in rows[:BATCHES]] == [INJECT_AT + i + 1 for i in range(BATCHES)], rows
+    assert all(r["spike"] and r["injected_spike"] and r["loss"] > 1.3 * 5 for r in rows[:BATCHES])
+    assert metrics["pretrain_loss_spikes_total"] == BATCHES
+    assert metrics["pretrain_loss_spike"] == 1
+    assert metrics["pretrain_step"] >= INJECT_AT + BATCHES  # set every step; training goes on
+    assert not math.isnan(metrics["pretrain_train_loss"])
+
+    (run / "stop.json").write_text(
+        json.dumps({"mode": "graceful", "cause": "user", "reason": "test done", "written_unix": time.time()})
+    )
+    assert spiked.wait(timeout=120) == 0, spiked.tail()
+    text = spiked.output
+    assert len(re.findall(r"loss spike at step \d+: .* \(update skipped\)", text)) == BATCHES, text
+    state = json.loads((ckpt_dir / "trainer_state.json").read_text())
+    assert state["spikes"]["count"] == BATCHES  # the detector's count is checkpointed
+
+    # Skipped updates: the weights after 60 steps + 3 skipped spike steps equal those after 60 steps.
+    reference.wait_for_file(ref_dir, timeout=180)
+    reference.stop()
+    spiked_w = ckpt.load_model_state(ckpt.verify(ckpt_dir)[0])
+    ref_w = ckpt.load_model_state(ckpt.verify(ref_dir)[0])
+    assert set(spiked_w) == set(ref_w)
+    for name, t in ref_w.items():
+        assert torch.equal(spiked_w[name], t), f"{name} changed during skipped spike steps"

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, REPO, cli_env, losses_by_step, pretrain, torchrun, train_rows
+from tests.conftest import FAST, cli_env, losses_by_step, pretrain, torchrun, train_rows
+from tests.procs import Proc, Procs
 from tests.test_resume import assert_same_run
 
 STEPS = 6
@@ -44,8 +42,8 @@ EVAL_OFF = ["--set", "train.eval_every=0"]
 # on the loop's thread for SIGTERM (so the stop step is exact), and in the middle of the write (the
 # model shard on disk, the optimizer shard not yet) for SIGKILL, which leaves a half-written temp dir.
 PHASES = {
-    "before-model": ([], "app.trainer.parallelize:build_parallel_model", None),
-    "step-0-eval": ([], "app.trainer.evaluate:validation_loss", None),
+    "before-model": ([], "app.trainer.parallel.parallelize:build_parallel_model", None),
+    "step-0-eval": ([], "app.trainer.model.evaluate:validation_loss", None),
     "first-step": (
         EVAL_OFF,
         "torch.nn.utils:clip_grads_with_norm_",
@@ -64,29 +62,16 @@ def hook(phase: str, sig: signal.Signals) -> str:
     return kill if sig == signal.SIGKILL and kill else term
 
 
-def start(
-    run: Path, ranks: int, extra: list[str], pause: str, marks: Path
-) -> tuple[subprocess.Popen, list[str]]:
-    """The trainer (or the launcher and its workers) with every rank stopping itself at `pause`, and its
-    output collected line by line."""
-    target = ["app.cli", "train"] if ranks == 1 else ["app.train"]
-    wrapped = [sys.executable, "-m", "tests.pause_at", *target]
-    if ranks > 1:
-        launcher = [sys.executable, "-m", "app.launch", "--standalone", f"--nproc-per-node={ranks}"]
-        wrapped = [*launcher, "-m", "tests.pause_at", *target]
+def start(procs: Procs, run: Path, ranks: int, extra: list[str], pause: str, marks: Path) -> Proc:
+    """The trainer (or the launcher and its workers) with every rank stopping itself at `pause`."""
     marks.mkdir()
-    proc = subprocess.Popen(
-        [*wrapped, "--out", str(run), *COMMON, *extra],
-        cwd=REPO,
-        env=cli_env(PRETRAIN_TEST_PAUSE=pause, PRETRAIN_TEST_PAUSE_DIR=str(marks)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    env = cli_env(PRETRAIN_TEST_PAUSE=pause, PRETRAIN_TEST_PAUSE_DIR=str(marks))
+    args = ["--out", str(run), *COMMON, *extra]
+    if ranks == 1:
+        return procs.python("-m", "tests.pause_at", "app.cli", "train", *args, env=env)
+    return procs.torchrun(
+        "-m", "tests.pause_at", "app.train", *args, nproc=ranks, launcher="app.launch", env=env
     )
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    return proc, lines
 
 
 def state(pid: int) -> str:
@@ -110,29 +95,18 @@ def pending(pid: int, sig: signal.Signals) -> bool:
     return bool(mask >> (int(sig) - 1) & 1)
 
 
-def wait_until(cond, proc: subprocess.Popen, lines: list[str], what: str, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if proc.poll() is not None:
-            raise AssertionError(f"trainer exited {proc.returncode} before {what}:\n{''.join(lines)}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached in {timeout}s:\n{''.join(lines)}")
-        time.sleep(0.01)
-
-
 def paused_pids(marks: Path, ranks: int) -> list[int]:
     pids = [int(p.name.split("-")[1]) for p in marks.glob("paused-*")]
     return pids if len(pids) == ranks and all(state(p) == "T" for p in pids) else []
 
 
-def signal_in_phase(proc, lines, marks: Path, ranks: int, sig: signal.Signals, phase: str) -> int | None:
+def signal_in_phase(proc: Proc, marks: Path, ranks: int, sig: signal.Signals, phase: str) -> int | None:
     """Wait until every rank has stopped itself in `phase`, then deliver `sig` there. SIGKILL takes the
     whole pod at once (torchrun starts its workers in sessions of their own: each is killed by pid).
     Returns the exit code of a SIGTERM'd run."""
-    wait_until(lambda: paused_pids(marks, ranks), proc, lines, f"every rank paused in {phase}")
-    pids = paused_pids(marks, ranks)
+    pids = proc.wait_until(lambda: paused_pids(marks, ranks), f"every rank paused in {phase}", 180, 0.01)
     if sig == signal.SIGKILL:
-        os.killpg(proc.pid, signal.SIGKILL)
+        proc.signal_group(signal.SIGKILL)
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         proc.wait(60)
@@ -141,7 +115,7 @@ def signal_in_phase(proc, lines, marks: Path, ranks: int, sig: signal.Signals, p
             time.sleep(0.01)
         return None
     proc.send_signal(sig)  # to the trainer itself, or to the launcher, which passes it on to the workers
-    wait_until(lambda: all(pending(p, sig) for p in pids), proc, lines, f"{sig.name} reached every rank")
+    proc.wait_until(lambda: all(pending(p, sig) for p in pids), f"{sig.name} reached every rank", 180, 0.01)
     for pid in pids:
         os.kill(pid, signal.SIGCONT)
     return proc.wait(180)
@@ -176,40 +150,46 @@ def check_phase(run: Path, phase: str, sig: signal.Signals, ranks: int) -> None:
         assert written == [f"model-rank{r:05d}.safetensors" for r in range(ranks)], written
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> dict:
-    """Uninterrupted reference runs, made on first use per world size."""
-    made: dict = {}
-    base = tmp_path_factory.mktemp("straight")
+class Straight:
+    """Uninterrupted reference runs, one per world size and eval setting, each started in the background on
+    first use (the test's interrupted run goes on meanwhile) and waited for when it is compared."""
 
-    def get(ranks: int, eval_on: bool) -> Path:
-        key = (ranks, eval_on)
-        if key not in made:
-            run = base / f"r{ranks}-{'eval' if eval_on else 'noeval'}"
-            extra = [] if eval_on else EVAL_OFF
+    def __init__(self, procs: Procs, base: Path):
+        self.procs, self.base, self.started = procs, base, {}
+
+    def start(self, ranks: int, eval_on: bool) -> None:
+        if (ranks, eval_on) not in self.started:
+            run = self.base / f"r{ranks}-{'eval' if eval_on else 'noeval'}"
+            args = ["--out", str(run), *COMMON, *([] if eval_on else EVAL_OFF)]
             proc = (
-                pretrain("train", "--out", str(run), *COMMON, *extra)
-                if ranks == 1
-                else torchrun("--out", str(run), *COMMON, *extra, nproc=ranks)
+                self.procs.pretrain("train", *args) if ranks == 1 else self.procs.torchrun(*args, nproc=ranks)
             )
-            assert proc.returncode == 0, proc.stdout + proc.stderr
-            made[key] = run
-        return made[key]
+            self.started[ranks, eval_on] = run, proc
 
-    return get
+    def __call__(self, ranks: int, eval_on: bool) -> Path:
+        self.start(ranks, eval_on)
+        run, proc = self.started[ranks, eval_on]
+        assert proc.wait(600) == 0, proc.tail()
+        return run
 
 
-def interrupt_and_resume(tmp_path: Path, straight, phase: str, sig: signal.Signals, ranks: int) -> None:
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Straight:
+    base = tmp_path_factory.mktemp("straight")
+    with Procs(base / "logs") as procs:
+        yield Straight(procs, base)
+
+
+def interrupt_and_resume(
+    procs: Procs, tmp_path: Path, straight, phase: str, sig: signal.Signals, ranks: int
+) -> None:
     extra = PHASES[phase][0]
+    straight.start(ranks, not extra)
     run = tmp_path / "run"
-    proc, lines = start(run, ranks, extra, hook(phase, sig), tmp_path / "paused")
-    try:
-        code = signal_in_phase(proc, lines, tmp_path / "paused", ranks, sig, phase)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    proc = start(procs, run, ranks, extra, hook(phase, sig), tmp_path / "paused")
+    code = signal_in_phase(proc, tmp_path / "paused", ranks, sig, phase)
     if sig == signal.SIGTERM:
-        out = "".join(lines)
+        out = proc.output
         assert code == 128 + sig, f"exit {code}:\n{out}"
         assert "Traceback" not in out, out
     check_phase(run, phase, sig, ranks)
@@ -226,21 +206,21 @@ def interrupt_and_resume(tmp_path: Path, straight, phase: str, sig: signal.Signa
 
 @pytest.mark.slow  # three phases of ~10 s: `make test-slow` (CI runs it)
 @pytest.mark.parametrize("phase", list(PHASES))
-def test_sigterm_during_startup_resumes_exactly(tmp_path, straight, phase):
-    interrupt_and_resume(tmp_path, straight, phase, signal.SIGTERM, ranks=1)
+def test_sigterm_during_startup_resumes_exactly(procs, tmp_path, straight, phase):
+    interrupt_and_resume(procs, tmp_path, straight, phase, signal.SIGTERM, ranks=1)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("phase", list(PHASES))
-def test_sigkill_during_startup_resumes_exactly(tmp_path, straight, phase):
-    interrupt_and_resume(tmp_path, straight, phase, signal.SIGKILL, ranks=1)
+def test_sigkill_during_startup_resumes_exactly(procs, tmp_path, straight, phase):
+    interrupt_and_resume(procs, tmp_path, straight, phase, signal.SIGKILL, ranks=1)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 @pytest.mark.parametrize("phase", list(PHASES))
-def test_two_ranks_stop_during_startup_resume_exactly(tmp_path, straight, phase, sig):
-    interrupt_and_resume(tmp_path, straight, phase, sig, ranks=2)
+def test_two_ranks_stop_during_startup_resume_exactly(procs, tmp_path, straight, phase, sig):
+    interrupt_and_resume(procs, tmp_path, straight, phase, sig, ranks=2)
 
 
 def test_a_step_0_checkpoint_of_an_older_version_resumes_exactly(tmp_path, straight):
@@ -250,8 +230,8 @@ def test_a_step_0_checkpoint_of_an_older_version_resumes_exactly(tmp_path, strai
 
     from app.config import load_config
     from app.trainer.checkpoint.writer import CheckpointWriter
-    from app.trainer.model import build_model
-    from app.trainer.optim import build_optimizer
+    from app.trainer.model.gpt import build_model
+    from app.trainer.optimization.optimizer import build_optimizer
 
     # an older version's run: AdamW (the recipe then), whose step count the stale save shifted
     cfg = load_config(

@@ -6,22 +6,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from app.trainer.checkpoint.store import list_checkpoints
-from tests.conftest import FAST, REPO, cli_env, pretrain, spawn_train, torchrun, train_rows, wait_for_step
+from tests.conftest import FAST, cli_env, pretrain, spawn_train, torchrun, train_rows
+from tests.procs import children
 
 
 def stop_and_wait(run, proc, body, step=3):
-    wait_for_step(run, step, proc)
+    proc.wait_for_step(run, step)
     (run / "stop.json").write_text(json.dumps(body))
     code = proc.wait(60)
-    return code, proc.stdout.read()
+    return code, proc.output
 
 
 def test_graceful_stop_file_checkpoints_exits_0_and_is_consumed(tmp_path):
@@ -54,7 +52,7 @@ def test_touching_a_stop_file_is_a_graceful_stop(tmp_path):
     custom = tmp_path / "elsewhere" / "STOP"
     custom.parent.mkdir()
     proc = spawn_train("--out", str(run), *FAST, "--max-steps", "100000", "--stop-file", str(custom))
-    wait_for_step(run, 2, proc)
+    proc.wait_for_step(run, 2)
     custom.touch()
     assert proc.wait(60) == 0
     assert list_checkpoints(run)
@@ -76,7 +74,7 @@ def test_a_stop_file_that_can_never_arrive_is_refused_at_start(tmp_path, where, 
     assert not run.exists()  # refused before the run dir was made
 
 
-def test_a_sigterm_after_an_evaluation_names_that_val_loss_with_the_checkpoint(tmp_path):
+def test_a_sigterm_after_an_evaluation_names_that_val_loss_with_the_checkpoint(tmp_path, procs):
     """SIGTERM at step 7 of a run evaluated every 4 steps: the stop's checkpoint (step 7) was not evaluated,
     so no checkpoint ranks as best; the summary says so and names the evaluation of step 4 and its val loss,
     which the checkpoint's trainer state records as its last evaluation."""
@@ -84,7 +82,8 @@ def test_a_sigterm_after_an_evaluation_names_that_val_loss_with_the_checkpoint(t
 
     run = tmp_path / "run"
     env = cli_env(
-        PRETRAIN_TEST_PAUSE="app.trainer.optim:step_unless:7", PRETRAIN_TEST_PAUSE_DIR=str(tmp_path)
+        PRETRAIN_TEST_PAUSE="app.trainer.optimization.optimizer:step_unless:7",
+        PRETRAIN_TEST_PAUSE_DIR=str(tmp_path),
     )
     every = [
         "--set",
@@ -94,27 +93,13 @@ def test_a_sigterm_after_an_evaluation_names_that_val_loss_with_the_checkpoint(t
         "--set",
         "train.stop_check_every=1",
     ]
-    cmd = [sys.executable, "-m", "tests.pause_at", "app.cli", "train", "--out", str(run), *FAST, *every]
-    proc = subprocess.Popen(
-        [*cmd, "--max-steps", "100"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not list(tmp_path.glob("paused-*")):  # in step 7's update, after the evaluation of step 4
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-            time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGTERM)
-        os.kill(proc.pid, signal.SIGCONT)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, out
+    cmd = ["-m", "tests.pause_at", "app.cli", "train", "--out", str(run), *FAST, *every, "--max-steps", "100"]
+    proc = procs.python(*cmd, env=env)
+    proc.wait_for_file(lambda: list(tmp_path.glob("paused-*")))  # in step 7's update, after step 4's eval
+    proc.signal(signal.SIGTERM)
+    proc.signal(signal.SIGCONT)
+    code, out = proc.wait(120), proc.output
+    assert code == 128 + signal.SIGTERM, out
     val = [r for r in train_rows(run, "eval") if r["step"] == 4][0]["val_loss"]
     assert "latest checkpoint: " in out and "(step 7)" in out, out
     (best,) = [ln for ln in out.splitlines() if "best checkpoint:" in ln]
@@ -164,80 +149,33 @@ def test_early_stopping_on_val_loss(tmp_path):
     assert list_checkpoints(run)[0].name == "step_000004"
 
 
-def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path):
+def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path, procs):
     """Ranks agree through the all-reduce: a signal to rank 1 alone stops rank 0 at the same step, and
     both write their part of the checkpoint."""
     run = tmp_path / "ddp"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "app.train",
-        "--out",
-        str(run),
-        *FAST,
-        "--max-steps",
-        "100000",
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        wait_for_step(run, 3, proc)
-        pids = [int(p) for p in subprocess.check_output(["pgrep", "-P", str(proc.pid)], text=True).split()]
-        ranks = {}
-        for pid in pids:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            rank = next(e.split(b"=")[1] for e in env if e.startswith(b"RANK="))
-            ranks[int(rank)] = pid
-        os.kill(ranks[1], signal.SIGTERM)
-        proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    out = proc.stdout.read()
+    proc = procs.torchrun("--out", str(run), *FAST, "--max-steps", "100000")
+    proc.wait_for_step(run, 3)
+    ranks = {}
+    for pid in children(proc.pid):
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        rank = next(e.split(b"=")[1] for e in env if e.startswith(b"RANK="))
+        ranks[int(rank)] = pid
+    os.kill(ranks[1], signal.SIGTERM)
+    proc.wait(60)
+    out = proc.output
     assert "agreed with another rank" in out  # rank 0 learned of the stop through the collective
     ckpt = list_checkpoints(run)[0]
     assert (ckpt / "rng_rank0.json").exists() and (ckpt / "rng_rank1.json").exists()
     assert ckpt.name == f"step_{train_rows(run)[-1]['step']:06d}"
 
 
-def test_launcher_turns_sigterm_into_143_after_the_workers_checkpoint(tmp_path):
+def test_launcher_turns_sigterm_into_143_after_the_workers_checkpoint(tmp_path, procs):
     """`python -m app.launch` (the container's PID 1) signals the workers, not torchrun, and exits 143
     so the PyTorchJob ExitCode policy restarts the job."""
     run = tmp_path / "launch"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "app.launch",
-            "--standalone",
-            "--nproc-per-node=2",
-            "-m",
-            "app.train",
-            "--out",
-            str(run),
-            *FAST,
-            "--max-steps",
-            "100000",
-        ],
-        cwd=REPO,
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    wait_for_step(run, 3, proc)
-    proc.send_signal(signal.SIGTERM)
+    proc = procs.torchrun("--out", str(run), *FAST, "--max-steps", "100000", launcher="app.launch")
+    proc.wait_for_step(run, 3)
+    proc.signal(signal.SIGTERM)
     assert proc.wait(60) == 143
     ckpt = list_checkpoints(run)[0]
     assert ckpt.name == f"step_{train_rows(run)[-1]['step']:06d}"
@@ -307,7 +245,7 @@ def test_mfu_floor_without_a_known_peak_is_refused_in_one_line(tmp_path):
 
 
 def test_a_low_mfu_stop_yields_to_preemption_divergence_and_an_immediate_stop():
-    from app.trainer.stopping import StopCause, StopDecision
+    from app.trainer.stopping.agreement import StopCause, StopDecision
 
     low = StopDecision(StopCause.LOW_MFU).encode()
     for stronger in (StopCause.PREEMPTED, StopCause.IMMEDIATE, StopCause.DIVERGED):
@@ -318,52 +256,29 @@ def test_a_low_mfu_stop_yields_to_preemption_divergence_and_an_immediate_stop():
 
 
 @pytest.mark.slow  # three 2-rank runs
-def test_a_stop_waits_for_the_agreement_every_k_steps_and_the_run_resumes_exactly(tmp_path):
+def test_a_stop_waits_for_the_agreement_every_k_steps_and_the_run_resumes_exactly(tmp_path, procs):
     """train.stop_check_every=4 on 2 ranks: a stop file seen between agreements stops both ranks at the
     next multiple of 4, on a checkpoint, and the resumed run equals a straight one bit for bit."""
     from tests.test_resume import assert_same_run
 
     every = ["--set", "train.stop_check_every=4", "--set", "train.log_every=1", "--max-steps", "24", *FAST]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    assert torchrun("--out", str(straight), *every).returncode == 0
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "app.train",
-        "--out",
-        str(stopped),
-        *every,
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        wait_for_step(stopped, 1, proc)
-        (stopped / "stop.json").write_text(json.dumps({"mode": "graceful", "cause": "test"}))
-        assert proc.wait(120) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    reference = procs.torchrun("--out", str(straight), *every)  # meanwhile, beside the stopped run
+    proc = procs.torchrun("--out", str(stopped), *every)
+    proc.wait_for_step(stopped, 1)
+    (stopped / "stop.json").write_text(json.dumps({"mode": "graceful", "cause": "test"}))
+    assert proc.wait(120) == 0
     last = train_rows(stopped)[-1]["step"]
     assert last % 4 == 0 and last < 24, last
     assert list_checkpoints(stopped)[0].name == f"step_{last:06d}"
     resumed = torchrun("--out", str(stopped), *every)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert reference.wait(300) == 0, reference.tail()
     assert_same_run(straight, stopped, 24)
 
 
 def test_auto_k_keeps_the_agreement_cheap_and_the_stop_delay_bounded():
-    from app.trainer.stopping import (
+    from app.trainer.stopping.agreement import (
         MAX_STOP_DELAY,
         BadSteps,
         EarlyStopping,

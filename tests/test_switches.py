@@ -5,13 +5,9 @@ bit-identically after SIGKILL on 1 and 2 gloo ranks, and samples and serves from
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,20 +17,20 @@ from safetensors import safe_open
 
 from app.config import Config, LoopConfig, ModelConfig, OptimConfig, config_from_dict, load_config
 from app.errors import ConfigError
-from app.trainer.model import build_model, count_parameters
-from app.trainer.optim import build_optimizer, param_groups, set_muon_momentum
-from app.trainer.schedule import muon_momentum_at
+from app.trainer.model.gpt import build_model, count_parameters
+from app.trainer.optimization.optimizer import build_optimizer, param_groups, set_muon_momentum
+from app.trainer.optimization.schedule import muon_momentum_at
 from tests.conftest import (
     CLASSIC,
     FAST,
     REPO,
-    cli_env,
     losses_by_step,
     pretrain,
+    pretrain_meanwhile,
     torchrun,
     train_rows,
-    wait_for_step,
 )
+from tests.procs import Procs
 from tests.test_resume import assert_same_run, weights
 
 # Every model switch on (value_embeds at its most for 2 blocks); the untied head is what zero_init zeroes.
@@ -204,7 +200,7 @@ def test_new_parameters_go_to_their_optimizer_groups():
 
 
 def test_muon_momentum_warms_up_and_follows_the_lr_decay_only_for_muon():
-    from app.trainer.schedule import annealed_at
+    from app.trainer.optimization.schedule import annealed_at
 
     cfg = load_config(
         "tiny",
@@ -239,10 +235,10 @@ def test_muon_momentum_warms_up_and_follows_the_lr_decay_only_for_muon():
 
 
 def test_muon_momentum_anneals_with_a_plan_that_ends_inside_the_warmup():
-    """30 warm-up steps (tiny's before #33) and a max_hours plan agreed at step 11 that ends at step 25: the LR decays
+    """30 warm-up steps (tiny's on the AdamW recipe) and a max_hours plan agreed at step 11 that ends at step 25: the LR decays
     from step 11 to min_lr at step 24, and the momentum follows it down to muon_momentum_end (it stayed at
     muon_momentum, because the step never reached the configured warm-up)."""
-    from app.trainer.schedule import DecayPlan, annealed_at, lr_at
+    from app.trainer.optimization.schedule import DecayPlan, annealed_at, lr_at
 
     overrides = ["schedule.name=cosine", "schedule.warmup_steps=30", "optim.muon_momentum_warmup_steps=0"]
     overrides += ["optim.muon_momentum=0.97", "optim.muon_momentum_end=0.9"]
@@ -265,13 +261,14 @@ def test_bad_switch_values_are_one_line_exit_2(tmp_path):
 @pytest.mark.parametrize("looped", [False, True], ids=["plain", "looped-deep-supervision"])
 def test_every_switch_together_trains_one_step_under_fp8_emulation(looped):
     float8 = pytest.importorskip("torchao.float8")
-    from app.trainer.fp8 import convert_to_fp8
+    from app.trainer.parallel.fp8 import convert_to_fp8
 
     torch.manual_seed(0)
     cfg = every_switch(looped)
     model = build_model(cfg)
     names = list(model.state_dict())
-    assert convert_to_fp8(model, torch.device("cpu"), lambda m: None, "emulate") == 6 * cfg.n_blocks
+    # q, k, v, o and ReLU²'s up projection per block; its w_down stays out (app/trainer/parallel/fp8.py)
+    assert convert_to_fp8(model, torch.device("cpu"), lambda m: None, "emulate") == 5 * cfg.n_blocks
     assert float8 and list(model.state_dict()) == names  # checkpoints do not change
     opt = build_optimizer(model, load_config("tiny").optim, torch.device("cpu"))
     x = torch.randint(0, 300, (2, 32))
@@ -287,7 +284,7 @@ def test_every_switch_together_trains_one_step_under_fp8_emulation(looped):
 def test_every_switch_runs_under_bf16_autocast(looped):
     """What a GPU run does (bf16 autocast; no GPU here, so on CPU): the bf16 values meet the fp32 value
     tables and mixing weights without a dtype clash in attention, and cached generation runs too."""
-    from app.trainer.generate import generate
+    from app.trainer.model.generate import generate
 
     torch.manual_seed(0)
     model = build_model(every_switch(looped))
@@ -311,48 +308,18 @@ def test_every_switch_has_its_line_in_docs_recipes():
 # ---------------------------------------------------------------- the trainer, for real
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (torchrun's workers run in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def train_on(ranks: int, *args: str) -> subprocess.CompletedProcess:
     return ok(pretrain("train", *args) if ranks == 1 else torchrun(*args, nproc=ranks))
 
 
 def sigkill_at(run: Path, ranks: int, step: int, args: list[str]) -> None:
     """Start a run, SIGKILL it (every process of it) once `step` is logged."""
-    cmd = [sys.executable, "-m", "app.cli", "train"]
-    if ranks > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-        cmd += ["-m", "app.train"]
-    proc = subprocess.Popen(
-        [*cmd, "--out", str(run), *args],
-        cwd=REPO,
-        env=cli_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        wait_for_step(run, step, proc, timeout=240)
-    finally:
-        for pid in [proc.pid, *descendants(proc.pid)]:
-            with contextlib.suppress(ProcessLookupError):  # gone already
-                os.kill(pid, signal.SIGKILL)
-        proc.wait(60)
+    with Procs(run.parent / "logs") as procs:
+        if ranks == 1:
+            proc = procs.pretrain("train", "--out", str(run), *args)
+        else:
+            proc = procs.torchrun("--out", str(run), *args, nproc=ranks)
+        proc.wait_for_step(run, step, timeout=240)
     time.sleep(0.5)  # the workers' exits are reaped by init; nothing of the run may still write
 
 
@@ -379,10 +346,15 @@ SHARDED = ["--set", "train.parallel=fsdp", "--set", "train.activation_checkpoint
 def test_every_switch_resumes_bit_identically_after_sigkill(tmp_path, ranks):
     extra = SHARDED if ranks > 1 else []
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    train_on(ranks, "--out", str(straight), *RESUME, *extra)
+    if ranks == 1:  # one process: the straight run trains on the other core meanwhile
+        reference = pretrain_meanwhile("train", "--out", str(straight), *RESUME)
+    else:
+        train_on(ranks, "--out", str(straight), *RESUME, *extra)
     sigkill_at(killed, ranks, 5, [*RESUME, *extra])
     assert max(losses_by_step(killed)) < RESUME_STEPS
     assert "resumed from" in train_on(ranks, "--out", str(killed), *RESUME, *extra).stdout
+    if ranks == 1:
+        ok(reference.finished())
     assert_same_run(straight, killed, RESUME_STEPS)
     assert sorted(losses_by_step(killed)) == list(range(1, RESUME_STEPS + 1))
 
@@ -395,9 +367,10 @@ def test_every_switch_compiled_follows_eager(tmp_path):
     runs eager on the compiled model."""
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
     common = [*FAST, *ALL, "--max-steps", "6"]
-    ok(pretrain("train", "--out", str(eager), *common))
+    reference = pretrain_meanwhile("train", "--out", str(eager), *common)
     compile_and_sample = ["--set", "train.compile=true", "--set", "train.sample_every=3"]
     proc = ok(pretrain("train", "--out", str(compiled), *common, *compile_and_sample))
+    ok(reference.finished())
     assert "compile: 2 blocks and the loss" in proc.stdout and "sample at step 6" in proc.stdout
     le, lc = losses_by_step(eager), losses_by_step(compiled)
     assert sorted(lc) == list(range(1, 7)) and le[6] < le[1] - 0.05  # it trains
@@ -413,10 +386,12 @@ def test_every_switch_under_fsdp_and_fp8_matches_one_process(tmp_path):
     FP8 the sharded run's losses match to 1e-5 and its weights to MUON_WEIGHTS."""
     one, sharded, sharded_fp8 = tmp_path / "one", tmp_path / "sharded", tmp_path / "sharded-fp8"
     common = [*FAST, *ALL, "--max-steps", "4"]
-    ok(pretrain("train", "--out", str(one), *common, "--set", "train.micro_batch_size=16"))
+    reference = pretrain_meanwhile("train", "--out", str(one), *common, "--set", "train.micro_batch_size=16")
     ok(torchrun("--out", str(sharded), *common, *SHARDED))
     proc = ok(torchrun("--out", str(sharded_fp8), *common, *SHARDED, "--set", "train.fp8=emulate"))
-    assert "fp8: 12 of 13 linear layers run in float8" in proc.stdout
+    ok(reference.finished())
+    # ReLU²: each block's w_down stays out of float8 (app/trainer/parallel/fp8.py)
+    assert "fp8: 10 of 13 linear layers run in float8" in proc.stdout
     lo, ls, lf = losses_by_step(one), losses_by_step(sharded), losses_by_step(sharded_fp8)
     for s in range(1, 5):
         assert ls[s] == pytest.approx(lo[s], rel=1e-5)
@@ -428,7 +403,7 @@ def test_every_switch_under_fsdp_and_fp8_matches_one_process(tmp_path):
 def test_every_switch_checkpoint_samples_serves_and_exports(tmp_path):
     from app.tools.generation import Engine, ServeMetrics
     from app.tools.sample import load_for_inference
-    from app.trainer.generate import generate
+    from app.trainer.model.generate import generate
     from tests.test_serve_batching import run_jobs
 
     run = tmp_path / "run"
@@ -491,8 +466,8 @@ def test_a_checkpoint_from_before_the_switches_still_samples(tmp_path):
 META_WORKER = """
 import torch, torch.distributed as dist
 from app.config import load_config
-from app.trainer.distributed import init_distributed
-from app.trainer.parallelize import build_parallel_model, unwrap
+from app.trainer.parallel.distributed import init_distributed
+from app.trainer.parallel.parallelize import build_parallel_model, unwrap
 
 env = init_distributed("cpu")
 switches = [f"model.{k}={v}" for k, v in SWITCHES.items()]
@@ -517,8 +492,5 @@ def test_every_switch_materializes_its_init_from_the_meta_device(tmp_path):
     included: a rank may hold none of one)."""
     script = tmp_path / "worker.py"
     script.write_text(f"SWITCHES = {SWITCHES!r}\n" + META_WORKER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=cli_env(PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300
-    )
+    proc = torchrun(str(script))
     assert proc.returncode == 0 and "META_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -6,10 +6,8 @@ tracker warns once, counts, and never fails the run; a tracker whose extra is mi
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import struct
-import subprocess
 import sys
 import time
 import zlib
@@ -18,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from app.cli import main as cli_main
-from tests.conftest import FAST, REPO, cli_env, pretrain, train_rows
+from tests.conftest import FAST, cli_env, pretrain, train_rows
+from tests.procs import Procs
 from tests.prom_helpers import sets
 
 STEPS = 12
@@ -32,7 +31,7 @@ ENV = {"WANDB_SILENT": "true", "WANDB__TRANSACTION_LOG_FLUSH_INTERVAL": "0.2"}
 # The trainer, held after logging one step, so that the test kills it there (between checkpoints 6 and 12).
 HELD = """
 import sys, time
-from app.trainer import report
+from app.trainer.reporting import report
 log_train = report.Reporter.train
 def held(self, r, **kw):
     log_train(self, r, **kw)
@@ -62,9 +61,8 @@ def tracked_steps(run: Path) -> tuple[int, int, int]:
 def kill_after(run: Path, step: int) -> None:
     """Train until `step` is logged and every tracker has written what it got (W&B: up to the step before,
     its row for a step closes when the next one starts), then SIGKILL."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
+    with Procs(run.parent / "logs") as procs:
+        proc = procs.python(
             "-c",
             HELD,
             str(step),
@@ -74,23 +72,15 @@ def kill_after(run: Path, step: int) -> None:
             "--max-steps",
             f"{STEPS}",
             *TRAIN,
-        ],
-        cwd=REPO,
-        env=cli_env(**ENV),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 300
-    try:
-        while not (run / "trackers.json").exists() or not all(
-            got >= want for got, want in zip(tracked_steps(run), (step, step, step - 1), strict=True)
-        ):
-            assert proc.poll() is None, f"the trainer exited {proc.returncode} before step {step}"
-            assert time.monotonic() < deadline, f"trackers never got step {step}: {tracked_steps(run)}"
-            time.sleep(0.2)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
+            env=cli_env(**ENV),
+        )
+
+        def written() -> bool:
+            want = (step, step, step - 1)
+            got = tracked_steps(run) if (run / "trackers.json").exists() else (0, 0, 0)
+            return all(g >= w for g, w in zip(got, want, strict=True))
+
+        proc.wait_until(written, f"every tracker's step {step}", timeout=300, poll=0.2)
 
 
 @pytest.fixture(scope="module")
@@ -224,9 +214,10 @@ def test_wandb_offline_run_has_config_history_and_the_checkpoint(tracked):
 def test_a_failing_tracker_warns_once_counts_and_the_run_goes_on(tmp_path, monkeypatch):
     """MLflow pointed at a port nobody listens on: every write fails; training does not notice."""
     from app.config import load_config
-    from app.trainer.distributed import DistEnv
-    from app.trainer.metrics import TrainerMetrics
-    from app.trainer.report import Reporter
+    from app.trainer.parallel.distributed import DistEnv
+    from app.trainer.reporting.metrics import TrainerMetrics
+    from app.trainer.reporting.report import Reporter
+    from app.trainer.stopping.causes import StopCause, StopDecision
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -246,7 +237,7 @@ def test_a_failing_tracker_warns_once_counts_and_the_run_goes_on(tmp_path, monke
     rep.log = lines.append
     for step in range(1, 6):
         rep.eval(step, 2.0 - step / 10, 1.5)
-    rep.event("event", 5, event="stop", cause="planned", exit_code=0)
+    rep.stopped(5, StopDecision(StopCause.PLANNED, "planned end: reached max_steps=5"))
     rep.close()
     warnings = [m for m in lines if m.startswith("warning: tracker mlflow failed")]
     assert len(warnings) == 1 and "could not start" in warnings[0]
@@ -276,14 +267,14 @@ def test_a_tracker_failing_mid_run_is_counted_each_time_and_warned_once(tmp_path
     """MLflow starts fine (file store), then its run disappears from the store mid-run: every later write
     fails and is counted, one warning says so, and the other tracker and the log go on."""
     import shutil
-    import time
 
     from mlflow.tracking import MlflowClient
 
     from app.config import load_config
-    from app.trainer.distributed import DistEnv
-    from app.trainer.metrics import TrainerMetrics
-    from app.trainer.report import Reporter
+    from app.trainer.parallel.distributed import DistEnv
+    from app.trainer.reporting.metrics import TrainerMetrics
+    from app.trainer.reporting.report import Reporter
+    from app.trainer.stopping.causes import StopCause, StopDecision
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     cfg = load_config("tiny", overrides=["metrics.trackers=mlflow,tensorboard"])
@@ -313,7 +304,7 @@ def test_a_tracker_failing_mid_run_is_counted_each_time_and_warned_once(tmp_path
     shutil.rmtree(run_path)  # the tracking store loses the run
     for step in (3, 4, 5):
         rep.eval(step, 2.0 - step / 10, 1.5)
-    rep.event("event", 5, event="stop", cause="planned", exit_code=0)
+    rep.stopped(5, StopDecision(StopCause.PLANNED, "planned end: reached max_steps=5"))
     rep.close()
     errors = rep.metrics.registry.get_sample_value("pretrain_tracker_errors_total", {"tracker": "mlflow"})
     assert errors == 5  # three eval rows, the stop event, closing the run: each one counted

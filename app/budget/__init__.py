@@ -1,6 +1,6 @@
 """Budget guard: a run never spends more than its cap and ends on a finished checkpoint (docs/budget.md).
 
-The trainer reaches it through app/trainer/budget_link.py: the launch checks (`check_not_exhausted`,
+The trainer reaches it through app/trainer/stopping/budget_link.py: the launch checks (`check_not_exhausted`,
 `check_price_at_launch`), the in-process watcher thread (`start_in_process`) and `read_budget_state`.
 """
 
@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.budget.config import BudgetConfig, check_budget_config
 from app.budget.kube import KubeActions
 from app.budget.ledger import load_ledger
 from app.budget.metrics import BudgetMetrics
@@ -20,6 +19,7 @@ from app.budget.price_guard import PriceAboveMax, PriceGuard, PriceWatcher, chec
 from app.budget.pricing import local_price, no_price_error, resolve_gpus
 from app.budget.view import View, ledger_path_for, read_budget_state
 from app.budget.watcher import Watcher
+from app.config.budget import BudgetConfig, check_budget_config
 from app.errors import UserError
 
 __all__ = [

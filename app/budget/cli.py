@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from app.budget import BudgetExhausted, check_not_exhausted, open_watcher, start_watching
-from app.budget.config import CHOICES, FLAG_NAMES, BudgetConfig, check_budget_config, flag_for
 from app.budget.files import read_status
 from app.budget.ledger import load_ledger
 from app.budget.metrics import BudgetMetrics
@@ -32,16 +31,18 @@ from app.budget.sources import make_source
 from app.budget.view import ledger_path_for, state_path_for
 from app.budget.watcher import Watcher
 from app.config import load_yaml, merge_into
-from app.config_docs import field_help, flag_help
+from app.config.budget import CHOICES, FLAG_NAMES, BudgetConfig, check_budget_config, flag_for
+from app.config.flags import Flag, add_flag
 from app.errors import UserError
-from app.files import atomic_write_json, check_writable_dir
+from app.files import atomic_write_json, check_writable_dir, not_a_stop_file, stop_file_of
 
 log = logging.getLogger("pretrain.budget")
 
 DEFAULT_METRICS_PORT = 9401
 
-# The BudgetConfig fields `pretrain watch` takes as flags (named by app.budget.config.flag_for, as in
-# `pretrain train`); each flag's help is its field's comment (app/config_docs.py).
+# The BudgetConfig fields `pretrain watch` takes as flags (named by app.config.budget.flag_for, as in
+# `pretrain train`), generated from the fields (app/config/flags.py: type, choices, help). Not given, a flag
+# leaves the --config file's value (or the field's default) as it is.
 WATCH_FIELDS = (
     "cap_usd",
     "gpu_type",
@@ -67,6 +68,9 @@ WATCH_FIELDS = (
     "metrics_port",
     "idle_allowance_seconds",
 )
+WATCH_FLAGS = tuple(
+    Flag(name, flag_for(name), choices=CHOICES.get(name), unset=True, dest_name=name) for name in WATCH_FIELDS
+)
 
 
 class RenamedFlag(argparse.Action):
@@ -83,21 +87,10 @@ class RenamedFlag(argparse.Action):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     required = parser.add_argument_group("required (here or in the --config file's budget: section)")
-    defaults = BudgetConfig()
-    types = typing.get_type_hints(BudgetConfig)
-    helps = field_help(BudgetConfig)
-    for dest in WATCH_FIELDS:
-        group = required if dest == "cap_usd" else parser
-        default = None if dest == "cap_usd" else getattr(defaults, dest)
-        group.add_argument(
-            flag_for(dest),
-            dest=dest,
-            type=types[dest],
-            default=None,
-            choices=CHOICES.get(dest),
-            help=flag_help(helps[dest], default),
-        )
+    for spec in WATCH_FLAGS:
+        add_flag(required if spec.field == "cap_usd" else parser, BudgetConfig, spec)
     # a value renamed in FLAG_NAMES is still read by its field's plain spelling (--cap-usd), with a note
+    types = typing.get_type_hints(BudgetConfig)
     for dest, new in FLAG_NAMES.items():
         old = "--" + dest.replace("_", "-")
         parser.add_argument(
@@ -163,7 +156,7 @@ def _settings(args: argparse.Namespace) -> tuple[BudgetConfig, Path, Path, Path,
         raise UserError("pass --run-dir DIR (the trainer's --out) so the ledger and status.json are found")
     run_dir = Path(args.run_dir) if args.run_dir else Path(args.ledger).resolve().parent.parent
     ledger = Path(args.ledger) if args.ledger else ledger_path_for(run_dir)
-    stop_file = Path(args.stop_file) if args.stop_file else run_dir / "stop.json"
+    stop_file = stop_file_of(args.stop_file, run_dir)
     rate, price = static_rate(cfg.gpu_type, cfg.price_per_gpu_hour, max(cfg.gpus, 1), cfg.price_table)
     if price > 0 and cfg.gpus <= 0:
         raise UserError(
@@ -197,11 +190,9 @@ def write_problems(run_dir: Path, ledger_path: Path, stop_file: Path, create: bo
     dirs = {ledger_path.parent: "the ledger's dir", state_path_for(run_dir).parent: "--run-dir's budget dir"}
     dirs.setdefault(stop_file.parent, "the stop file's dir")
     # the stop is written by replacing the file: onto a directory that fails when the cap is reached
-    if stop_file.is_dir() or (stop_file.exists() and not stop_file.is_file()):
-        folder = stop_file.is_dir()
-        kind = "a directory" if folder else "not a regular file (a device, a FIFO or a socket)"
-        fix = f"name a file in it, e.g. --stop-file {stop_file / 'stop.json'}" if folder else "name a file"
-        return [f"the stop file {stop_file} is {kind}, which the watcher cannot write a stop to; {fix}"]
+    problem = not_a_stop_file(stop_file)
+    if problem:
+        return [f"the stop file {stop_file} is {problem}; the watcher cannot write a stop onto it"]
     problems = []
     for path, what in dirs.items():
         try:

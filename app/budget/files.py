@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from app.budget.config import is_amount
 from app.files import atomic_write_json
+
+
+def is_amount(val: object) -> bool:
+    """A finite number >= 0 as JSON or YAML gives it (a bool is not a number here)."""
+    return isinstance(val, int | float) and not isinstance(val, bool) and math.isfinite(val) and val >= 0
 
 
 def _num(data: dict, key: str) -> float:

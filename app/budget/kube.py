@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from app.budget.config import BudgetConfig
+from app.config.budget import BudgetConfig
 from app.errors import UserError
 
 log = logging.getLogger("pretrain.budget")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.budget.config import is_amount
+from app.budget.files import is_amount
 from app.errors import UserError
 from app.files import atomic_write_json, not_a_directory, not_a_directory_message, unwritable_message
 

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 
 from app.budget.policy import STATES
 from app.budget.view import View
+from app.metrics_server import bind_address
 
 # the View's figures exported as they are, each as the gauge pretrain_budget_<field> (None, at rate 0: +Inf)
 VIEW_GAUGES = {
@@ -80,9 +81,8 @@ class BudgetMetrics:
         self.last_poll.set(view.updated_unix)
 
     def serve(self, port: int, addr: str = "") -> int:
-        """Start /metrics on port (0 = any free port; addr "" = the trainer's default); returns the port."""
-        from app.trainer.metrics import bind_address
-
+        """Start /metrics on port (0 = any free port; addr "" = the default, app/metrics_server.py); returns
+        the port."""
         self._server, _thread = start_http_server(port, addr=addr or bind_address(), registry=self.registry)
         return self._server.server_address[1]
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from app.budget.config import BudgetConfig
 from app.budget.ledger import Ledger
+from app.config.budget import BudgetConfig
 
 STATES = ("ok", "alert", "stopping", "exhausted")
 MIN_LOOK_SECONDS = 0.01  # the soonest the watcher is asked to look again (clock resolution, no busy loop)

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.budget.config import BudgetConfig
 from app.budget.files import clear_stale_budget_stop, write_stop_file
 from app.budget.kube import KubeActions
 from app.budget.ledger import LedgerLock, load_ledger, save_ledger
@@ -17,6 +16,7 @@ from app.budget.metrics import BudgetMetrics
 from app.budget.pricing import local_price
 from app.budget.sources import Reading, make_source, read_source
 from app.budget.view import ledger_path_for
+from app.config.budget import BudgetConfig
 from app.errors import UserError
 
 log = logging.getLogger("pretrain.budget")

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from app.budget.config import BudgetConfig, is_amount
+from app.budget.files import is_amount
+from app.config.budget import BudgetConfig
 from app.errors import UserError
 from app.gpus import GPUS, key_of, known, normalize, priced
 

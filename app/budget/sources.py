@@ -17,7 +17,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from app.budget.config import BudgetConfig, is_amount
+from app.budget.files import is_amount
+from app.config.budget import BudgetConfig
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from app.budget.config import BudgetConfig
 from app.budget.files import clear_stale_budget_stop, read_status, write_stop_file
 from app.budget.kube import KubeActions
 from app.budget.ledger import Ledger, LedgerLock, Session, StopRecord, load_ledger, save_ledger
@@ -24,6 +23,7 @@ from app.budget.metrics import BudgetMetrics
 from app.budget.policy import TRAINER_FIGURES, Decision, PolicyInput, decide, policy_input
 from app.budget.sources import Reading, make_source, read_source
 from app.budget.view import View, ledger_path_for
+from app.config.budget import BudgetConfig
 from app.errors import UserError
 from app.files import atomic_write_json
 
@@ -33,7 +33,9 @@ RESERVE_POLLS = 2.0  # a session killed without closing is charged this many pol
 TRAINING_STATES = ("running", "saving", "stopping", "preempted")  # status.json states of a started trainer
 FALLBACK_LOG_SECONDS = 600.0  # repeat a persisting source failure in the log this often
 LOOK_SECONDS = 0.1  # read status.json this often between polls (docs/budget.md, "Looks between polls")
-LEASE_FILE = "lease.json"  # held by a trainer for its whole life (app/trainer/lease.py, docs/contracts.md)
+LEASE_FILE = (
+    "lease.json"  # held by a trainer for its whole life (app/trainer/stopping/lease.py, docs/contracts.md)
+)
 # the View's fields that are the policy's figures, as given (spend, rate, timings) or decided (state, ...)
 POLICY_FIELDS = {f.name for f in (*fields(PolicyInput), *fields(Decision))}
 FROM_POLICY = [f.name for f in fields(View) if f.name in POLICY_FIELDS]

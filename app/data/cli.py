@@ -4,84 +4,52 @@ subcommand and calls `run`; `python -m app.data.cli` runs it standalone."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
 from app.command import count
-from app.config_docs import field_help, flag_help
+from app.config import PrepareConfig
+from app.config.flags import Flag, add_flags, given
 from app.errors import UserError
 
 DESCRIPTION = "Turn raw text (local files or a HF Hub dataset) into token shards for `pretrain train`."
 
-# flag, PrepareConfig field, type, metavar (None: from the flag); each flag's default is its field's
-# default and its help is the field's comment (app/config_docs.py), and config_from_args maps the flags
-# onto the fields
-VALUE_FLAGS = [
-    ("--text-column", "text_column", str, None),
-    ("--tokenizer", "tokenizer", str, "bpe|char|PATH|hf://OWNER/NAME"),
-    ("--vocab-size", "vocab_size", count, None),
-    ("--tokenizer-sample-bytes", "sample_bytes", count, "N"),
-    ("--char-alphabet", "char_alphabet", str, "CHARS"),
-    ("--val-fraction", "val_fraction", float, None),
-    ("--shard-tokens", "shard_tokens", count, None),
-    ("--workers", "workers", int, None),
-    ("--doc-chars", "doc_chars", count, None),
-    ("--revision", "revision", str, None),
-    ("--cache-dir", "cache_dir", str, None),
-    ("--log-every", "log_every", float, None),
-    ("--shard-count", "shard_count", int, "N"),
-    ("--shard-index", "shard_index", int, "I"),
-]
-# flags whose absence is itself a setting: None when not given, the field's default applies after the checks
-# (--vocab-size only with --tokenizer bpe; --shard-index from $JOB_COMPLETION_INDEX)
-UNSET_IS_NONE = {"vocab_size", "shard_index"}
-
-# flag, PrepareConfig field, choices (the first is the default)
-CHOICE_FLAGS = [
-    ("--dtype", "dtype", ("auto", "uint16", "uint32")),
-    ("--txt-split", "txt_split", ("file", "line", "paragraph")),
-    ("--verify", "verify", ("sha256", "size")),
-    ("--progress", "progress", ("auto", "bar", "log", "none")),
-]
-
-
-def _shown(value):
-    """A default as the help shows it: 50M for 50,000,000."""
-    if isinstance(value, int) and value >= 10**6 and value % 10**6 == 0:
-        return f"{value // 10**6}M"
-    return value
+# One flag per PrepareConfig field, in --help's order, generated from the field (app/config/flags.py): its
+# type, its default (shown in the help) and its help, the field's comment. A Flag says only what the field
+# does not: the flag's name where it differs, a metavar, `count` for sizes such as 50M, the choices.
+PREPARE_FLAGS = (
+    Flag("inputs", "--input", "PATH|hf://datasets/OWNER/NAME[?include=GLOB]"),
+    Flag("out_dir", "--out", "DATA_DIR"),
+    Flag("text_column"),
+    Flag("tokenizer", metavar="bpe|char|PATH|hf://OWNER/NAME"),
+    # not given: None, and the field's default applies after the checks (it is for --tokenizer bpe only)
+    Flag("vocab_size", parse=count, unset=True),
+    Flag("sample_bytes", "--tokenizer-sample-bytes", "N", parse=count),
+    Flag("char_alphabet", metavar="CHARS"),
+    Flag("val_fraction"),
+    Flag("shard_tokens", parse=count),
+    Flag("workers"),
+    Flag("doc_chars", parse=count),
+    Flag("revision"),
+    Flag("cache_dir"),
+    Flag("log_every"),
+    Flag("shard_count", metavar="N"),
+    Flag("shard_index", metavar="I", unset=True),  # not given: None, then $JOB_COMPLETION_INDEX or 0
+    Flag("dtype", choices=("auto", "uint16", "uint32")),
+    Flag("txt_split", choices=("file", "line", "paragraph")),
+    Flag("verify", choices=("sha256", "size")),
+    Flag("progress", choices=("auto", "bar", "log", "none")),
+    Flag("includes", "--include", "GLOB"),
+    Flag("finalize"),
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from app.data.settings import PrepareConfig
-
-    helps = field_help(PrepareConfig)
-    p.add_argument(
-        "--input",
-        action="append",
-        required=True,
-        metavar="PATH|hf://datasets/OWNER/NAME[?include=GLOB]",
-        help=flag_help(helps["inputs"]),
-    )
-    p.add_argument("--out", required=True, metavar="DATA_DIR", help=flag_help(helps["out_dir"]))
-    defaults = {f.name: f.default for f in dataclasses.fields(PrepareConfig)}
-    for flag, name, kind, metavar in VALUE_FLAGS:
-        text = flag_help(helps[name], _shown(defaults[name]))
-        default = None if name in UNSET_IS_NONE else defaults[name]
-        p.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
-    for flag, name, choices in CHOICE_FLAGS:
-        p.add_argument(flag, choices=choices, default=choices[0], help=flag_help(helps[name], choices[0]))
-    p.add_argument(
-        "--include", action="append", default=[], metavar="GLOB", help=flag_help(helps["includes"])
-    )
-    p.add_argument("--finalize", action="store_true", help=flag_help(helps["finalize"]))
+    add_flags(p, PrepareConfig, PREPARE_FLAGS)
 
 
-def config_from_args(args: argparse.Namespace):
-    from app.data.manifest import from_dict
-    from app.data.settings import PrepareConfig
-
+def config_from_args(args: argparse.Namespace) -> PrepareConfig:
+    """PrepareConfig from the flags, with the rules between them (one line, exit 2, for a conflict)."""
     if args.vocab_size is not None and args.tokenizer != "bpe":
         raise UserError("--vocab-size applies only when training a BPE tokenizer (--tokenizer bpe)")
     if args.char_alphabet and args.tokenizer != "char":
@@ -104,15 +72,11 @@ def config_from_args(args: argparse.Namespace):
                 f"$JOB_COMPLETION_INDEX is {index}, not a share of --shard-count {args.shard_count} "
                 f"(0..{args.shard_count - 1}): give the Indexed Job as many completions as shares"
             )
-    renamed = {
-        "inputs": list(args.input),
-        "out_dir": args.out,
-        "vocab_size": args.vocab_size if args.vocab_size is not None else PrepareConfig.vocab_size,
-        "sample_bytes": args.tokenizer_sample_bytes,
-        "includes": list(args.include),
-        "shard_index": index or 0,
-    }
-    return from_dict(PrepareConfig, {**vars(args), **renamed})  # the other options are named like its fields
+    values = given(args, PREPARE_FLAGS)
+    if values["vocab_size"] is None:
+        values["vocab_size"] = PrepareConfig.vocab_size
+    values["shard_index"] = index or 0
+    return PrepareConfig(**values)
 
 
 def run(args: argparse.Namespace) -> int:

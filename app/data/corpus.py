@@ -48,9 +48,9 @@ def embedded_dataset(
     tokenizer: str = "bpe", vocab_size: int = 2048, val_fraction: float = 0.02, cache_dir: str = "", log=print
 ) -> Path:
     """Path of the prepared embedded corpus, building it once (under a file lock for parallel ranks)."""
+    from app.config.prepare import PIPELINE_VERSION, PrepareConfig
     from app.data.manifest import MANIFEST
     from app.data.prepare import prepare
-    from app.data.settings import PIPELINE_VERSION, PrepareConfig
 
     if tokenizer not in ("bpe", "char"):
         raise UserError(f"data.tokenizer must be bpe or char for the embedded corpus, got {tokenizer}")

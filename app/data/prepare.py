@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from app.config import PrepareConfig
 from app.data import hub
 from app.data.manifest import (
     MANIFEST,
@@ -31,7 +32,7 @@ from app.data.manifest import (
     val_period,
 )
 from app.data.progress import Log, Progress, summary
-from app.data.settings import PrepareConfig, check_config, check_dtype, default_workers
+from app.data.settings import check_config, check_dtype, default_workers
 from app.data.shards import ShardInfo, SplitWriter, remove_stale, verify_shard
 from app.data.sources import (
     DocumentStream,

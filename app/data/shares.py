@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from app.config import PrepareConfig
 from app.data import hub
 from app.data.manifest import MANIFEST, SPLITS, STATE, Manifest, PrepareState, val_period
 from app.data.prepare import (
@@ -49,7 +50,7 @@ from app.data.prepare import (
     prepare,
 )
 from app.data.progress import Log, summary
-from app.data.settings import PrepareConfig, check_config, check_dtype
+from app.data.settings import check_config, check_dtype
 from app.data.shards import remove_stale, verify_shard
 from app.data.sources import DocumentStream, Fetcher, ReadOptions, SourceFile
 from app.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer

@@ -63,11 +63,14 @@ def run(args: argparse.Namespace) -> int:
     from app.config import load_config, vocab_for_estimates
     from app.errors import UserError
     from app.files import check_writable_dir
+    from app.trainer import planning
 
     for flag, _, low, _ in _COUNTS:
         if (value := getattr(args, flag[2:].replace("-", "_"))) < low:
             raise UserError(f"{flag} must be >= {low}, got {value}")
     cfg = load_config(args.preset, args.config, args.overrides, {"metrics.gpu_type": args.gpu_type})
+    # the planning step, as `pretrain train` runs it: a model that cannot fit is refused before it is built
+    planning.plan(cfg, more_gpus="measure it on more or larger GPUs (torchrun -m app.tools.bench ...)")
     cfg.model.vocab_size = vocab_for_estimates(cfg)
     out = Path(args.out or f"runs/bench/{cfg.preset}.json")
     if args.out and out.exists() and not args.force:
@@ -90,7 +93,7 @@ def measure_or_explain(cfg, steps: int, warmup: int, breakdown_steps: int) -> di
     import torch
 
     from app.errors import UserError
-    from app.trainer.layout import smaller_micro_batch
+    from app.trainer.parallel.layout import smaller_micro_batch
 
     auto = cfg.train.micro_batch_size == "auto"
     try:
@@ -122,16 +125,22 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
 
     from app.data.loader import Prefetcher
     from app.train import train_step
-    from app.trainer import layout
-    from app.trainer.distributed import init_distributed, shutdown_distributed
-    from app.trainer.memory import plan_for_training as plan_parallel
-    from app.trainer.metrics import device_peak, flops_per_token
-    from app.trainer.model import count_parameters
-    from app.trainer.optim import build_optimizer
-    from app.trainer.parallelize import build_parallel_model, compile_counts, compile_enabled, unwrap
-    from app.trainer.runtime import autocast_for, configure_device, grad_accum_steps, pick_device
-    from app.trainer.steplog import StepLog
-    from app.trainer.stopping import auto_every
+    from app.trainer.model.gpt import count_parameters
+    from app.trainer.optimization.optimizer import build_optimizer
+    from app.trainer.parallel import layout
+    from app.trainer.parallel.distributed import init_distributed, shutdown_distributed
+    from app.trainer.parallel.memory import plan_for_training as plan_parallel
+    from app.trainer.parallel.parallelize import build_parallel_model, compile_counts, unwrap
+    from app.trainer.parallel.runtime import (
+        autocast_for,
+        compile_enabled,
+        configure_device,
+        grad_accum_steps,
+        pick_device,
+    )
+    from app.trainer.reporting.metrics import device_peak, flops_per_token
+    from app.trainer.reporting.steplog import StepLog
+    from app.trainer.stopping.agreement import auto_every
 
     cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
     env = init_distributed("cuda" if cuda else "cpu", cfg.train.collective_timeout_minutes)
@@ -247,8 +256,8 @@ def _timed_step(parts: dict, env, sync, phases: dict[str, float]) -> None:
     import torch
     import torch.distributed as dist
 
-    from app.trainer.optim import step_unless
-    from app.trainer.parallelize import clip_grad_norm
+    from app.trainer.optimization.optimizer import step_unless
+    from app.trainer.parallel.parallelize import clip_grad_norm
 
     model, accum = parts["model"], parts["accum"]
     separate_comm = isinstance(model, torch.nn.parallel.DistributedDataParallel)
@@ -280,8 +289,8 @@ def _timed_step(parts: dict, env, sync, phases: dict[str, float]) -> None:
 
 
 def _agreement_seconds(calls: int = 20) -> float:
-    """The cost of the trainer's stop agreement (app/trainer/stopping.py): the cheapest of a few."""
-    from app.trainer.distributed import agree
+    """The cost of the trainer's stop agreement (app/trainer/stopping/agreement.py): the cheapest of a few."""
+    from app.trainer.parallel.distributed import agree
 
     costs = []
     for _ in range(calls):

@@ -21,8 +21,8 @@ import torch
 
 from app.data.tokenizer import Tokenizer
 from app.tools.serve_api import RequestError
-from app.trainer.generate import SlotCache, sample_next
-from app.trainer.model import GPT
+from app.trainer.model.generate import SlotCache, sample_next
+from app.trainer.model.gpt import GPT
 
 
 class TextStream:

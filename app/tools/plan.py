@@ -94,9 +94,9 @@ def make_plan(budget_usd: float, gpu: str, gpus: int, price=None, mfu=DEFAULT_MF
 
 
 def _model_params(cfg) -> float:
-    """Exact parameter count from the config (app/trainer/memory.py's split of this repo's GPT): no torch,
+    """Exact parameter count from the config (app/trainer/parallel/memory.py's split of this repo's GPT): no torch,
     so `pretrain plan` starts in a fraction of a second. Sets an unset model.vocab_size from the data."""
-    from app.trainer.memory import param_split
+    from app.trainer.parallel.memory import param_split
 
     if not cfg.model.vocab_size:
         cfg.model.vocab_size = cfg.data.vocab_size if cfg.data.dataset == "embedded" else 50257
@@ -126,9 +126,9 @@ def preset_table(args: argparse.Namespace) -> list[str]:
     """Time and cost of a preset's steps on each GPU type and count, at the layout that fits:
     time = steps x tokens/step x training FLOPs/token / (gpus x peak x MFU)."""
     from app.config import load_config
-    from app.trainer.layout import fit
-    from app.trainer.memory import volume_line
-    from app.trainer.metrics import flops_per_token
+    from app.trainer.parallel.layout import fit
+    from app.trainer.parallel.memory import volume_line
+    from app.trainer.reporting.metrics import flops_per_token
 
     if not 0 < args.mfu <= 1:
         raise UserError(f"--mfu is a fraction of peak in (0, 1], e.g. 0.4; got {args.mfu}")
@@ -140,6 +140,11 @@ def preset_table(args: argparse.Namespace) -> list[str]:
         raise UserError(f"--from-step must be in {steps_range}, got {args.from_step}")
     gpus_list = (args.gpu,) if args.gpu else PRESET_GPUS
     counts = (args.gpus,) if args.gpus else PRESET_COUNTS
+    # the GPUs the preset is made for (its plan: section): in the table unless --gpu/--gpus narrow it, marked
+    made_for = (cfg.plan.gpus, normalize(cfg.plan.gpu_type)) if cfg.plan.gpus and cfg.plan.gpu_type else None
+    if made_for and not (args.gpu or args.gpus):
+        counts = tuple(dict.fromkeys((made_for[0], *counts)))
+        gpus_list = tuple(dict.fromkeys((*gpus_list, made_for[1])))
     done = f" from step {args.from_step}" if args.from_step else ""
     lines = [
         f"pretrain plan --preset {cfg.preset}: {_si(params)} params, {steps:,} steps{done} "
@@ -158,11 +163,17 @@ def preset_table(args: argparse.Namespace) -> list[str]:
             per_step = cfg.train.batch_tokens or lay.micro_batch * cfg.model.seq_len * n
             hours = steps * per_step * flops_per_token(cfg.model) / (n * peak * 1e12 * args.mfu) / 3600
             mode = lay.mode.upper() + (" + AC" if lay.checkpointing else "")
+            mark = " *" if (n, lay.gpu_type) == made_for else ""
             lines.append(
                 f"  {n:>4}  {lay.gpu_type:<10} {f'{lay.micro_batch} x {lay.accum}':>13}  {mode:<12} "
                 f"{f'{lay.gb_per_gpu:.0f}/{lay.device_gb:.0f}':>9} {_si(steps * per_step):>7} "
-                f"{hours:>7.2f} {price:>8.2f} {hours * n * price:>9,.0f}"
+                f"{hours:>7.2f} {price:>8.2f} {hours * n * price:>9,.0f}{mark}"
             )
+    if made_for and made_for[0] in counts and made_for[1] in map(normalize, gpus_list):
+        lines.append(
+            f"  * the GPUs the preset is made for (plan.gpus={made_for[0]}, plan.gpu_type={made_for[1]}): "
+            f"`pretrain train --preset {cfg.preset} --print-config` plans for them"
+        )
     lines.append(volume_line(cfg, "  "))
     if cfg.train.batch_tokens:
         lines += prepare_lines(steps * cfg.train.batch_tokens, args)
@@ -205,7 +216,7 @@ def prepare_lines(run_tokens: float, args: argparse.Namespace) -> list[str]:
     ]
 
 
-# ---------------------------------------------------------------- the loss a recipe ends at (issue #33)
+# ---------------------------------------------------------------- the loss a recipe ends at
 #
 # A recipe's effect is an effective-token multiplier m: a run of D tokens ends where the classic recipe
 # (AdamW, cosine, no switches) ends after m x D tokens. The classic recipe's final loss comes from a fit
@@ -284,7 +295,8 @@ def recipe_multiplier(cfg) -> tuple[float, str]:
     if _embedded_tiny(cfg):
         return (
             MULTIPLIER_TINY_SPEEDRUN,
-            f"speedrun recipe (Muon): m = {MULTIPLIER_TINY_SPEEDRUN:.2f}, tiny-speedrun against tiny before #33",
+            f"speedrun recipe (Muon): m = {MULTIPLIER_TINY_SPEEDRUN:.2f}, tiny-speedrun against tiny on the "
+            "AdamW recipe",
         )
     return (
         MULTIPLIER_RECORD,
@@ -343,7 +355,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--budget-usd", type=float, help="dollars to spend on training (the Chinchilla plan; needs --gpu)")
     fits = "instead of a budget: time, cost and the batch x accumulation that fits memory for this preset on"
     table = f"{', '.join(f'{n}x' for n in PRESET_COUNTS)} of {', '.join(PRESET_GPUS)}"
-    add("--preset", metavar="NAME", help=f"{fits} {table} (narrow with --gpu / --gpus)")
+    made_for = "the GPUs the preset is made for, its plan: section, marked *"
+    add("--preset", metavar="NAME", help=f"{fits} {table} (narrow with --gpu / --gpus; {made_for})")
     add("--gpu", help=f"GPU type: {pricing.known_types()}")
     add("--gpus", type=int, help="GPUs, all nodes (default 1); with --preset, the table covers 8 and 4")
     done = "--preset: steps already done (a phase that resumes another's checkpoint)"

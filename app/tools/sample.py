@@ -13,8 +13,8 @@ from app.data.tokenizer import load_tokenizer
 from app.errors import UserError
 from app.trainer.checkpoint import store as ckpt
 from app.trainer.checkpoint.state import load_into
-from app.trainer.generate import generate
-from app.trainer.model import build_model
+from app.trainer.model.generate import generate
+from app.trainer.model.gpt import build_model
 
 
 def resolve_checkpoint(spec: str, which: str = "latest", warn=ckpt.warn_stderr) -> ckpt.CheckpointInfo:

@@ -14,8 +14,8 @@ from torch.nn.utils.rnn import pad_sequence
 
 from app.data.tokenizer import Tokenizer
 from app.tools.generation import TextStream
-from app.trainer.generate import generate_stream
-from app.trainer.model import GPT
+from app.trainer.model.generate import generate_stream
+from app.trainer.model.gpt import GPT
 
 
 class Scorer:

@@ -1,18 +1,18 @@
 """`pretrain train` flags (also `python -m app.train` under torchrun), the config they resolve to, and
-`--print-config`. A flag that sets a config key takes its help from the key's field (app/config_docs.py)."""
+`--print-config`. A flag that sets a field is declared once, as a Flag naming it, and generated from the field
+(app/config/flags.py: its type, default and help, the field's comment). Parsing only parses: the estimates
+(the size check, the batch layout for --gpu-type, the config's own GPUs for --print-config) are the
+planning step, `plan_run`, which `pretrain train` calls after parsing (app/trainer/planning.py)."""
 
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.budget.config import flag_for
 from app.config import Config, load_config, preset_names, vocab_for_estimates
-from app.config_checks import get_key
-from app.config_docs import field_help, flag_help, help_for
-from app.errors import UserError
+from app.config.budget import flag_for
+from app.config.flags import Flag, add_flag, given
 
 DESCRIPTION = "train a model (locally, or under torchrun / Kubernetes)"
 
@@ -56,16 +56,23 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-# The flags that set one config key each (their help is the key's comment, app/config_docs.py); the budget's
-# are named as `pretrain watch` names them (app.budget.config.flag_for).
-CONFIG_FLAGS = {
-    "train.max_steps": ("--max-steps", "N"),
-    "metrics.port": ("--metrics-port", "PORT"),
-    "budget.cap_usd": (flag_for("cap_usd"), "X"),
-    "budget.price_per_gpu_hour": (flag_for("price_per_gpu_hour"), "P"),
-    "budget.gpus": (flag_for("gpus"), "N"),
-    "budget.max_price_per_gpu_hour": (flag_for("max_price_per_gpu_hour"), "USD"),
-}
+# The flags that set one config key each: not given, the preset's value stands. The budget's are named as
+# `pretrain watch` names them (app.config.budget.flag_for).
+CONFIG_FLAGS = (
+    Flag("train.max_steps", "--max-steps", "N", unset=True),
+    Flag("metrics.port", "--metrics-port", "PORT", unset=True),
+    Flag("budget.cap_usd", flag_for("cap_usd"), "X", unset=True),
+    Flag("budget.price_per_gpu_hour", flag_for("price_per_gpu_hour"), "P", unset=True),
+    Flag("budget.gpus", flag_for("gpus"), "N", unset=True),
+    Flag("budget.max_price_per_gpu_hour", flag_for("max_price_per_gpu_hour"), "USD", unset=True),
+)
+# The flags of RunArgs' fields, in the order --help lists them (CONFIG_FLAGS come after --out).
+OUT_FLAG = Flag("out", metavar="RUN_DIR", unset=True)
+RUN_FLAGS = (
+    Flag("resume", metavar="auto|never|PATH"),
+    Flag("stop_file", metavar="PATH", unset=True),
+)
+OVERWRITE_FLAG = Flag("overwrite")
 GPU_TYPE_HELP = (
     "GPU type (b200, h200, h100-sxm, a100-80gb, ...): prices the run (budget.gpu_type), sets the MFU peak "
     "(metrics.gpu_type) and picks the micro-batch x accumulation that fits its memory at --gpus N (or the "
@@ -76,125 +83,58 @@ GPU_TYPE_HELP = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
-    run_help = field_help(RunArgs)
-    p.add_argument("--out", metavar="RUN_DIR", help=flag_help(run_help["out"]))
-    defaults = Config()
-    for key, (flag, metavar) in CONFIG_FLAGS.items():
-        kind = type(get_key(defaults, key))
-        p.add_argument(flag, type=kind, metavar=metavar, help=flag_help(help_for(key)) + f" ({key})")
-    p.add_argument("--resume", metavar="auto|never|PATH", default="auto", help=flag_help(run_help["resume"]))
-    p.add_argument("--stop-file", metavar="PATH", help=flag_help(run_help["stop_file"]))
+    add_flag(p, RunArgs, OUT_FLAG, show_default=False)
+    for spec in CONFIG_FLAGS:
+        add_flag(p, Config, spec, show_default=False, show_key=True)
+    for spec in RUN_FLAGS:
+        add_flag(p, RunArgs, spec, show_default=False)
     p.add_argument("--gpu-type", metavar="T", help=GPU_TYPE_HELP)
-    p.add_argument("--overwrite", action="store_true", help=flag_help(run_help["overwrite"]))
+    add_flag(p, RunArgs, OVERWRITE_FLAG, show_default=False)
     p.add_argument(
         "--print-config",
         action="store_true",
-        help="print the resolved config and parameter counts, then exit",
+        help="print the resolved config, parameter counts and memory estimate, then exit; told no GPUs "
+        "(--gpus, --gpu-type), it plans for those the config is made for (plan.gpus, plan.gpu_type)",
     )
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
+    """The config the command line names: the preset, --config, --set and the flags, checked. No estimate
+    here: `plan_run` is the step after."""
     cfg = load_config(
         args.preset,
         args.config,
         args.overrides,
-        {
-            **{key: getattr(args, flag_dest(flag)) for key, (flag, _) in CONFIG_FLAGS.items()},
-            "budget.gpu_type": args.gpu_type,
-            "metrics.gpu_type": args.gpu_type,
-        },
+        {**given(args, CONFIG_FLAGS), "budget.gpu_type": args.gpu_type, "metrics.gpu_type": args.gpu_type},
     )
-    # before anything is built: an absurd size is refused in seconds, not after minutes
-    check_size(cfg, printing=getattr(args, "print_config", False))
-    if args.gpu_type:
-        _apply_layout(cfg, args)
     if cfg.metrics.port and cfg.budget.cap_usd and not cfg.budget.metrics_port:
         cfg.budget.metrics_port = cfg.metrics.port + 1  # the in-process watcher's own /metrics
-    from app.trainer.trackers import check_trackers
+    from app.trainer.reporting.trackers import check_trackers
 
     check_trackers(cfg.metrics.trackers)  # a missing extra: exit 2 before any work, on every rank
     return cfg
 
 
-def flag_dest(flag: str) -> str:
-    """argparse's attribute for a flag: --max-steps -> max_steps."""
-    return flag.removeprefix("--").replace("-", "_")
+def plan_run(cfg: Config, args: argparse.Namespace) -> None:
+    """The planning step of `pretrain train` and its --print-config, after parsing (app/trainer/planning.py):
+    the config's own GPUs for --print-config, the size check, the batch layout for --gpu-type."""
+    from app.trainer import planning
 
-
-def check_size(cfg: Config, printing: bool = False) -> None:
-    """Refuse (one line, exit 2) a model whose weights, gradients and optimizer state alone, sharded over
-    every planned rank, exceed one device's memory: it can never train, whatever the batch, and building
-    its parameter tables (for --print-config, or at start) would take minutes. Arithmetic only (the
-    memory estimate); the device is the one --print-config plans for; none known: the largest known GPU
-    for CUDA and for `printing` (--print-config is how a GPU run is prepared, often on a laptop: its
-    printout says when this machine cannot train it), else this machine."""
-    import dataclasses
-
-    from app.trainer import memory
-
-    world = memory.planned_world_size(cfg)
-    cuda = memory.plans_for_cuda(cfg)
-    sized = dataclasses.replace(cfg.model, vocab_size=vocab_for_estimates(cfg))
-    static = memory.estimate(sized, 1, "fsdp", world, cuda=cuda, optimizer=cfg.optim.name).static
-    have, where = memory.device_memory_bytes(cfg)
-    if have is None and (cuda or printing):
-        largest = max(memory.GPU_MEMORY_GB, key=memory.GPU_MEMORY_GB.get)
-        have = int(memory.GPU_MEMORY_GB[largest] * memory.GB)
-        where = f"the largest GPU known ({largest})"
-    elif have is None:
-        have = memory.host_memory_bytes()
-        where = "this machine"
-    if static > have:
-        sharded = f"sharded over {world} ranks" if world > 1 else "on one rank"
-        raise UserError(
-            "the model does not fit, whatever the batch: its weights, gradients and optimizer state alone are "
-            f"{static / memory.GB:,.0f} GB per rank ({sharded}), above the {have / memory.GB:,.0f} GB of "
-            f"{where}; {_largest_part(sized)}, or plan for more or larger GPUs (--gpus N --gpu-type T)"
-        )
-
-
-def _largest_part(m) -> str:
-    """The fix for a model too big to train: shrink whichever of its parts is the largest."""
-    from app.trainer.memory import param_split
-
-    split = param_split(m)
-    embedding_and_head = m.padded_vocab * m.d_model * (1 if m.tie_embeddings else 2)
-    parts = {
-        "make model.n_layer or model.d_model smaller": split.total - split.root,
-        "make model.vocab_size smaller (the embedding and head are most of it)": embedding_and_head,
-        "make model.value_embeds smaller (the value-embedding tables are most of it)": split.root
-        - embedding_and_head,
-    }
-    return max(parts, key=parts.get)
-
-
-def _apply_layout(cfg: Config, args: argparse.Namespace) -> None:
-    """--gpu-type: the batch layout for that GPU at the planned world size (app/trainer/layout.py)."""
-    import dataclasses
-
-    from app.trainer import layout
-    from app.trainer.memory import planned_world_size
-
-    if any(o.strip().startswith("train.micro_batch_size") for o in args.overrides):
-        return
-    sized = dataclasses.replace(cfg.model, vocab_size=vocab_for_estimates(cfg))  # the data's is not known yet
-    chosen = layout.fit(dataclasses.replace(cfg, model=sized), cfg.budget.gpu_type, planned_world_size(cfg))
-    layout.apply(cfg, chosen)
-    if os.environ.get("RANK", "0") == "0":  # a YAML comment, so --print-config's output stays YAML
-        print(f"# batch layout for --gpu-type: {chosen.describe()}", flush=True)
+    micro_batch_set = any(o.strip().startswith("train.micro_batch_size") for o in args.overrides)
+    planning.plan(cfg, args.gpu_type, micro_batch_set, getattr(args, "print_config", False))
 
 
 def print_config(cfg: Config) -> int:
     import yaml
 
-    from app.trainer.memory import planned_world_size, print_lines
-    from app.trainer.metrics import flops_per_token
-    from app.trainer.model import count_parameters
+    from app.trainer.model.gpt import count_parameters
+    from app.trainer.parallel.memory import planned_world_size, print_lines
+    from app.trainer.reporting.metrics import flops_per_token
 
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
     note = "" if cfg.model.vocab_size else f" (vocab from the data; counted with {vocab_for_estimates(cfg)})"
     cfg.model.vocab_size = vocab_for_estimates(cfg)
-    from app.trainer.model import build_model
+    from app.trainer.model.gpt import build_model
 
     model = build_model(cfg.model, "meta")  # once: counting and the optimizer groups both read it
     counts = count_parameters(model)
@@ -208,11 +148,11 @@ def print_config(cfg: Config) -> int:
     if cfg.train.micro_batch_size == "auto":
         print("\n".join(_auto_micro_batch_lines(cfg)))
     print("\n".join(print_lines(cfg, planned_world_size(cfg))))
-    from app.trainer.memory import plans_for_cuda
-    from app.trainer.runtime import describe
+    from app.trainer.parallel.memory import plans_for_cuda
+    from app.trainer.parallel.runtime import describe
 
     print("\n".join(describe(cfg, plans_for_cuda(cfg))))
-    from app.trainer.optim import describe_groups
+    from app.trainer.optimization.optimizer import describe_groups
 
     print("\n".join(describe_groups(model, cfg.optim)))
     return 0
@@ -220,7 +160,7 @@ def print_config(cfg: Config) -> int:
 
 def _auto_micro_batch_lines(cfg: Config) -> list[str]:
     """train.micro_batch_size=auto: the rule, and what it picks for the planned device (set in `cfg`)."""
-    from app.trainer import layout, memory
+    from app.trainer.parallel import layout, memory
 
     world = memory.planned_world_size(cfg)
     cuda = memory.plans_for_cuda(cfg)

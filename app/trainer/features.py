@@ -57,7 +57,7 @@ def _compile_mode(cfg) -> bool:
 
 
 def _torchao(cfg) -> bool:
-    from app.trainer.fp8 import load_float8
+    from app.trainer.parallel.fp8 import load_float8
 
     return load_float8() is not None
 
@@ -101,7 +101,7 @@ def require(cfg, fsdp: bool, compiled: bool) -> None:
     import torch
 
     from app.errors import ConfigError
-    from app.trainer.fp8 import fp8_mode
+    from app.trainer.parallel.fp8 import fp8_mode
 
     runs = {
         "all": True,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from app.errors import UserError
 from app.trainer.checkpoint.store import CKPT_DIR, clean_temp_dirs, list_checkpoints
-from app.trainer.distributed import DistEnv
+from app.trainer.parallel.distributed import DistEnv
 
 # What belongs to one run (the budget too: a new run starts a new ledger).
 RUN_FILES = (CKPT_DIR, "metrics.jsonl", "status.json", "budget", "stop.json", "stop.json.handled")

@@ -32,9 +32,9 @@ from app.trainer.checkpoint.store import (
     summary,
 )
 from app.trainer.checkpoint.writer import CheckpointWriter, SaveResult
-from app.trainer.distributed import DistEnv
-from app.trainer.parallelize import unwrap
-from app.trainer.schedule import DecayPlan, resume_change
+from app.trainer.optimization.schedule import DecayPlan, resume_change
+from app.trainer.parallel.distributed import DistEnv
+from app.trainer.parallel.parallelize import unwrap
 
 # Model keys under which the same weights compute another function, with or without another shape: the
 # shape keys are here too, so that the refusal names the key (store.check_compatible still catches a

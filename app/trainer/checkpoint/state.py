@@ -21,7 +21,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from app.errors import UserError
 from app.trainer.checkpoint.store import CheckpointInfo, open_reader
-from app.trainer.parallelize import unwrap
+from app.trainer.parallel.parallelize import unwrap
 
 
 @dataclass
@@ -195,9 +195,9 @@ def read_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, reader) -> list[str]:
     """Restore the optimizer from a ShardReader. The state is fitted to this run's optimizer
-    (app.trainer.optim.fit_state: the same mode is kept as is, AdamW <-> Muon converts, an unknown
+    (app.trainer.optimization.optimizer.fit_state: the same mode is kept as is, AdamW <-> Muon converts, an unknown
     optimizer is refused in one line); the param groups become this run's. Returns lines to log."""
-    from app.trainer.optim import fit_state
+    from app.trainer.optimization.optimizer import fit_state
 
     gpt = unwrap(model)
     saved, notes = fit_state(read_optimizer_state(model, optimizer, reader), optimizer, gpt)

@@ -47,7 +47,7 @@ from app.trainer.checkpoint.store import (
     versions,
     warn_stderr,
 )
-from app.trainer.distributed import agree
+from app.trainer.parallel.distributed import agree
 
 
 class CheckpointError(RuntimeError):
@@ -119,7 +119,7 @@ class CheckpointWriter:
     ) -> None:
         """`config` (checkpoint.*): async_save, and retention after each commit (rank 0); without it,
         synchronous saves and no retention. `async_save` overrides the config. `expect_bytes`: the
-        estimated size of one checkpoint (app/trainer/memory.py), checked against free space at once.
+        estimated size of one checkpoint (app/trainer/parallel/memory.py), checked against free space at once.
         `full_after_step` (drill.volume_full_after_step): saves of later steps fail as on a full volume."""
         self.run_dir = Path(run_dir)
         self.root = checkpoints_root(run_dir)
