@@ -212,7 +212,8 @@ def make(work: Path, *args: str, smi_output: str | None = None) -> subprocess.Co
         **{
             k: v
             for k, v in os.environ.items()
-            if k not in ("TORCH_SPEC", "TORCH_INDEX", "EXTRAS", "MAKEFLAGS")
+            # as a user's shell runs make, also when the suite itself runs under make (CI): no make[N] prefix
+            if k not in ("TORCH_SPEC", "TORCH_INDEX", "EXTRAS", "MAKEFLAGS", "MAKELEVEL", "MFLAGS")
         },
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "FAKE_LOG": str(work.parent / "commands.log"),
