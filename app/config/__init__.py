@@ -2,9 +2,9 @@
 checkpoint, metrics, budget, drill, plan, and `pretrain prepare`'s PrepareConfig), the loader (presets,
 `--config`, `--set`), the checks, and each field's comment as its help (docs.py: the flags, docs/config.md).
 
-This package replaced the single module app/config.py in one step; `from app.config import Config, ...`
-keeps working through the re-exports below. A module inside the package imports its siblings directly
-(app.config.model, ...), never this __init__, so the package has no import circle.
+The rest of the code imports from here (`from app.config import Config, ...`, the re-exports below). A
+module inside the package imports its siblings directly (app.config.model, ...), never this __init__, so
+the package has no import circle.
 """
 
 from app.config.budget import BudgetConfig
