@@ -42,7 +42,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.bench_peer import BATCH, D_MODEL, N_HEAD, N_LAYER, SEQ, VOCAB, Trainee, ours_loss
+from benchmarks.bench_peer import (
+    BATCH,
+    D_MODEL,
+    N_HEAD,
+    N_LAYER,
+    SEQ,
+    VOCAB,
+    Trainee,
+    batches,
+    n_params,
+    ours_loss,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 NANOGPT_DIR = os.environ.get("NANOGPT_DIR", "")
@@ -51,7 +62,6 @@ STEPS = int(os.environ.get("NANOGPT_STEPS", 4))  # timed steps per model per rou
 ROUNDS = int(os.environ.get("NANOGPT_ROUNDS", 7))
 TRAINER_ROUNDS = int(os.environ.get("NANOGPT_TRAINER_ROUNDS", 5))  # process pairs (0: models only)
 TRAINER_FROM, TRAINER_STEPS = 10, int(os.environ.get("NANOGPT_TRAINER_STEPS", 20))  # log lines every 10 steps
-N_BATCHES = 8  # distinct random token batches, cycled (models)
 CHILD_TIMEOUT_S = 1800
 DATASET = "pretrain_bench"  # nanoGPT's data/<dataset> directory name
 
@@ -100,15 +110,6 @@ def nanogpt_loss(model, x, y):
     return model(x, y)[1]
 
 
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(N_BATCHES):
-        t = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-        out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
-    return out
-
-
 def shipped_pair(nanogpt: Path, batch_list) -> tuple[Trainee, Trainee]:
     """(pretrain, nanoGPT), each with its optimizer as it ships on a CPU."""
     import contextlib
@@ -127,10 +128,6 @@ def shipped_pair(nanogpt: Path, batch_list) -> tuple[Trainee, Trainee]:
     return Trainee(ours, ours_opt, ours_loss, batch_list), Trainee(
         theirs, their_opt, nanogpt_loss, batch_list
     )
-
-
-def n_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 def models_ratio(nanogpt: Path) -> list[str]:
