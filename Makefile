@@ -31,6 +31,12 @@ SETUP_STALE  := $(if $(SETUP_GIVEN),$(if $(subst x$(SETUP_KEY),,x$(BUILT_WITH))$
 STAMP_KEY    := $(if $(and $(BUILT_WITH),$(if $(SETUP_GIVEN),,keep)),$(BUILT_WITH),$(SETUP_KEY))
 RUN_DIR      ?= runs/tiny
 PYTEST_ARGS  ?=
+# Test processes (pytest-xdist): one per core; each idle one takes half of the queue of the busiest, so
+# the suite ends together on every core. WORKERS=0 runs the tests in pytest's own process (for pdb, -s).
+WORKERS      ?= auto
+# SLOW=1: `make test` runs the slow tests too, in the same pool of workers (what CI runs).
+SLOW         ?=
+XDIST        := -n $(WORKERS) $(if $(filter 0,$(WORKERS)),,--dist worksteal)
 HELM         ?= $(shell command -v helm 2>/dev/null || echo $(CURDIR)/bin/helm)
 IMAGE        ?= pretrain:dev
 # `make image` on a machine that cannot pull nvcr.io: BASE_IMAGE=<a local image with torch>,
@@ -76,11 +82,11 @@ setup-gpu:  ## on a GPU machine: .venv with the CUDA torch its driver runs (CUDA
 train: $(STAMP)  ## train the default (tiny) model on the embedded corpus on CPU
 	$(VENV)/bin/pretrain train --out $(RUN_DIR)
 
-test: $(STAMP)  ## the default test suite (fast; under ~10 minutes on 2 cores)
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+test: $(STAMP)  ## the default test suite, one worker per core (SLOW=1: the slow tests too, as CI runs it)
+	$(PY) -m pytest $(if $(SLOW),,-m "not slow") $(XDIST) $(PYTEST_ARGS)
 
-test-slow: $(STAMP)  ## the slow tests (CI runs them after `make test`)
-	$(PY) -m pytest -m slow $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]  # 5: none marked slow
+test-slow: $(STAMP)  ## the slow tests alone
+	$(PY) -m pytest -m slow $(XDIST) $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]  # 5: none marked slow
 
 lint: $(STAMP)  ## ruff, vulture (dead code) and hadolint
 	$(VENV)/bin/ruff check app tests benchmarks scripts

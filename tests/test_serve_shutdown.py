@@ -36,7 +36,9 @@ def sigterm_mid_request(run_dir, *args: str) -> list[dict]:
     server, check that new requests get 503, then send the rest: the streamed events, [DONE] last."""
     url, proc = start_server("--checkpoint", str(run_dir), *args)
     host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 40, "stream": True}).encode()
+    # Greedy, so the answer is the model's and not the luck of a draw: a sampled one may end on the
+    # end-of-text token before max_tokens, and "stop" would then stand where "length" is asserted.
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "stream": True}).encode()
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import base64
 import random
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from app.errors import UserError
 from app.trainer.checkpoint.store import CheckpointInfo, open_reader
@@ -54,9 +53,20 @@ class Piece:
     offsets: tuple[int, ...]
 
 
-def _local_box(tensor: DTensor) -> tuple[torch.Tensor, tuple[int, ...], bool]:
-    """(local tensor, its offsets in the global tensor, whether this rank writes it). Replicated mesh
-    dims (HSDP) are written by their coordinate-0 ranks only."""
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a DTensor. No DTensor exists before torch.distributed.tensor is imported, and
+    importing it costs a second of every command's start (sample, export, plan, a refusal), so a process
+    that never sharded anything is not made to import it here."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+def _local_box(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], bool]:
+    """(local tensor, its offsets in the global tensor, whether this rank writes it) of a DTensor.
+    Replicated mesh dims (HSDP) are written by their coordinate-0 ranks only."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     mesh = tensor.device_mesh
     _, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, tensor.placements)
     coordinates = mesh.get_coordinate() or []
@@ -70,7 +80,7 @@ def _piece(name: str, tensor: torch.Tensor, rank: int, world: int) -> Piece | No
     [r*share, (r+1)*share) of it (share = ceil(rows / world)). 0-d tensors (Adam's step) are written by
     rank 0."""
     tensor = tensor.detach()
-    if isinstance(tensor, DTensor):
+    if _is_dtensor(tensor):
         local, offsets, owner = _local_box(tensor)
         if not owner or not local.numel():
             return None
@@ -138,7 +148,7 @@ def optimizer_pieces(
 
 def _target(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """Where a load writes for `tensor` in place: the local shard and its offsets, or the whole tensor."""
-    if isinstance(tensor, DTensor):
+    if _is_dtensor(tensor):
         local, offsets, _ = _local_box(tensor)
         return local, offsets
     return tensor, (0,) * tensor.dim()
@@ -172,7 +182,9 @@ def read_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
         param = params[pname]
         shape = reader.shape(name)
         dtype = reader.dtype(name)
-        if isinstance(param, DTensor) and shape == tuple(param.shape):
+        if _is_dtensor(param) and shape == tuple(param.shape):
+            from torch.distributed.tensor import DTensor
+
             local, offsets, _ = _local_box(param)
             buffer = torch.empty(local.shape, dtype=dtype, device=param.device)
             reader.read(name, buffer, offsets)
