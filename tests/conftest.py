@@ -71,6 +71,22 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def pytest_xdist_auto_num_workers(config) -> int | None:
+    """`make test` (`-n auto`): one worker per core this machine gives the tests, which is its CPU
+    affinity capped by a cgroup CPU quota: a container allowed 2 CPUs of a 64-CPU host sees 64 with
+    either of the counts xdist uses on its own. PYTEST_XDIST_AUTO_NUM_WORKERS still decides if set."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+    except (OSError, ValueError):
+        return cores
+    if quota == "max":
+        return cores
+    return max(1, min(cores, round(int(quota) / int(period))))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def embedded_data() -> Path:
     """Prepare the embedded corpus once, so no test pays for it (or races to build it)."""
@@ -147,6 +163,16 @@ def _stop_what_the_test_started():
     yield
     for proc in [p for p in LIVE if p not in before and p.owner is None]:
         proc.stop()
+
+
+@pytest.fixture(autouse=True)
+def _a_clean_dynamo_cache():
+    """Each test compiles in-process from an empty dynamo cache: what earlier tests in the same worker
+    compiled (GPT.loss of another model, say) would otherwise count towards dynamo's recompile limit of 8
+    per function, and which tests share a worker changes from run to run."""
+    yield
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
 
 
 @pytest.fixture
