@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from app.errors import UserError
+from app.errors import UserError, print_stderr
 from app.files import NOT_WRITABLE, unwritable_message
 
 
@@ -55,7 +55,7 @@ def guarded(run: Callable[[], int | None], prefix: str = "error") -> int:
     try:
         return int(run() or 0)
     except UserError as e:
-        print(f"{prefix}: {e}", file=sys.stderr, flush=True)
+        print_stderr(f"{prefix}: {e}")
         return e.exit_code
     except KeyboardInterrupt:
         return 130
@@ -67,7 +67,7 @@ def guarded(run: Callable[[], int | None], prefix: str = "error") -> int:
     except OSError as e:
         if e.errno not in NOT_WRITABLE or not e.filename:
             raise
-        print(f"{prefix}: {unwritable_message(e.filename, '', e.strerror)}", file=sys.stderr, flush=True)
+        print_stderr(f"{prefix}: {unwritable_message(e.filename, '', e.strerror)}")
         return UserError.exit_code
 
 

@@ -166,7 +166,10 @@ class RestartSmaller(UserError):
 
 
 def print_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    """One line on stderr in one write: under PYTHONUNBUFFERED (the image sets it) print() writes the text
+    and its newline apart, and the lines of ranks that share a log would run into each other."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 if __name__ == "__main__":

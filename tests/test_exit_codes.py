@@ -63,3 +63,32 @@ def test_a_reader_that_stops_early_gets_no_traceback():
     proc = subprocess.run(["bash", "-c", script], cwd=REPO, env=cli_env(), capture_output=True, text=True)
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "141", proc.stderr
+
+
+def test_an_error_line_is_one_write_so_ranks_sharing_a_log_do_not_run_into_each_other(monkeypatch):
+    """The image runs unbuffered (PYTHONUNBUFFERED=1), where print() writes a line's text and its newline
+    apart: two ranks refusing at once then wrote "error: ...error: ...\\n\\n" into the pod's log."""
+    import io
+
+    from app.command import guarded
+
+    class Writes(io.RawIOBase):
+        def __init__(self) -> None:
+            self.calls: list[bytes] = []
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data) -> int:
+            self.calls.append(bytes(data))
+            return len(data)
+
+    raw = Writes()
+    # what Python makes of stderr under PYTHONUNBUFFERED: no buffer, every write passed straight through
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(raw, encoding="utf-8", write_through=True))
+
+    def refuse() -> int:
+        raise errors.UserError("every checkpoint is unusable")
+
+    assert guarded(refuse) == errors.EXIT_BAD_INPUT
+    assert raw.calls == [b"error: every checkpoint is unusable\n"]

@@ -13,7 +13,6 @@ import ctypes
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from app.errors import EXIT_PEER_LOST, RestartSmaller
+from app.errors import EXIT_PEER_LOST, RestartSmaller, print_stderr
 
 _CONTROL_GROUP = None
 PULSE_SECONDS = 2.0
@@ -195,7 +194,7 @@ class PeerWatch:
 
     def _exit(self, lost: str, why: str) -> None:
         why = f"{why} -> exit {EXIT_PEER_LOST} (retryable)"
-        print(f"rank {self.rank}: lost {lost} at step {self.step}: {why}", file=sys.stderr, flush=True)
+        print_stderr(f"rank {self.rank}: lost {lost} at step {self.step}: {why}")
         os._exit(EXIT_PEER_LOST)
 
 
