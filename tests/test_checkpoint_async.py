@@ -10,10 +10,9 @@ import time
 import pytest
 
 from app.trainer.checkpoint import store as ckpt
-from tests.conftest import FAST, pretrain, pretrain_meanwhile, spawn_train, train_rows, wait_for_step
+from tests.conftest import FAST, cli_env, pretrain, pretrain_meanwhile, spawn_train, train_rows, wait_for_step
 from tests.test_resume import assert_same_run
 
-STEPS = 24
 # A model whose save takes long enough (~25 MB of weights and AdamW state) to be caught mid-write; a
 # save after every step, so that a write is nearly always in flight while the loop trains on.
 SAVING = [
@@ -25,7 +24,6 @@ SAVING = [
     "--set",
     "checkpoint.async_save=true",
 ]
-COMMON = [*SAVING, "--max-steps", str(STEPS)]
 
 
 def temp_dirs(run):
@@ -47,28 +45,31 @@ def signal_during_a_write(run, proc, sig, after_step):
     raise AssertionError("no write in flight seen")
 
 
-@pytest.mark.slow
-def test_sigkill_during_an_async_write_keeps_the_previous_checkpoint(tmp_path):
+def test_sigkill_during_an_async_write_keeps_the_previous_checkpoint(tmp_path, procs):
+    """The writer thread stops itself inside step 3's optimizer file (the 6th file it writes: a model and an
+    optimizer file per step; tests/pause_at.py), the model file already in the temp dir; a SIGKILL lands
+    there. The run resumes from step 2 and equals a straight one."""
     ref, run = tmp_path / "ref", tmp_path / "run"
-    reference = pretrain_meanwhile("train", "--out", str(ref), *COMMON)
-    for _ in range(10):
-        proc = spawn_train("--out", str(run), *COMMON)
-        done = max((r["step"] for r in train_rows(run)), default=0)
-        signal_during_a_write(run, proc, signal.SIGKILL, done + 2)
-        proc.wait(30)
-        if temp_dirs(run):  # the kill landed inside a write (not just after its rename)
-            break
-    else:
-        raise AssertionError("no SIGKILL landed during a background write")
-    partial = temp_dirs(run)[0].removeprefix(".tmp-")
+    args = [*FAST, "--set", "checkpoint.every_steps=1", "--set", "checkpoint.async_save=true"]
+    args += ["--max-steps", "8"]
+    reference = pretrain_meanwhile("train", "--out", str(ref), *args)
+    env = cli_env(
+        PRETRAIN_TEST_PAUSE="app.trainer.checkpoint.writer:write_safetensors:6",
+        PRETRAIN_TEST_PAUSE_DIR=str(tmp_path),
+    )
+    proc = procs.python("-m", "tests.pause_at", "app.cli", "train", "--out", str(run), *args, env=env)
+    proc.wait_for_file(lambda: list(tmp_path.glob("paused-*")))
+    proc.signal(signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL
+    assert temp_dirs(run) == [".tmp-step_000003"]  # the write in flight, cut short
     latest = ckpt.resolve_latest(run, warn=pytest.fail)
-    assert latest is not None and latest.path.name < partial  # the one before the write in flight
-    resumed = pretrain("train", "--out", str(run), *COMMON)
+    assert latest is not None and latest.step == 2  # the one before it
+    resumed = pretrain("train", "--out", str(run), *args)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {latest.path}" in resumed.stdout
     assert temp_dirs(run) == []  # cleaned at start
     assert reference.finished().returncode == 0
-    assert_same_run(ref, run, STEPS)
+    assert_same_run(ref, run, 8)
 
 
 def test_sigterm_with_a_write_pending_exits_143_once_it_is_committed(tmp_path):
