@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -197,6 +198,20 @@ def train_rows(run_dir: Path, kind: str = "train") -> list[dict]:
 def losses_by_step(run_dir: Path) -> dict[int, float]:
     """Per-step train loss; a step logged twice (before a kill and after the resume) keeps the last."""
     return {r["step"]: r["loss"] for r in train_rows(run_dir)}
+
+
+def kill_inside_a_write(procs, run_dir: Path, args: list[str], marks: Path, nth: int) -> None:
+    """`pretrain train --out RUN_DIR ARGS`, killed (SIGKILL) inside the checkpoint writer's `nth` file: it
+    stops itself there (tests/pause_at.py, marker in `marks`), so the kill lands in the write at the first
+    try. Each save writes a model file, then an optimizer file: an even `nth` leaves the model's on disk."""
+    env = cli_env(
+        PRETRAIN_TEST_PAUSE=f"app.trainer.checkpoint.writer:write_safetensors:{nth}",
+        PRETRAIN_TEST_PAUSE_DIR=str(marks),
+    )
+    proc = procs.python("-m", "tests.pause_at", "app.cli", "train", "--out", str(run_dir), *args, env=env)
+    proc.wait_for_file(lambda: list(marks.glob("paused-*")))
+    proc.signal(signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL
 
 
 def wait_for_step(run_dir: Path, step: int, proc: Proc, timeout: float = 120) -> None:

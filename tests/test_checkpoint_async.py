@@ -10,7 +10,15 @@ import time
 import pytest
 
 from app.trainer.checkpoint import store as ckpt
-from tests.conftest import FAST, cli_env, pretrain, pretrain_meanwhile, spawn_train, train_rows, wait_for_step
+from tests.conftest import (
+    FAST,
+    kill_inside_a_write,
+    pretrain,
+    pretrain_meanwhile,
+    spawn_train,
+    train_rows,
+    wait_for_step,
+)
 from tests.test_resume import assert_same_run
 
 # A model whose save takes long enough (~25 MB of weights and AdamW state) to be caught mid-write; a
@@ -53,14 +61,7 @@ def test_sigkill_during_an_async_write_keeps_the_previous_checkpoint(tmp_path, p
     args = [*FAST, "--set", "checkpoint.every_steps=1", "--set", "checkpoint.async_save=true"]
     args += ["--max-steps", "8"]
     reference = pretrain_meanwhile("train", "--out", str(ref), *args)
-    env = cli_env(
-        PRETRAIN_TEST_PAUSE="app.trainer.checkpoint.writer:write_safetensors:6",
-        PRETRAIN_TEST_PAUSE_DIR=str(tmp_path),
-    )
-    proc = procs.python("-m", "tests.pause_at", "app.cli", "train", "--out", str(run), *args, env=env)
-    proc.wait_for_file(lambda: list(tmp_path.glob("paused-*")))
-    proc.signal(signal.SIGKILL)
-    assert proc.wait(30) == -signal.SIGKILL
+    kill_inside_a_write(procs, run, args, tmp_path, 6)
     assert temp_dirs(run) == [".tmp-step_000003"]  # the write in flight, cut short
     latest = ckpt.resolve_latest(run, warn=pytest.fail)
     assert latest is not None and latest.step == 2  # the one before it

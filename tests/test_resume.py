@@ -14,7 +14,7 @@ import pytest
 from app.trainer.checkpoint import store as ckpt
 from tests.conftest import (
     FAST,
-    cli_env,
+    kill_inside_a_write,
     losses_by_step,
     pretrain,
     pretrain_meanwhile,
@@ -86,14 +86,7 @@ def test_fault_injection_sigterm_and_sigkill_lose_nothing(tmp_path, procs):
 
     # SIGKILL in the middle of a save: the resumed run's first save stops itself inside its second file
     # (the optimizer's; the model's is already in the temp dir; tests/pause_at.py) and is killed there.
-    env = cli_env(
-        PRETRAIN_TEST_PAUSE="app.trainer.checkpoint.writer:write_safetensors:2",
-        PRETRAIN_TEST_PAUSE_DIR=str(tmp_path),
-    )
-    proc = procs.python("-m", "tests.pause_at", "app.cli", "train", "--out", str(run), *common, env=env)
-    proc.wait_for_file(lambda: list(tmp_path.glob("paused-*")))
-    proc.signal(signal.SIGKILL)
-    assert proc.wait(30) == -signal.SIGKILL
+    kill_inside_a_write(procs, run, common, tmp_path, 2)
     assert list((run / "checkpoints").glob(".tmp-*")), "the kill did not land during a save"
 
     final = pretrain("train", "--out", str(run), *common)
