@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.procs import LIVE, Proc, Procs
+from tests.warm import WARM
 
 REPO = Path(__file__).resolve().parents[1]
 # Prepared data is cached across test sessions in the repo (gitignored); CI starts empty.
@@ -100,15 +101,9 @@ def embedded_data() -> Path:
 def pretrain(
     *args: str, timeout: float = 300, env: dict | None = None, check: bool = False
 ) -> subprocess.CompletedProcess:
-    """Run the real `pretrain` CLI in a subprocess."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "app.cli", *args],
-        cwd=REPO,
-        env=env or cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """Run the real `pretrain` CLI in a process of its own, started warm (tests/warm.py: the imports done
+    once per worker; a fresh interpreter where the environment needs one)."""
+    proc = WARM.run(list(args), env or cli_env(), timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"pretrain {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
@@ -142,9 +137,7 @@ def torchrun(
         f"--nproc-per-node={nproc}",
         *target,
     ]
-    return subprocess.run(
-        cmd, cwd=REPO, env=env or cli_env(), capture_output=True, text=True, timeout=timeout
-    )
+    return Proc(cmd, env=env or cli_env(), separate_stderr=True).finished(timeout)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -153,6 +146,7 @@ def _stop_every_process_at_the_end():
     yield
     for proc in list(LIVE):
         proc.stop()
+    WARM.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -29,6 +29,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from tests.warm import WARM
+
 REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 # Every Proc started and not yet stopped: tests/conftest.py stops the ones a test leaves running.
@@ -76,7 +78,9 @@ def alive(pid: int) -> bool:
 
 class Proc:
     """One started process: its output in `log` (stderr too, unless `separate_stderr`), waits that fail
-    with the output's tail when the process exits first or the time is up, signals, and `stop`."""
+    with the output's tail when the process exits first or the time is up, signals, and `stop`. A
+    `python -m` of the CLI, the trainer or a launcher starts from the worker's warm process
+    (tests/warm.py: the same process, without its imports) unless `warm=False`."""
 
     def __init__(
         self,
@@ -87,6 +91,7 @@ class Proc:
         cwd: Path = REPO,
         separate_stderr: bool = False,
         new_session: bool = True,
+        warm: bool = True,
     ):
         from tests.conftest import cli_env  # the tests' environment: data cache, unbuffered output, 1 thread
 
@@ -94,13 +99,20 @@ class Proc:
         self.log = Path(log) if log is not None else _log_path()
         self.err_log = self.log.with_suffix(".err") if separate_stderr else None
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        env = cli_env() if env is None else env
+        self.new_session = new_session
+        self.owner: Procs | None = None  # the Procs that stops it, if any (else the test's end does)
+        if warm and WARM.serves(self.argv, env, cwd):
+            self.popen = WARM.popen(self.argv, env, self.log, self.err_log, new_session)
+            LIVE.append(self)
+            return
         with open(self.log, "wb") as out:
             err = open(self.err_log, "wb") if self.err_log else subprocess.STDOUT  # noqa: SIM115 - closed below
             try:
                 self.popen = subprocess.Popen(
                     self.argv,
                     cwd=cwd,
-                    env=cli_env() if env is None else env,
+                    env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=err,
@@ -109,8 +121,6 @@ class Proc:
             finally:
                 if self.err_log:
                     err.close()
-        self.new_session = new_session
-        self.owner: Procs | None = None  # the Procs that stops it, if any (else the test's end does)
         LIVE.append(self)
 
     # ------------------------------------------------------------------ state and output

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, cli_env, pretrain
 
 
 @dataclass(frozen=True)
@@ -201,9 +201,7 @@ def make_files(tmp: Path) -> None:
 def run_case(tmp: Path, c: Case) -> subprocess.CompletedProcess:
     tmp.mkdir(parents=True)
     make_files(tmp)
-    argv = [a.replace("{tmp}", str(tmp)) for a in c.argv]
-    cmd = [sys.executable, "-m", "app.cli", *argv]
-    return subprocess.run(cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    return pretrain(*(a.replace("{tmp}", str(tmp)) for a in c.argv))
 
 
 @pytest.fixture(scope="module")

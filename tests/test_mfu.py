@@ -34,6 +34,32 @@ def test_the_loss_path_and_a_block_compile_as_one_graph_each():
     assert (block.graph_count, block.graph_break_count) == (1, 0), block.break_reasons
 
 
+def test_aot_eager_compiles_the_same_regions_without_kernels_and_matches_eager():
+    """train.compile_backend=aot_eager (what gpu-check's dry run uses): every region is traced, forward
+    and backward, as one graph, and the loss and its gradients are eager's."""
+    from app.trainer.parallel.parallelize import compile_blocks, compile_counts
+
+    torch.manual_seed(0)
+    eager = build_model(small())
+    traced = build_model(small())
+    traced.load_state_dict(eager.state_dict())
+    compile_blocks(traced, "max-autotune", backend="aot_eager")  # inductor's mode, not passed to aot_eager
+    x, y = torch.randint(0, 250, (2, 32)), torch.randint(0, 250, (2, 32))
+    from torch._dynamo.utils import counters
+
+    before, kernels = compile_counts(), sum(counters["inductor"].values())
+    losses = [model(x, y).loss for model in (eager, traced)]
+    for loss in losses:
+        loss.backward()
+    after = compile_counts()
+    # the embeddings, one kind of block (both are alike here) and the loss
+    assert after["graphs"] - before["graphs"] == 3 and after["graph_breaks"] == before["graph_breaks"]
+    assert sum(counters["inductor"].values()) == kernels  # inductor never ran
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)
+    for (name, a), b in zip(eager.named_parameters(), traced.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_padded_vocabulary_is_invisible_to_callers():
     torch.manual_seed(0)
     cfg = small()

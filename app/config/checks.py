@@ -64,6 +64,7 @@ CHOICES = {
     "train.compile": ("auto", "true", "false"),
     "train.fp8": ("false", "true", "emulate"),
     "train.compile_mode": ("default", "max-autotune", "max-autotune-no-cudagraphs"),
+    "train.compile_backend": ("inductor", "aot_eager"),
     "train.activation_dtype": ("auto", "fp32", "bf16"),
     "train.fused_projections": ("auto", "true", "false"),
     "optim.fused": ("auto", "true", "false"),

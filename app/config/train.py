@@ -26,6 +26,9 @@ class TrainConfig:
     dtype: str = "auto"  # compute dtype: auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
     compile: str = "auto"  # auto (on for CUDA, off for CPU) | true | false: torch.compile each block
     compile_mode: str = "default"  # torch.compile mode: default | max-autotune | max-autotune-no-cudagraphs
+    # torch.compile backend: inductor (generates the kernels) | aot_eager (traces forward and backward, then
+    # runs them eagerly: a compile problem without code generation; the same graphs, recompiles and breaks)
+    compile_backend: str = "inductor"
     # residual stream and its elementwise work under autocast: auto (bf16 where compute is bf16) | fp32 | bf16
     activation_dtype: str = "auto"
     # q/k/v and SwiGLU's gate/up as one matmul each: auto (on when train.compile is) | true | false

@@ -213,6 +213,7 @@ def measure(cfg, steps: int, warmup: int, breakdown_steps: int) -> dict | None:
             "parallel": choice.mode,
             "compile": compiled,
             "compile_mode": t.compile_mode,
+            "compile_backend": t.compile_backend,
             "dtype": "bf16" if bf16 else t.dtype.replace("auto", "fp32"),
             "parameters": count_parameters(unwrap(model)).total,
             "tokens_per_step": tokens_per_step,
@@ -321,6 +322,12 @@ def _peak_memory(device, one_step, parts: dict) -> tuple[int | None, str]:
         return None, f"MemTracker failed ({type(e).__name__}; it follows eager tensors only)"
 
 
+def compile_how(r: dict) -> str:
+    """The compile mode, or the backend when it is not inductor (whose modes they are)."""
+    backend = r.get("compile_backend", "inductor")
+    return r["compile_mode"] if backend == "inductor" else f"backend {backend}"
+
+
 def describe(r: dict) -> list[str]:
     gb = lambda b: f"{b / 1e9:.2f} GB" if b is not None else "n/a"  # noqa: E731
     lay = r["layout"]
@@ -328,7 +335,7 @@ def describe(r: dict) -> list[str]:
     est, peak, how = r["estimated_memory_bytes"], r["peak_memory_bytes"], r["peak_memory_measured_by"]
     lines = [
         f"bench {r['preset']}: {r['world_size']} x {r['device_name']}, {r['parallel']}, {r['dtype']}, "
-        f"compile {'on (' + r['compile_mode'] + ')' if r['compile'] else 'off'}, {r['parameters']:,} parameters",
+        f"compile {'on (' + compile_how(r) + ')' if r['compile'] else 'off'}, {r['parameters']:,} parameters",
         f"  batch        {r['tokens_per_step']:,} tokens/step ({lay['micro_batch_size']} x {lay['seq_len']} x "
         f"{r['world_size']} ranks x {lay['accum']} accum"
         f"{'; micro-batch auto: the most that fits by the estimate' if auto else ''})",

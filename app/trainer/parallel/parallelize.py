@@ -32,7 +32,7 @@ def grad_sync(model: torch.nn.Module, last_micro_batch: bool):
     return contextlib.nullcontext()
 
 
-def compile_blocks(model: torch.nn.Module, mode: str) -> None:
+def compile_blocks(model: torch.nn.Module, mode: str, backend: str = "inductor") -> None:
     """Regional compilation: torch.compile each block's forward, the loss (final norm, head,
     cross-entropy) and the embeddings (token and value-table lookups, embedding norm, the cast to the
     residual dtype) in place, so names, hence checkpoints, do not change. What runs between them is no
@@ -42,10 +42,13 @@ def compile_blocks(model: torch.nn.Module, mode: str) -> None:
     checkpointing) stay outside the graphs. fullgraph=True: a graph break is an error, not a silent slowdown.
     dynamic=False: a new micro-batch size (after an out-of-memory halving) compiles static kernels again
     instead of graphs with a symbolic batch size, which are slower and would serve every later step (and
-    with a symbolic sequence length SDPA's is_causal becomes symbolic, which fullgraph refuses).
+    with a symbolic sequence length SDPA's is_causal becomes symbolic, which fullgraph refuses). `backend`
+    aot_eager traces the same graphs and runs them without generating kernels (modes are inductor's).
     Evaluation and sampling run these blocks eagerly (app/trainer/model/evaluate.py): no compile for their
     shapes or for no-grad mode."""
-    kwargs = {"fullgraph": True, "dynamic": False, **({} if mode == "default" else {"mode": mode})}
+    kwargs = {"fullgraph": True, "dynamic": False, "backend": backend}
+    if mode != "default" and backend == "inductor":
+        kwargs["mode"] = mode
     for block in model.blocks:
         block.forward = torch.compile(block.forward, **kwargs)
     model.loss = torch.compile(model.loss, **kwargs)
@@ -179,9 +182,11 @@ def build_parallel_model(
         apply_activation_checkpointing(model)
     if compile_enabled(cfg, device):
         compile_mode = compile_mode_for(cfg.train.compile_mode, fsdp, log)
-        compile_blocks(model, compile_mode)
+        backend = cfg.train.compile_backend
+        compile_blocks(model, compile_mode, backend)
+        how = f"mode {compile_mode}" if backend == "inductor" else f"backend {backend}"
         log(
-            f"compile: {len(model.blocks)} blocks and the loss, and the embeddings, mode {compile_mode} "
+            f"compile: {len(model.blocks)} blocks and the loss, and the embeddings, {how} "
             "(compiled at the first step)"
         )
     if fsdp:
