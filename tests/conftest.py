@@ -102,8 +102,10 @@ def pretrain(
     *args: str, timeout: float = 300, env: dict | None = None, check: bool = False
 ) -> subprocess.CompletedProcess:
     """Run the real `pretrain` CLI in a process of its own, started warm (tests/warm.py: the imports done
-    once per worker; a fresh interpreter where the environment needs one)."""
-    proc = WARM.run(list(args), env or cli_env(), timeout)
+    once per worker; a fresh interpreter where the environment needs one), and return it as subprocess.run
+    would; past `timeout` it is ended and the test fails with its output's tail."""
+    cmd = [sys.executable, "-m", "app.cli", *args]
+    proc = Proc(cmd, env=env or cli_env(), separate_stderr=True).finished(timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"pretrain {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"

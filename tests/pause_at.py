@@ -7,8 +7,8 @@
 Before it stops, the process writes DIR/paused-<pid> (holding its RANK). A SIGTERM sent while it is
 stopped stays pending and is handled as soon as the test sends SIGCONT, inside the paused call (Python
 runs the handler at the next bytecode of the main thread); a SIGKILL kills it there. The function is
-looked up on its module at call time by the code under test (or imported from it after this wraps it),
-so nothing in the product knows about this.
+looked up on its module at call time by the code under test, or imported from it by name (a project
+module imported before the wrap gets the wrapped function too), so nothing in the product knows about this.
 """
 
 from __future__ import annotations
@@ -42,6 +42,13 @@ def install(spec: str, marker_dir: str) -> None:
         return original(*args, **kwargs)
 
     setattr(module, attr, paused)
+    # A project module imported before this ran (a run started warm, tests/warm.py, has them all) holds
+    # what it imported by name: it gets the wrapped function too, as it would have importing it now.
+    for name, loaded in list(sys.modules.items()):
+        if name.split(".")[0] == "app" and loaded is not module:
+            for key, value in list(vars(loaded).items()):
+                if value is original:
+                    setattr(loaded, key, paused)
 
 
 def main() -> None:
@@ -49,6 +56,8 @@ def main() -> None:
         install(spec, os.environ["PRETRAIN_TEST_PAUSE_DIR"])
     module = sys.argv[1]
     sys.argv = sys.argv[1:]
+    # as under `python -m`, the module runs as __main__ only (a run started warm has it imported already)
+    sys.modules.pop(module, None)
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 

@@ -252,7 +252,8 @@ class Proc:
 
     def stop(self) -> None:
         """End it and everything it started, at once (SIGKILL), and reap it. Safe to call again."""
-        tree = descendants(self.pid)
+        # once it has exited its PID may be another process's, and its children are no longer below it
+        tree = descendants(self.pid) if self.running() else []
         if self.running():
             if self.new_session:
                 self.signal_group(signal.SIGKILL)

@@ -357,8 +357,10 @@ def test_no_recompile_after_an_out_of_memory_halving_or_over_a_short_validation_
     )
     run = tmp_path / "run"
     # the AdamW recipe's blocks are all alike (the switches make other kinds of block, each compiled once
-    # more: test_the_switches_compile_one_graph_per_kind_of_block)
+    # more: test_the_switches_compile_one_graph_per_kind_of_block). Graphs and recompiles are dynamo's, the
+    # same under aot_eager, which traces without generating kernels (tests/test_mfu.py checks that).
     args = ["train", "--out", str(run), "--max-steps", "2", *FAST, *CLASSIC, *COMPILE]
+    args += ["--set", "train.compile_backend=aot_eager"]
     args += ["--set", "train.micro_batch_size=auto", "--set", f"train.batch_tokens={8 * 64}"]
     args += [
         "--set",

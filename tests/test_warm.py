@@ -1,6 +1,7 @@
 """The warm start of the tests' CLI runs (tests/warm.py): a run forked from a process that has done the
 imports must be the run a fresh `python -m app.cli` is: the same output, exit code and signals, in a
-process of its own. Where a fresh interpreter is needed, a plain subprocess runs instead."""
+process of its own; a warm launcher's ranks, forked from it, must be the ranks torchrun starts. Where a
+fresh interpreter is needed, a plain subprocess runs instead."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, REPO, cli_env, pretrain
-from tests.procs import Proc
+from tests.conftest import FAST, REPO, cli_env, losses_by_step, pretrain
+from tests.procs import Proc, children
 from tests.warm import WARM, WarmPopen
 
 COMMANDS = {
@@ -82,5 +84,61 @@ def test_what_is_read_at_import_time_set_otherwise_gets_a_fresh_interpreter(tmp_
         proc = Proc(cmd, env=cli_env(**changed))
         assert isinstance(proc.popen, subprocess.Popen) and proc.wait(120) == 0, proc.tail()
     assert not WARM.serves(cmd, cli_env(), tmp_path)  # another working directory
-    assert not WARM.serves([sys.executable, "-m", "tests.pause_at", "app.cli"], cli_env(), REPO)
+    assert not WARM.serves([sys.executable, "-m", "app.tools.bench"], cli_env(), REPO)  # not one it runs
+    assert WARM.serves(cmd, cli_env(PYTHONPATH=str(REPO)), REPO)  # already first on sys.path
     assert not isinstance(Proc(cmd, warm=False).popen, WarmPopen)
+
+
+def listening_sockets(pid: int) -> set[str]:
+    """The `socket:[INODE]` links of the TCP sockets `pid` listens on (/proc/net/tcp, state 0A)."""
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":
+                listening.add(f"socket:[{fields[9]}]")
+    fds = Path(f"/proc/{pid}/fd")
+    return {os.readlink(fd) for fd in fds.iterdir()} & listening
+
+
+def test_a_warm_launcher_forks_ranks_that_train_and_stop_as_torchruns_own_do(tmp_path):
+    """A warm launcher (the container's, on torchrun's agent) forks its ranks from itself: each is the
+    launcher's child in a session of its own (as torchrun's Popen makes it), holds none of the launcher's
+    listening sockets (the rendezvous store must go with its launcher), trains the fresh ranks' losses,
+    and stops on the launcher's SIGTERM."""
+    shape = ["-m", "app.launch", "--standalone", "--nproc-per-node=2", "-m", "app.train", *FAST]
+    fresh = Proc([sys.executable, *shape, "--out", str(tmp_path / "fresh"), "--max-steps", "3"], warm=False)
+    warm_run = tmp_path / "warm"
+    warm = Proc([sys.executable, *shape, "--out", str(warm_run), "--max-steps", "100000"])
+    assert isinstance(warm.popen, WarmPopen)
+    warm.wait_for_step(warm_run, 3)
+    ranks = children(warm.pid)
+    assert len(ranks) == 2, ranks
+    for rank in ranks:
+        assert os.getsid(rank) == rank
+        assert not listening_sockets(rank) & listening_sockets(warm.pid)
+    assert listening_sockets(warm.pid), "torchrun's store listens in the launcher"
+    warm.signal(signal.SIGTERM)
+    assert warm.wait(120) == 143, warm.tail()
+    assert fresh.wait(300) == 0, fresh.tail()
+    assert (warm_run / "checkpoints").is_dir()
+    fresh_losses = losses_by_step(tmp_path / "fresh")
+    assert len(fresh_losses) == 3
+    assert fresh_losses == {step: losses_by_step(warm_run)[step] for step in fresh_losses}
+
+
+def test_a_pause_hook_reaches_a_function_the_project_imported_by_name(tmp_path):
+    """tests/pause_at.py run warm: app/trainer/startup.py imported build_parallel_model by name before
+    the hook wrapped it, and still stops there."""
+    env = cli_env(
+        PRETRAIN_TEST_PAUSE="app.trainer.parallel.parallelize:build_parallel_model",
+        PRETRAIN_TEST_PAUSE_DIR=str(tmp_path),
+    )
+    args = ["train", "--out", str(tmp_path / "run"), *FAST, "--max-steps", "1"]
+    proc = Proc([sys.executable, "-m", "tests.pause_at", "app.cli", *args], env=env)
+    assert isinstance(proc.popen, WarmPopen)
+    proc.wait_for_file(lambda: list(tmp_path.glob(f"paused-{proc.pid}")))
+    assert not list((tmp_path / "run").glob("checkpoints/step_*"))  # stopped before the model was built
+    proc.signal(signal.SIGCONT)
+    assert proc.wait(120) == 0, proc.tail()
+    assert "RuntimeWarning" not in proc.output  # app.cli ran as __main__ only, as under `python -m`

@@ -1,29 +1,38 @@
-"""Run `python -m app.cli ARGS` as a real process that starts with the project already imported.
+"""Run `python -m MODULE ARGS` (the CLI, the trainer, a launcher) as a real process that starts with the
+project already imported.
 
 Importing torch, dynamo (torch.optim imports it on an optimizer's first use) and DTensor costs a process
 about 6 CPU-seconds on this machine, more than a test's whole training run: most of what the suite
-spends on its many short CLI runs was imports. Each pytest worker therefore starts one warm process
+spent on its many short runs was imports. Each pytest worker therefore starts one warm process
 (`python -m tests.warm SOCKET`) that imports the project and then only forks. For a run, the fork forks
-again: the grandchild is the run (its own PID, environment, working directory, output files and exit
-status; it runs app.cli as `python -m app.cli` does, from `__main__` to the interpreter's exit: non-daemon
-threads joined, atexit handlers run), the child waits for it and reports its exit status. Nothing is
-shared with the test's process or between runs: each is a copy of the warm process taken before any
-tensor work.
+again: the grandchild is the run (its own PID, session when asked, environment, working directory,
+output files and exit status; it runs the module as `python -m` does, from `__main__` to the
+interpreter's exit: non-daemon threads joined, atexit handlers run), and the child waits for it and
+writes its exit status. Nothing is shared with the test's process or between runs: each is a copy of
+the warm process taken before any tensor work.
+
+A launcher started warm (torchrun, app.launch) forks its ranks from itself in place of torch's Popen,
+so a rank skips the imports too. It is what Popen would have made: the launcher's child, in a session of
+its own, with the launcher's stdout and stderr, unbuffered (`python -u`), the environment torchrun gave
+it, caught signals back at their defaults, and none of the launcher's descriptors (its rendezvous store
+must close when the launcher dies). torchrun polls, signals and reaps it as it would a Popen.
 
 One difference shows from outside: /proc/PID/environ is the warm process's environment (a fork does no
 exec); the run's os.environ, and its children's, is the one given. What a fork cannot give is a fresh
-interpreter, so `run` falls back to a plain subprocess when a run
-needs one: a working directory other than the repository, or an environment that differs in what is
-read at import time (TORCH*, PYTORCH*, PYTHON*, OMP*, MKL*, KMP*, CUDA*, LD_*). Tests of what happens
-during imports or to the interpreter itself start real processes (tests/procs.py) and never come here.
+interpreter, so a run starts as a plain subprocess when it needs one: a working directory other than
+the repository, or an environment that differs in what is read at import time (TORCH*, PYTORCH*,
+PYTHON*, OMP*, MKL*, KMP*, CUDA*, LD_*). A test of what happens during the imports, or to the
+interpreter itself, starts its process with `Proc(..., warm=False)` (tests/procs.py).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import importlib
 import importlib.util
+import io
 import json
 import os
 import runpy
@@ -35,6 +44,7 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,13 +63,27 @@ WARM_MODULES = [
     "app.tools.sample",
     "app.tools.export",
 ]
-# the modules a warm process runs as `python -m MODULE` (tests.pause_at is not one: it wraps a function
-# before the code under test imports it, which only a fresh interpreter allows)
-WARM_RUNS = {"app.cli", "app.train", "app.launch", "torch.distributed.run"}
+# the modules a warm process runs as `python -m MODULE` (tests.pause_at wraps a function where the
+# project's modules, all imported here, hold it)
+WARM_RUNS = {"app.cli", "app.train", "app.launch", "torch.distributed.run", "tests.pause_at"}
 
 
-def _import_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
+# launchers whose ranks are forked from the launcher itself, and the modules those ranks may run
+AGENTS = {"app.launch", "torch.distributed.run"}
+WARM_RANKS = {"app.train", "app.cli", "tests.pause_at"}
+# what torch's elastic agent adds to a rank's environment, read when a rank starts, not at import
+ELASTIC_ENV = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+# the import-time environment the warm process was started with
+SERVED_ENV: dict[str, str] = {}
+
+
+def _import_env(env: dict[str, str], ignore: tuple[str, ...] = ()) -> dict[str, str]:
+    """What of `env` is read at import time, less the names in `ignore`. PYTHONPATH=REPO adds nothing:
+    `python -m` from the repository already has it first on sys.path."""
+    found = {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and not k.startswith(ignore)}
+    if found.get("PYTHONPATH") == str(REPO):
+        del found["PYTHONPATH"]
+    return found
 
 
 # ---- the warm process ------------------------------------------------------------------------------
@@ -87,10 +111,16 @@ def _become(request: dict) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if request["module"] in AGENTS:
+        _fork_ranks()
+    _run_module(request["module"], request["args"])
+
+
+def _run_module(module: str, args: list[str]) -> None:
+    """Run `python -m MODULE ARGS` from `__main__` through the interpreter's exit; never return."""
     code = 0
     try:
-        module = request["module"]
-        sys.argv = [importlib.util.find_spec(module).origin, *request["args"]]
+        sys.argv = [importlib.util.find_spec(module).origin, *args]
         # as under `python -m`, the module runs as __main__ only (an import of it loads a second copy)
         sys.modules.pop(module, None)
         runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -116,6 +146,132 @@ def _become(request: dict) -> None:
     os._exit(code & 0xFF)
 
 
+# ---- ranks forked by a warm launcher -----------------------------------------------------------------
+
+
+class ForkedRank:
+    """What torch's elastic agent uses of the Popen it starts a rank with, for a rank it forked."""
+
+    def __init__(self, args: tuple, pid: int):
+        self.args = args
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+
+def _rank_module(args: tuple, env: dict[str, str]) -> str | None:
+    """The module of `python -u -m MODULE ...` if this launcher can fork it warm, else None."""
+    runs_warm = (
+        len(args) >= 4
+        and args[0] == sys.executable
+        and args[1:3] == ("-u", "-m")
+        and args[3] in WARM_RANKS
+        and _import_env(env, ignore=ELASTIC_ENV) == _import_env(SERVED_ENV, ignore=ELASTIC_ENV)
+    )
+    return args[3] if runs_warm else None
+
+
+def _neutralize_inherited_fds() -> None:
+    """What exec does to the launcher's close-on-exec descriptors, and Popen's close_fds to the rest:
+    a rank must not keep the launcher's store socket open (a peer would find it listening after the
+    launcher died). /dev/null takes each number's place, so no object closes a number the rank reuses."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd != null:
+            with contextlib.suppress(OSError):
+                os.dup2(null, fd, inheritable=False)
+    os.close(null)
+
+
+def _become_rank(stdout: int, stderr: int, env: dict[str, str], started: int) -> None:
+    """In the forked rank: what Popen and a fresh `python -u` would have set up. `started` is written
+    once the rank leads its session, as Popen returns only then: torchrun may signal the group at once."""
+    os.setsid()
+    os.write(started, b"1")
+    os.close(started)
+    os.dup2(stdout, 1)
+    os.dup2(stderr, 2)
+    _neutralize_inherited_fds()
+    os.environ.clear()
+    os.environ.update(env)
+    # exec resets caught signals to their defaults and keeps ignored ones ignored; Python then sets SIGINT
+    signal.set_wakeup_fd(-1)
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    faulthandler.disable()
+    # the launcher's finalizers are its own (a temporary directory it made); the rank keeps the atexit
+    # handlers that imports registered, as a fresh interpreter has them
+    for finalizer in list(weakref.finalize._registry):
+        finalizer.detach()
+    # -u: unbuffered binary layer, text layer written through
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        stream = io.TextIOWrapper(
+            io.FileIO(fd, "w", closefd=False), encoding=old.encoding, errors=old.errors, write_through=True
+        )
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+def _fork_ranks() -> None:
+    """Make torch's elastic agent fork its ranks from itself: the launcher is already warm, and a rank
+    would otherwise pay the imports again. A rank is the agent's child as under Popen (its own session,
+    the same stdout and stderr, the launcher's death reaches it), so the agent polls, signals and reaps it
+    as it would a Popen. A rank this cannot serve (another module, another import-time environment)
+    starts with Popen."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    popen = subprocess_handler.SubprocessHandler._popen
+
+    def _popen(handler, args: tuple, env: dict[str, str]):
+        module = _rank_module(args, env)
+        if module is None:
+            return popen(handler, args, env)
+        stdout = handler._stdout.fileno() if handler._stdout else 1
+        stderr = handler._stderr.fileno() if handler._stderr else 2
+        # flushed before the fork, so no buffered output is written twice
+        sys.stdout.flush()
+        sys.stderr.flush()
+        started, started_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(started)
+            try:
+                _become_rank(stdout, stderr, env, started_w)
+            except BaseException:
+                traceback.print_exc()
+                os._exit(1)
+            _run_module(module, list(args[4:]))
+        os.close(started_w)
+        os.read(started, 1)  # b"" if it died first: poll() then reports that
+        os.close(started)
+        return ForkedRank(args, pid)
+
+    subprocess_handler.SubprocessHandler._popen = _popen
+
+
 def _start_one(conn: socket.socket, listener: socket.socket) -> None:
     """In the child: start the run, tell the client its PID, wait for it, write its exit status."""
     listener.close()
@@ -135,6 +291,7 @@ def _start_one(conn: socket.socket, listener: socket.socket) -> None:
 
 
 def serve(path: str) -> None:
+    SERVED_ENV.update(_import_env(os.environ))
     for name in WARM_MODULES:
         importlib.import_module(name)
     # children that wrote their run's exit status are reaped by the kernel
@@ -250,23 +407,6 @@ class Warm:
         if not line:
             raise RuntimeError(f"the warm process did not start {argv}")
         return WarmPopen(argv, json.loads(line)["pid"], status)
-
-    def run(self, args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-        """`python -m app.cli ARGS` from the repository, as subprocess.run(capture_output=True, text=True)."""
-        cmd = [sys.executable, "-m", "app.cli", *args]
-        if not self.serves(cmd, env, REPO):
-            return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-        with tempfile.TemporaryDirectory(prefix="pretrain-run-") as out:
-            stdout, stderr = Path(out) / "stdout", Path(out) / "stderr"
-            proc = self.popen(cmd, env, stdout, stderr, new_session=False)
-            try:
-                code = proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
-                raise
-            read = lambda p: p.read_text(errors="replace") if p.exists() else ""  # noqa: E731
-            return subprocess.CompletedProcess(cmd, code, read(stdout), read(stderr))
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -322,20 +322,18 @@ def _peak_memory(device, one_step, parts: dict) -> tuple[int | None, str]:
         return None, f"MemTracker failed ({type(e).__name__}; it follows eager tensors only)"
 
 
-def compile_how(r: dict) -> str:
-    """The compile mode, or the backend when it is not inductor (whose modes they are)."""
-    backend = r.get("compile_backend", "inductor")
-    return r["compile_mode"] if backend == "inductor" else f"backend {backend}"
-
-
 def describe(r: dict) -> list[str]:
+    from app.trainer.parallel.parallelize import compile_how
+
     gb = lambda b: f"{b / 1e9:.2f} GB" if b is not None else "n/a"  # noqa: E731
     lay = r["layout"]
     auto = lay.get("micro_batch_rule") == "auto"
     est, peak, how = r["estimated_memory_bytes"], r["peak_memory_bytes"], r["peak_memory_measured_by"]
+    # a record written before the backend was a setting compiled with inductor
+    how_compiled = compile_how(r["compile_mode"], r.get("compile_backend", "inductor"))
     lines = [
         f"bench {r['preset']}: {r['world_size']} x {r['device_name']}, {r['parallel']}, {r['dtype']}, "
-        f"compile {'on (' + compile_how(r) + ')' if r['compile'] else 'off'}, {r['parameters']:,} parameters",
+        f"compile {'on (' + how_compiled + ')' if r['compile'] else 'off'}, {r['parameters']:,} parameters",
         f"  batch        {r['tokens_per_step']:,} tokens/step ({lay['micro_batch_size']} x {lay['seq_len']} x "
         f"{r['world_size']} ranks x {lay['accum']} accum"
         f"{'; micro-batch auto: the most that fits by the estimate' if auto else ''})",

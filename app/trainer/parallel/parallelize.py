@@ -55,6 +55,11 @@ def compile_blocks(model: torch.nn.Module, mode: str, backend: str = "inductor")
     model.embeddings = torch.compile(model.embeddings, **kwargs)
 
 
+def compile_how(mode: str, backend: str) -> str:
+    """How blocks are compiled, in words: inductor's mode, or the other backend (modes are inductor's)."""
+    return f"mode {mode}" if backend == "inductor" else f"backend {backend}"
+
+
 def forget_compiled_graphs() -> None:
     """Drop every compiled graph (the next call compiles anew): after an out-of-memory halving the graphs
     of the old micro-batch never run again, and their kernels (CUDA graphs under max-autotune) hold memory."""
@@ -184,9 +189,9 @@ def build_parallel_model(
         compile_mode = compile_mode_for(cfg.train.compile_mode, fsdp, log)
         backend = cfg.train.compile_backend
         compile_blocks(model, compile_mode, backend)
-        how = f"mode {compile_mode}" if backend == "inductor" else f"backend {backend}"
         log(
-            f"compile: {len(model.blocks)} blocks and the loss, and the embeddings, {how} "
+            f"compile: {len(model.blocks)} blocks and the loss, and the embeddings, "
+            f"{compile_how(compile_mode, backend)} "
             "(compiled at the first step)"
         )
     if fsdp:
