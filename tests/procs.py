@@ -68,6 +68,18 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def state(pid: int) -> str:
+    """The process state letter (T: stopped, Z: zombie), "" when gone; T only when every thread is."""
+    try:
+        states = {
+            (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            for task in Path(f"/proc/{pid}/task").iterdir()
+        }
+    except (OSError, IndexError):
+        return ""
+    return "T" if states == {"T"} else (states - {"T"}).pop()
+
+
 def alive(pid: int) -> bool:
     """`pid` exists and is not a zombie."""
     try:
@@ -212,6 +224,12 @@ class Proc:
             return bool(rows) and rows[-1]["step"] >= step
 
         self.wait_until(reached, f"train step {step} in {run_dir}", timeout)
+
+    def wait_paused(self, marks: Path, timeout: float = 120) -> None:
+        """It wrote its mark in `marks` (tests/pause_at.py) and has stopped itself there: the mark comes
+        just before the stop, and a SIGCONT sent in between would be lost, leaving it stopped for good."""
+        mark = Path(marks) / f"paused-{self.pid}"
+        self.wait_until(lambda: mark.exists() and state(self.pid) == "T", f"{mark} and a stop", timeout)
 
     def wait(self, timeout: float = 120) -> int:
         """Its exit code; fails (and ends it) when it does not exit within `timeout`."""

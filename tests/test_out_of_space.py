@@ -72,7 +72,7 @@ def test_sigterm_save_out_of_space_says_so_and_resumes_exactly(tmp_path, straigh
     proc = procs.python(
         *cmd, "--max-steps", str(STEPS), *FAST, *EVERY, *FULL_AFTER_10, env=env, separate_stderr=True
     )
-    proc.wait_for_file(lambda: list(marks.glob("paused-*")))
+    proc.wait_paused(marks)
     proc.send_signal(signal.SIGTERM)
     proc.send_signal(signal.SIGCONT)
     code = proc.wait(60)

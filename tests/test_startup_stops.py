@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FAST, cli_env, losses_by_step, pretrain, torchrun, train_rows
-from tests.procs import Proc, Procs
+from tests.procs import Proc, Procs, state
 from tests.test_resume import assert_same_run
 
 STEPS = 6
@@ -72,18 +72,6 @@ def start(procs: Procs, run: Path, ranks: int, extra: list[str], pause: str, mar
     return procs.torchrun(
         "-m", "tests.pause_at", "app.train", *args, nproc=ranks, launcher="app.launch", env=env
     )
-
-
-def state(pid: int) -> str:
-    """The process state letter (T: stopped, Z: zombie), "" when gone; T only when every thread is."""
-    try:
-        states = {
-            (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            for task in Path(f"/proc/{pid}/task").iterdir()
-        }
-    except (OSError, IndexError):
-        return ""
-    return "T" if states == {"T"} else (states - {"T"}).pop()
 
 
 def pending(pid: int, sig: signal.Signals) -> bool:

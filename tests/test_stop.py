@@ -94,7 +94,7 @@ def test_a_sigterm_after_an_evaluation_names_that_val_loss_with_the_checkpoint(t
     ]
     cmd = ["-m", "tests.pause_at", "app.cli", "train", "--out", str(run), *FAST, *every, "--max-steps", "100"]
     proc = procs.python(*cmd, env=env)
-    proc.wait_for_file(lambda: list(tmp_path.glob("paused-*")))  # in step 7's update, after step 4's eval
+    proc.wait_paused(tmp_path)  # in step 7's update, after step 4's eval
     proc.signal(signal.SIGTERM)
     proc.signal(signal.SIGCONT)
     code, out = proc.wait(120), proc.output
