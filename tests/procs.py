@@ -270,9 +270,10 @@ class Proc:
 
     def stop(self) -> None:
         """End it and everything it started, at once (SIGKILL), and reap it. Safe to call again."""
+        running = self.running()
         # once it has exited its PID may be another process's, and its children are no longer below it
-        tree = descendants(self.pid) if self.running() else []
-        if self.running():
+        tree = descendants(self.pid) if running else []
+        if running:
             if self.new_session:
                 self.signal_group(signal.SIGKILL)
             self.signal(signal.SIGKILL)

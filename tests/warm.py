@@ -149,20 +149,17 @@ def _run_module(module: str, args: list[str]) -> None:
 # ---- ranks forked by a warm launcher -----------------------------------------------------------------
 
 
-class ForkedRank:
-    """What torch's elastic agent uses of the Popen it starts a rank with, for a rank it forked."""
+class _Started:
+    """What tests/procs.py's Proc and torch's elastic agent use of a subprocess.Popen, for a process this
+    module started: `poll` says how it learns the exit code."""
 
-    def __init__(self, args: tuple, pid: int):
+    def __init__(self, args, pid: int):
         self.args = args
         self.pid = pid
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
+        raise NotImplementedError
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -170,6 +167,17 @@ class ForkedRank:
             if deadline is not None and time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(self.args, timeout)
             time.sleep(0.01)
+        return self.returncode
+
+
+class ForkedRank(_Started):
+    """A rank a warm launcher forked: its own child, so it reaps it."""
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
@@ -313,26 +321,16 @@ def serve(path: str) -> None:
 # ---- the client (in the test's process) ------------------------------------------------------------
 
 
-class WarmPopen:
-    """What tests/procs.py's Proc uses of a subprocess.Popen, for a process the warm process started."""
+class WarmPopen(_Started):
+    """A run the warm process started: its child reaps it and writes the exit code to `status`."""
 
     def __init__(self, args: list[str], pid: int, status: Path):
-        self.args = args
-        self.pid = pid
+        super().__init__(args, pid)
         self.status = status
-        self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None and self.status.exists():
             self.returncode = int(self.status.read_text())
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(0.01)
         return self.returncode
 
 
