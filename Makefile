@@ -31,8 +31,9 @@ SETUP_STALE  := $(if $(SETUP_GIVEN),$(if $(subst x$(SETUP_KEY),,x$(BUILT_WITH))$
 STAMP_KEY    := $(if $(and $(BUILT_WITH),$(if $(SETUP_GIVEN),,keep)),$(BUILT_WITH),$(SETUP_KEY))
 RUN_DIR      ?= runs/tiny
 PYTEST_ARGS  ?=
-# Test processes (pytest-xdist): one per core; each idle one takes half of the queue of the busiest, so
-# the suite ends together on every core. WORKERS=0 runs the tests in pytest's own process (for pdb, -s).
+# Test processes (pytest-xdist): 2 per core, fewer if memory is short (tests/conftest.py counts both); each
+# idle one takes half of the queue of the busiest, so the suite ends together on every core. WORKERS=0
+# runs the tests in pytest's own process (for pdb, -s).
 WORKERS      ?= auto
 # SLOW=1: `make test` runs the slow tests too, in the same pool of workers (what CI runs).
 SLOW         ?=
@@ -82,7 +83,7 @@ setup-gpu:  ## on a GPU machine: .venv with the CUDA torch its driver runs (CUDA
 train: $(STAMP)  ## train the default (tiny) model on the embedded corpus on CPU
 	$(VENV)/bin/pretrain train --out $(RUN_DIR)
 
-test: $(STAMP)  ## the default test suite, one worker per core (SLOW=1: the slow tests too, as CI runs it)
+test: $(STAMP)  ## the default test suite, 2 workers per core (SLOW=1: the slow tests too, as CI runs it)
 	$(PY) -m pytest $(if $(SLOW),,-m "not slow") $(XDIST) $(PYTEST_ARGS)
 
 test-slow: $(STAMP)  ## the slow tests alone

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -74,19 +75,35 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 
 def pytest_xdist_auto_num_workers(config) -> int | None:
-    """`make test` (`-n auto`): one worker per core this machine gives the tests, which is its CPU
-    affinity capped by a cgroup CPU quota: a container allowed 2 CPUs of a 64-CPU host sees 64 with
-    either of the counts xdist uses on its own. PYTEST_XDIST_AUTO_NUM_WORKERS still decides if set."""
+    """`make test` (`-n auto`): 2 workers per core this machine gives the tests, which is its CPU affinity
+    capped by a cgroup CPU quota (a container allowed 2 CPUs of a 64-CPU host sees 64 with either of the
+    counts xdist uses on its own), and at most one per 2 GiB of memory available. With one worker per
+    core, a core stood idle about a seventh of the time while its test waited on processes that wait
+    themselves (a lost peer's bound, a clock-bound run, a scrape); with two, none did.
+    PYTEST_XDIST_AUTO_NUM_WORKERS still decides if set."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None
     cores = len(os.sched_getaffinity(0))
-    try:
+    with contextlib.suppress(OSError, ValueError):
         quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-    except (OSError, ValueError):
-        return cores
-    if quota == "max":
-        return cores
-    return max(1, min(cores, round(int(quota) / int(period))))
+        if quota != "max":
+            cores = max(1, min(cores, round(int(quota) / int(period))))
+    return max(1, min(2 * cores, available_memory() // WORKER_MEMORY))
+
+
+# what one worker may hold at its peak: its warm process and a run of up to 4 ranks it starts
+WORKER_MEMORY = 2 * 2**30
+
+
+def available_memory() -> int:
+    """Bytes this machine can still give (MemAvailable), capped by a cgroup memory limit."""
+    meminfo = Path("/proc/meminfo").read_text()
+    available = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024
+    with contextlib.suppress(OSError, ValueError):
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            available = min(available, int(limit))
+    return available
 
 
 @pytest.fixture(scope="session", autouse=True)
