@@ -11,8 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import LIVE, Proc, Procs
-from tests.warm import WARM
+# 2 workers per core already keep every core busy, so each process computes on one thread: a second
+# thread per torch op only adds OpenMP's spinning, and inductor's pool of compile workers (one per core,
+# each importing torch) costs more than it saves. Set before anything imports torch; the workers' own
+# tensor work follows it, and every process the tests start inherits it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+from tests.procs import LIVE, Proc, Procs  # noqa: E402
+from tests.warm import WARM  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # Prepared data is cached across test sessions in the repo (gitignored); CI starts empty.
@@ -69,7 +76,6 @@ def cli_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PRETRAIN_CACHE"] = str(CACHE)
     env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra)
     return env
 

@@ -25,6 +25,13 @@ import yaml
 
 from tests.procs import Proc
 
+# kubernetes_validate.validate reads and parses its JSON schemas on every call (the definitions file
+# alone is megabytes, 15 ms a document); the chart tests validate a thousand documents, so each file is
+# parsed once per process. validate() looks the function up at each call and only reads what it returns.
+kubernetes_validate.utils.schema_contents = functools.cache(kubernetes_validate.utils.schema_contents)
+# libyaml's loader where PyYAML was built with it: the same documents, parsed in C (helm's output is long)
+YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "helm"
 SCHEMAS = REPO / "tests" / "fixtures" / "k8s-schemas"
@@ -93,7 +100,12 @@ def render(
     `.Capabilities.APIVersions` then holds); returns the parsed objects."""
     apis = [a for v in api_versions for a in ("--api-versions", v)]
     out = helm("template", release, str(chart), "--namespace", namespace, *apis, *_set_args(values)).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
+    return objects(out)
+
+
+def objects(manifest: str) -> list[dict[str, Any]]:
+    """The objects of a multi-document manifest (helm's output), empty documents left out."""
+    return [d for d in yaml.load_all(manifest, Loader=YAML_LOADER) if d]
 
 
 def render_error(values: dict[str, Any], chart: Path = CHART, release: str = "pretrain") -> str:
@@ -139,7 +151,7 @@ def _strict(schema: Any) -> Any:
 
 @functools.lru_cache(maxsize=1)
 def pytorchjob_validator() -> jsonschema.Draft7Validator:
-    crd = yaml.safe_load(PYTORCHJOB_CRD.read_text())
+    crd = yaml.load(PYTORCHJOB_CRD.read_text(), Loader=YAML_LOADER)
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     schema = _strict(copy.deepcopy(version["schema"]["openAPIV3Schema"]))
     return jsonschema.Draft7Validator(schema)
@@ -169,7 +181,7 @@ def validate_pytorchjob(job: dict[str, Any]) -> None:
 
 @functools.lru_cache(maxsize=2)
 def trainer_validator(kind: str) -> jsonschema.Draft7Validator:
-    crd = yaml.safe_load(TRAINER_CRDS[kind].read_text())
+    crd = yaml.load(TRAINER_CRDS[kind].read_text(), Loader=YAML_LOADER)
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1"]
     return jsonschema.Draft7Validator(_strict(copy.deepcopy(version["schema"]["openAPIV3Schema"])))
 

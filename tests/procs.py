@@ -252,9 +252,11 @@ class Proc:
     # ------------------------------------------------------------------ signals and the end
 
     def signal(self, sig: int) -> None:
-        """`sig` to the process itself (not its children)."""
+        """`sig` to the process itself (not its children), unless it has ended."""
         if self.running():
-            os.kill(self.pid, sig)
+            # it can end between the check and the signal (stop's group SIGKILL, reaped by a warm parent)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     send_signal = signal  # as subprocess.Popen names it
 

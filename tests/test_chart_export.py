@@ -26,7 +26,6 @@ from urllib.parse import parse_qs
 
 import k8s_helpers as h
 import pytest
-import yaml
 from netpol import Endpoint, allowed, isolated, selects
 from test_budget_kube import FakeApiServer
 
@@ -450,7 +449,7 @@ def test_notes_say_what_runs_next(tmp_path):
     assert proc.returncode == 0, proc.stderr
     notes = proc.stdout.split("NOTES:", 1)[1]
     manifest = proc.stdout.split("NOTES:", 1)[0].split("MANIFEST:", 1)[1]
-    docs = [d for d in yaml.safe_load_all(manifest) if d]
+    docs = h.objects(manifest)
     jobs = export_jobs(docs)
     export, wait = jobs["export"]["metadata"]["name"], jobs["wait"]["metadata"]["name"]
     assert f"kubectl -n default logs -f job/{wait}" in notes

@@ -515,7 +515,7 @@ def test_5_an_upgrade_that_creates_the_training_job_again_runs_a_prepare_that_re
 
     def job_names(proc: subprocess.CompletedProcess) -> list[str]:
         assert proc.returncode == 0, proc.stderr
-        docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+        docs = h.objects(proc.stdout)
         return sorted(d["metadata"]["name"] for d in docs if d["kind"] == "Job")
 
     sharded = {"prepare.parallelism": 2}
@@ -610,7 +610,7 @@ def test_7_decimal_values_with_plain_set():
     arguments as the numbers --set-json gives."""
     sets = ["budget.pricePerGpuHour=2.49", "budget.capUSD=999.99", "prepare.valFraction=0.002"]
     out = h.helm("template", "pretrain", str(h.CHART), *[x for s in sets for x in ("--set", s)]).stdout
-    as_strings = [d for d in yaml.safe_load_all(out) if d]
+    as_strings = h.objects(out)
     as_numbers = h.render(
         {"budget.pricePerGpuHour": 2.49, "budget.capUSD": 999.99, "prepare.valFraction": 0.002}
     )
@@ -868,7 +868,7 @@ def test_10_ci_values_files(values_file):
     lint = h.helm("lint", "--strict", str(h.CHART), "-f", str(values_file), check=False)
     assert lint.returncode == 0, lint.stdout + lint.stderr
     out = h.helm("template", "pretrain", str(h.CHART), "-f", str(values_file)).stdout
-    docs = [d for d in yaml.safe_load_all(out) if d]
+    docs = h.objects(out)
     h.validate_all(docs)
     if values_file.stem == "psa-restricted-values":
         for where, spec in h.pod_specs(docs):

@@ -476,7 +476,7 @@ def test_bench_renders_a_trainjob_that_is_never_retried(tmp_path):
 def test_ci_value_sets_as_trainjob(values_file):
     """Every chart-testing value set also renders valid Trainer v2 objects (PSA `restricted` where asked)."""
     out = h.helm("template", "pretrain", str(h.CHART), "-f", str(values_file), "--set", "scheduler=trainjob")
-    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    docs = h.objects(out.stdout)
     h.validate_all(docs)
     assert not h.by_kind(docs, "PyTorchJob") and h.by_kind(docs, "TrainJob")
     if values_file.stem == "psa-restricted-values":
