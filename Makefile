@@ -86,11 +86,13 @@ train: $(STAMP)  ## train the default (tiny) model on the embedded corpus on CPU
 # The tests write Python's bytecode caches (__pycache__, ignored by git and the image) even where
 # PYTHONDONTWRITEBYTECODE is set: they start hundreds of processes that import app/ and the test helpers,
 # and each of the workers rewrites every test module's asserts.
+PYTEST       := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest
+
 test: $(STAMP)  ## the default test suite, 2 workers per core (SLOW=1: the slow tests too, as CI runs it)
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest $(if $(SLOW),,-m "not slow") $(XDIST) $(PYTEST_ARGS)
+	$(PYTEST) $(if $(SLOW),,-m "not slow") $(XDIST) $(PYTEST_ARGS)
 
 test-slow: $(STAMP)  ## the slow tests alone
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -m slow $(XDIST) $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]  # 5: none marked slow
+	$(PYTEST) -m slow $(XDIST) $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]  # 5: none marked slow
 
 lint: $(STAMP)  ## ruff, vulture (dead code) and hadolint
 	$(VENV)/bin/ruff check app tests benchmarks scripts

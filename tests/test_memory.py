@@ -141,19 +141,13 @@ def test_the_compiled_estimate_is_what_the_compiled_graphs_keep(autocast, residu
         assert fp32_stream > estimated
 
 
+# oneDNN off: on a CPU with native bf16 (AVX512-BF16, AMX) a bf16 matmul goes through oneDNN, whose scratch
+# buffers are the CPU library's and would be counted as the loss's (no GPU kernel has them)
+@torch.backends.mkldnn.flags(enabled=False)
 def _loss_bytes(cfg: ModelConfig, micro_batch: int, autocast: bool, compiled: bool) -> tuple[int, int]:
     """(bytes the loss keeps after its forward, its backward's peak above that) for one micro-batch: the CPU
     allocator's running total as torch's profiler records it with every allocation, which also sees the
-    buffers inductor's generated code allocates (MemTracker follows the dispatcher and misses them).
-    With oneDNN off: on a CPU with native bf16 (AVX512-BF16, AMX) a bf16 matmul goes through oneDNN, whose
-    scratch buffers are the CPU library's and would be counted as the loss's (no GPU kernel has them)."""
-    with torch.backends.mkldnn.flags(enabled=False):
-        return _loss_bytes_measured(cfg, micro_batch, autocast, compiled)
-
-
-def _loss_bytes_measured(
-    cfg: ModelConfig, micro_batch: int, autocast: bool, compiled: bool
-) -> tuple[int, int]:
+    buffers inductor's generated code allocates (MemTracker follows the dispatcher and misses them)."""
     from torch._C._profiler import _EventType
     from torch.profiler import profile
 
