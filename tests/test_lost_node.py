@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -181,3 +182,23 @@ def test_a_killed_local_worker_makes_the_launcher_exit_144(tmp_path):
     from app.trainer.checkpoint.store import resolve_latest
 
     assert resolve_latest(run).step == 5
+
+
+def test_a_store_gone_between_the_check_and_the_connect_is_a_lost_node(procs):
+    """A rank first checks that node 0's store listens, then connects to it. When node 0 dies in between,
+    the connect is refused until its timeout: the rank then exits 144 (retryable) with a line naming node 0,
+    as for any lost node, not 1 with a Python traceback (torch's C++ log of the refused connects comes first)."""
+    with socket.create_server(("127.0.0.1", 0)) as store:
+        store.settimeout(60)
+        env = cli_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.getsockname()[1]))
+        # the store's timeouts, 30 s, shortened in this process only so the test need not wait for them
+        code = (
+            "import app.trainer.parallel.distributed as d; d.LOST_AFTER_SECONDS = 2.0; "
+            "d.PeerWatch(d.DistEnv(rank=1, local_rank=0, world_size=2, local_world_size=1))"
+        )
+        rank = procs.python("-c", code, env=env)
+        store.accept()[0].close()  # answers the check, then is gone
+    assert rank.wait(60) == 144, rank.output
+    assert "Traceback" not in rank.output, rank.output
+    line = rank.output.strip().splitlines()[-1]
+    assert line.startswith("rank 1: lost node 0") and line.endswith("-> exit 144 (retryable)"), line

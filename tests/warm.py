@@ -47,6 +47,8 @@ import traceback
 import weakref
 from pathlib import Path
 
+import app
+
 REPO = Path(__file__).resolve().parents[1]
 # environment variables that modules read when they are imported: a run that sets them differently gets
 # a fresh interpreter
@@ -118,6 +120,8 @@ def _become(request: dict) -> None:
 
 def _run_module(module: str, args: list[str]) -> None:
     """Run `python -m MODULE ARGS` from `__main__` through the interpreter's exit; never return."""
+    # what a fresh interpreter reads when it imports the project: the process that started it
+    app.STARTED_BY = os.getppid()
     code = 0
     try:
         sys.argv = [importlib.util.find_spec(module).origin, *args]

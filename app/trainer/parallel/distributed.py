@@ -21,7 +21,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+import app
 from app.errors import EXIT_PEER_LOST, RestartSmaller, print_stderr
+from app.trainer.stopping.lease import proc_stat
 
 _CONTROL_GROUP = None
 PULSE_SECONDS = 2.0
@@ -112,11 +114,16 @@ def all_reduce_sum(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
 
 
 def end_with_launcher() -> None:
-    """Die with the launcher (SIGKILL when its process ends), also when it is gone already."""
-    launcher = int(os.environ.get("PRETRAIN_LAUNCHER_PID") or os.getppid())  # set by app.launch
+    """Die with the launcher (SIGKILL when its process ends), also when it is gone already: app.launch names
+    itself, torchrun is the process that started this one."""
+    launcher = int(os.environ.get("PRETRAIN_LAUNCHER_PID") or app.STARTED_BY)
     with contextlib.suppress(AttributeError, OSError):  # prctl is Linux only
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != launcher and not os.path.exists(f"/proc/{launcher}"):  # gone, not a wrapper between
+    # Armed first, checked after: an end between the two is caught by one or the other. A launcher that is
+    # not the parent may have a wrapper between (a shell); one that exited and is not yet reaped is gone.
+    if os.getppid() != launcher and proc_stat(launcher)[:1] in ([], ["Z"], ["X"]):
+        rank = os.environ.get("RANK", "?")
+        print_stderr(f"rank {rank}: its launcher (pid {launcher}) ended -> exit {EXIT_PEER_LOST} (retryable)")
         os._exit(EXIT_PEER_LOST)
 
 
@@ -134,7 +141,10 @@ class PeerWatch:
         except OSError as e:
             self._exit(self.store_name, str(e))
         timeout = timedelta(seconds=LOST_AFTER_SECONDS)
-        store = dist.TCPStore(addr, port, is_master=False, timeout=timeout, wait_for_workers=False)
+        try:  # refused until the timeout: the launcher ended after the check above
+            store = dist.TCPStore(addr, port, is_master=False, timeout=timeout, wait_for_workers=False)
+        except dist.DistError as e:
+            self._exit(self.store_name, str(e).strip().splitlines()[0])
         self.store = dist.PrefixStore(f"peers/{os.environ.get('TORCHELASTIC_RESTART_COUNT')}/", store)
         host = os.environ.get("NODE_NAME") or socket.gethostname()
         self.store.set(f"node/{self.rank}", f"node {os.environ.get('GROUP_RANK', '?')} ({host})")
