@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import app
 from app.errors import EXIT_PEER_LOST, RestartSmaller, print_stderr
-from app.trainer.stopping.lease import proc_stat
+from app.trainer.stopping.lease import running
 
 _CONTROL_GROUP = None
 PULSE_SECONDS = 2.0
@@ -120,8 +120,8 @@ def end_with_launcher() -> None:
     with contextlib.suppress(AttributeError, OSError):  # prctl is Linux only
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     # Armed first, checked after: an end between the two is caught by one or the other. A launcher that is
-    # not the parent may have a wrapper between (a shell); one that exited and is not yet reaped is gone.
-    if os.getppid() != launcher and proc_stat(launcher)[:1] in ([], ["Z"], ["X"]):
+    # not the parent may have a wrapper between (a shell).
+    if os.getppid() != launcher and not running(launcher):
         rank = os.environ.get("RANK", "?")
         print_stderr(f"rank {rank}: its launcher (pid {launcher}) ended -> exit {EXIT_PEER_LOST} (retryable)")
         os._exit(EXIT_PEER_LOST)

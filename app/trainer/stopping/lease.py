@@ -57,6 +57,11 @@ def _start_ticks(pid: int | str) -> str:
     return fields[19] if fields and fields[0] not in ("Z", "X") else ""
 
 
+def running(pid: int | str) -> bool:
+    """`pid` is a process that has not exited (a zombie has: exited, not yet reaped)."""
+    return bool(_start_ticks(pid))
+
+
 def identity() -> dict:
     """Who holds the lease: enough to tell, on the same machine, whether that process still lives."""
     pidns = ""
