@@ -80,6 +80,9 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
+WARM.env = cli_env()
+
+
 def pytest_xdist_auto_num_workers(config) -> int | None:
     """`make test` (`-n auto`): 2 workers per core this machine gives the tests, which is its CPU affinity
     capped by a cgroup CPU quota (a container allowed 2 CPUs of a 64-CPU host sees 64 with either of the

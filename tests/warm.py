@@ -75,6 +75,9 @@ AGENTS = {"app.launch", "torch.distributed.run"}
 WARM_RANKS = {"app.train", "app.cli", "tests.pause_at"}
 # what torch's elastic agent adds to a rank's environment, read when a rank starts, not at import
 ELASTIC_ENV = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+# under those prefixes but read when used, not at import: inductor's cache dir, which torch also writes
+# into the environment of a process that compiles (a pytest worker's in-process tests do)
+CALL_TIME_ENV = ("TORCHINDUCTOR_CACHE_DIR",)
 # the import-time environment the warm process was started with
 SERVED_ENV: dict[str, str] = {}
 
@@ -82,6 +85,7 @@ SERVED_ENV: dict[str, str] = {}
 def _import_env(env: dict[str, str], ignore: tuple[str, ...] = ()) -> dict[str, str]:
     """What of `env` is read at import time, less the names in `ignore`. PYTHONPATH=REPO adds nothing:
     `python -m` from the repository already has it first on sys.path."""
+    ignore = (*ignore, *CALL_TIME_ENV)
     found = {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and not k.startswith(ignore)}
     if found.get("PYTHONPATH") == str(REPO):
         del found["PYTHONPATH"]
@@ -343,21 +347,22 @@ class Warm:
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
+        # what the warm process starts with, and so what a run must read at import time to be served: the
+        # tests' default environment (conftest sets it to cli_env()), not whichever run comes first
         self.env: dict[str, str] = {}
         self.dir = ""
         self.lock = threading.Lock()
         self.runs = 0
 
-    def _socket(self, env: dict[str, str]) -> str:
+    def _socket(self) -> str:
         with self.lock:
             if self.proc is None or self.proc.poll() is not None:
                 self.dir = tempfile.mkdtemp(prefix="pretrain-warm-")
-                self.env = dict(env)
                 with open(Path(self.dir) / "warm.log", "wb") as log:
                     self.proc = subprocess.Popen(
                         [sys.executable, "-m", "tests.warm", str(Path(self.dir) / "sock")],
                         cwd=REPO,
-                        env=env,
+                        env=self.env,
                         stdin=subprocess.DEVNULL,
                         stdout=log,
                         stderr=subprocess.STDOUT,
@@ -382,13 +387,13 @@ class Warm:
             and argv[1] == "-m"
             and argv[2] in WARM_RUNS
             and Path(cwd).resolve() == REPO
-            and (self.proc is None or _import_env(env) == _import_env(self.env))
+            and _import_env(env) == _import_env(self.env)
         )
 
     def popen(
         self, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path | None, new_session: bool
     ) -> WarmPopen:
-        sock_path = self._socket(env)
+        sock_path = self._socket()
         with self.lock:
             self.runs += 1
             status = Path(self.dir) / f"status-{self.runs}"
